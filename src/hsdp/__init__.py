@@ -1,0 +1,19 @@
+"""hsdp: run and train PyTorch models too large for one accelerator with FSDP2 / HSDP, from one config."""
+
+from hsdp.config import ConfigError, ParallelConfig, ShardingStrategy
+from hsdp.distributed import destroy_distributed, init_distributed
+from hsdp.mesh import ParallelMeshes, build_meshes
+from hsdp.sharding import ShardReport, apply_hsdp_to_model
+
+__all__ = [
+    "ConfigError",
+    "ParallelConfig",
+    "ShardingStrategy",
+    "ParallelMeshes",
+    "ShardReport",
+    "apply_hsdp_to_model",
+    "build_meshes",
+    "destroy_distributed",
+    "init_distributed",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,263 @@
+"""Spawn and drive a group of worker ranks from one caller process.
+
+A :class:`WorkerGroup` starts ``world_size`` processes (spawn context), each joins one process group (device
+and backend chosen by :func:`hsdp.distributed.init_distributed`, rendezvous through a ``TCPStore`` the caller
+owns, so no port is guessed), then runs the functions the caller sends, in lockstep on every rank. It is used
+by the inference engine, the trainer and the multi-rank tests alike.
+
+Failure handling is the point of this module:
+
+* a function that raises on any rank comes back as :class:`WorkerError` with that rank's traceback;
+* a rank that dies (killed, segfault, OOM) is noticed within ``poll_s`` and reported as :class:`WorkerDiedError`;
+* a call that takes longer than ``timeout_s`` raises :class:`WorkerTimeout`;
+* in each case the group is marked broken and torn down, so a new group can start at once;
+* workers exit when the caller goes away (they watch the parent's pid), so they never outlive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["WorkerGroup", "WorkerError", "WorkerDiedError", "WorkerTimeout", "worker_state"]
+
+_STATE: dict[str, Any] = {}
+
+
+def worker_state() -> dict[str, Any]:
+    """Per-process storage that survives between calls (the loaded model, the optimizer, ...)."""
+    return _STATE
+
+
+class WorkerError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process exited while the group was in use."""
+
+
+class WorkerTimeout(WorkerError):
+    """A call did not finish within its time limit."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    conn: Connection,
+    env: dict[str, str],
+    parent_pid: int,
+    collective_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    from hsdp.distributed import destroy_distributed, init_distributed
+    from hsdp.logging_utils import configure_logging
+
+    configure_logging(rank)
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
+        init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
+        conn.send(("ready", None))
+    except Exception:
+        conn.send(("err", traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                break
+            if message is None:
+                break
+            fn, args, kwargs = message
+            try:
+                conn.send(("ok", fn(*args, **kwargs)))
+            except BaseException:  # DCP's CheckpointException derives from BaseException
+                conn.send(("err", traceback.format_exc()))
+    finally:
+        _STATE.clear()
+        destroy_distributed()
+        conn.close()
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+class WorkerGroup:
+    """``world_size`` worker processes in one process group, driven from the caller.
+
+    >>> with WorkerGroup(2) as group:
+    ...     ranks = group.run(torch.distributed.get_rank)   # [0, 1]
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+        collective_timeout_s: float | None = None,
+        poll_s: float = 0.2,
+    ):
+        from hsdp.distributed import DEFAULT_TIMEOUT_S
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.poll_s = poll_s
+        self.broken = False
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        host = "127.0.0.1"
+        # The caller owns the rendezvous store: binding port 0 picks a free port atomically.
+        self._store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+        child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        self._conns: list[Connection] = []
+        self._procs: list[mp.Process] = []
+        timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, host, self._store.port, child_conn, child_env, os.getpid(), timeout),
+                daemon=True,
+                name=f"hsdp-rank{rank}",
+            )
+            proc.start()
+            child_conn.close()
+            self._conns.append(parent_conn)
+            self._procs.append(proc)
+        try:
+            self._collect(start_timeout_s, what="start")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order.
+
+        ``fn`` must be importable by name (a module-level function), since it is pickled by reference.
+        """
+        return self.run_per_rank(fn, [args] * self.world_size, timeout_s=timeout_s, **kwargs)
+
+    def run_per_rank(
+        self, fn: Callable[..., Any], per_rank_args: list[tuple], *, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Like :meth:`run`, with a different positional-argument tuple for each rank."""
+        if self._closed or self.broken:
+            raise WorkerError("this worker group is closed or broken; start a new one")
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"need {self.world_size} argument tuples, got {len(per_rank_args)}")
+        try:
+            for conn, args in zip(self._conns, per_rank_args, strict=True):
+                conn.send((fn, args, kwargs))
+        except (BrokenPipeError, OSError) as exc:
+            self._fail()
+            raise WorkerDiedError(f"a worker is gone: {self._exit_report()}") from exc
+        return self._collect(timeout_s, what=getattr(fn, "__name__", str(fn)))
+
+    def _collect(self, timeout_s: float | None, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout=self.poll_s)
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    continue  # reported below by the liveness check
+                del pending[rank]
+                if status == "err":
+                    errors[rank] = payload
+                else:
+                    results[rank] = payload
+            if errors:
+                # One rank failed: the others may be stuck in a collective, so do not wait for them.
+                first = min(errors)
+                self._fail()
+                raise WorkerError(f"{what} failed on rank {first}:\n{errors[first]}", rank=first)
+            dead = [r for r in pending if not self._procs[r].is_alive()]
+            if dead:
+                self._fail()
+                raise WorkerDiedError(
+                    f"{what}: worker rank {dead[0]} died ({self._exit_report()})", rank=dead[0]
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail()
+                raise WorkerTimeout(f"{what} did not finish within {timeout_s:.0f}s on ranks {sorted(pending)}")
+        return [results[r] for r in range(self.world_size)]
+
+    def _exit_report(self) -> str:
+        codes = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+        return "; ".join(codes) or "no exit codes yet"
+
+    def _fail(self) -> None:
+        self.broken = True
+        self.close(graceful=False)
+
+    def close(self, graceful: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop every worker; ranks that do not exit in ``timeout_s`` are killed."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + (timeout_s if graceful else 0.0)
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close(graceful=False)

@@ -1,0 +1,126 @@
+"""Shard plans: which modules of a model become FSDP units, which stay replicated, and (per family) TP.
+
+Where a plan comes from, first match wins:
+
+1. the model's own ``_hsdp_shard_conditions`` (list of ``(qualified_name, module) -> bool``, OR-ed) and
+   ``_hsdp_ignored_modules`` (qualified names or predicates);
+2. a family plan registered here with :func:`register_plan` (keyed by the model's class name) for knowledge the
+   model does not carry, such as a tensor-parallel plan;
+3. Hugging Face's ``_no_split_modules``: the class names ``transformers`` / ``diffusers`` keep whole on one
+   device, matched by exact class, so an unmodified model shards by its blocks.
+
+The core never names a model family; family files in this package call :func:`register_plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+ShardCondition = Callable[[str, nn.Module], bool]
+TensorParallelFn = Callable[[nn.Module, DeviceMesh], None]
+
+__all__ = ["ShardPlan", "ShardCondition", "register_plan", "resolve_plan", "classes_condition"]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    conditions: Sequence[ShardCondition]
+    """A module (other than the root) becomes its own FSDP unit if any condition is true."""
+    ignored: Sequence[ShardCondition] = ()
+    """Modules whose parameters stay replicated on every rank."""
+    tensor_parallel: TensorParallelFn | None = None
+    """Applies tensor parallelism over a 1-D ``tp`` mesh, before FSDP."""
+    source: str = ""
+    """Where the plan came from, for logs and errors."""
+    extra: dict = field(default_factory=dict)
+
+    def should_shard(self, name: str, module: nn.Module) -> bool:
+        return any(cond(name, module) for cond in self.conditions)
+
+    def is_ignored(self, name: str, module: nn.Module) -> bool:
+        return any(cond(name, module) for cond in self.ignored)
+
+
+_REGISTRY: dict[str, Callable[[nn.Module], ShardPlan]] = {}
+
+
+def register_plan(*class_names: str) -> Callable[[Callable[[nn.Module], ShardPlan]], Callable[[nn.Module], ShardPlan]]:
+    """Register a plan factory for models whose class (or a base class) has one of ``class_names``."""
+
+    def decorator(factory: Callable[[nn.Module], ShardPlan]) -> Callable[[nn.Module], ShardPlan]:
+        for name in class_names:
+            _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def classes_condition(class_names: Sequence[str]) -> ShardCondition:
+    """A condition that matches modules whose exact class name is listed (not subclasses by name parsing)."""
+    names = frozenset(class_names)
+
+    def condition(name: str, module: nn.Module) -> bool:
+        return type(module).__name__ in names
+
+    condition.__name__ = f"classes({', '.join(sorted(names))})"
+    return condition
+
+
+def _name_or_predicate(item: str | ShardCondition) -> ShardCondition:
+    if callable(item):
+        return item
+    prefix = str(item)
+    return lambda name, module: name == prefix or name.startswith(prefix + ".")
+
+
+def _registered_factory(model: nn.Module) -> Callable[[nn.Module], ShardPlan] | None:
+    for cls in type(model).__mro__:
+        if cls.__name__ in _REGISTRY:
+            return _REGISTRY[cls.__name__]
+    return None
+
+
+def _load_family_plans() -> None:
+    """Import every family module in this package once; each registers its plans on import."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+def resolve_plan(model: nn.Module) -> ShardPlan:
+    """The shard plan for ``model`` (see the module docstring for the order)."""
+    _load_family_plans()
+    ignored = tuple(_name_or_predicate(i) for i in getattr(model, "_hsdp_ignored_modules", None) or ())
+    conditions = getattr(model, "_hsdp_shard_conditions", None)
+    factory = _registered_factory(model)
+    if conditions:
+        plan = ShardPlan(conditions=tuple(conditions), ignored=ignored, source="_hsdp_shard_conditions")
+        if factory is not None:
+            plan = ShardPlan(
+                conditions=plan.conditions,
+                ignored=plan.ignored,
+                tensor_parallel=factory(model).tensor_parallel,
+                source=plan.source,
+            )
+        return plan
+    if factory is not None:
+        plan = factory(model)
+        return ShardPlan(
+            conditions=plan.conditions,
+            ignored=(*plan.ignored, *ignored),
+            tensor_parallel=plan.tensor_parallel,
+            source=plan.source or f"registered plan for {type(model).__name__}",
+            extra=plan.extra,
+        )
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    return ShardPlan(
+        conditions=(classes_condition(no_split),) if no_split else (),
+        ignored=ignored,
+        source=f"_no_split_modules={no_split}" if no_split else "none",
+    )

@@ -1,0 +1,186 @@
+"""Apply FSDP2 to a model from a :class:`~hsdp.config.ParallelConfig` and a shard plan.
+
+``fully_shard`` is applied leaf-first to every module the plan selects, then to the root, so each block's
+all-gather frees the block before the next one gathers. Parameters FSDP2 cannot shard (integer or 0-d) and the
+plan's ignored modules stay replicated. NO_SHARD uses FSDP2's composable ``replicate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hsdp.config import ParallelConfig, ShardingStrategy
+from hsdp.distributed import local_device
+from hsdp.mesh import ParallelMeshes, build_meshes
+from hsdp.plans import ShardPlan, resolve_plan
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["apply_hsdp_to_model", "ShardReport", "parameter_bytes", "fsdp_units"]
+
+
+@dataclass
+class ShardReport:
+    """What :func:`apply_hsdp_to_model` did on this rank."""
+
+    rank: int
+    world_size: int
+    replicate_size: int
+    shard_size: int
+    strategy: str
+    plan_source: str
+    sharded_modules: list[str] = field(default_factory=list)
+    replicated_params: list[str] = field(default_factory=list)
+    local_param_bytes: int = 0
+    total_param_bytes: int = 0
+
+    @property
+    def num_sharded(self) -> int:
+        return len(self.sharded_modules)
+
+    @property
+    def fraction(self) -> float:
+        return self.local_param_bytes / max(1, self.total_param_bytes)
+
+
+def parameter_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the whole model) over unique parameters."""
+    local = total = 0
+    for param in model.parameters():  # parameters() already skips tied duplicates
+        size = param.element_size()
+        if isinstance(param, DTensor):
+            local += param.to_local().numel() * size
+        else:
+            local += param.numel() * size
+        total += param.numel() * size
+    return local, total
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
+    """Every module FSDP manages, leaf-first order as applied, root last."""
+    return [(n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, FSDPModule)]
+
+
+def _unshardable_params(model: nn.Module, plan: ShardPlan) -> dict[str, nn.Parameter]:
+    """Parameters kept whole on every rank: from ignored modules, and those FSDP2 cannot shard."""
+    keep: dict[str, nn.Parameter] = {}
+    ignored_prefixes = [name for name, mod in model.named_modules() if name and plan.is_ignored(name, mod)]
+    for name, param in model.named_parameters():
+        in_ignored = any(name.startswith(prefix + ".") for prefix in ignored_prefixes)
+        if in_ignored or param.dim() == 0 or not (param.is_floating_point() or param.is_complex()):
+            keep[name] = param
+    return keep
+
+
+def _policies(config: ParallelConfig, device: torch.device) -> dict:
+    kwargs: dict = {}
+    if config.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=config.param_torch_dtype, reduce_dtype=config.reduce_torch_dtype
+        )
+    if config.cpu_offload:
+        # Pinned host memory needs an accelerator; pinning on a CPU-only host fails.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    else:
+        kwargs["offload_policy"] = OffloadPolicy()
+    return kwargs
+
+
+def _guard_inference_mode(model: nn.Module) -> None:
+    def pre_hook(module: nn.Module, args: tuple) -> None:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "an FSDP2-sharded model cannot run under torch.inference_mode() (torch <= 2.13 corrupts the "
+                "all-gather buffers for every later call); use torch.no_grad() instead"
+            )
+
+    model.register_forward_pre_hook(pre_hook)
+
+
+def apply_hsdp_to_model(
+    model: nn.Module,
+    config: ParallelConfig,
+    *,
+    meshes: ParallelMeshes | None = None,
+    plan: ShardPlan | None = None,
+    training: bool = False,
+) -> ShardReport:
+    """Shard ``model`` in place over the layout's FSDP mesh and return a report for this rank.
+
+    Raises ``ValueError`` when the plan matches no module (the message lists candidate module names).
+    """
+    config = config.resolved()
+    if not config.use_hsdp:
+        raise ValueError("apply_hsdp_to_model needs use_hsdp=True (--use-hsdp) in the ParallelConfig")
+    meshes = meshes or build_meshes(config)
+    plan = plan or resolve_plan(model)
+    mesh = meshes.fsdp
+    assert mesh is not None
+    device = local_device()
+
+    if config.tensor_parallel_size > 1:
+        if plan.tensor_parallel is None:
+            raise ValueError(
+                f"--tensor-parallel-size={config.tensor_parallel_size}: no tensor-parallel plan is known for "
+                f"{type(model).__name__}; use --tensor-parallel-size 1 or register one in hsdp.plans"
+            )
+        plan.tensor_parallel(model, meshes.tp)
+
+    targets = [(n, m) for n, m in reversed(list(model.named_modules())) if n and plan.should_shard(n, m)]
+    if not targets:
+        candidates = sorted({type(m).__name__ for n, m in model.named_modules() if n and len(list(m.children()))})
+        raise ValueError(
+            f"the shard plan ({plan.source}) matched no module of {type(model).__name__}. Add "
+            f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
+            f"{', '.join(candidates[:20])}"
+        )
+    keep = _unshardable_params(model, plan)
+    ignored = set(keep.values())
+    strategy = config.sharding_strategy
+    mode = "Training" if training else "Inference"
+    logger.info(
+        "HSDP %s: replicate_size=%d, shard_size=%d, world_size=%d, rank=%d",
+        mode,
+        config.hsdp_replicate_size,
+        config.hsdp_shard_size,
+        config.world_size,
+        meshes.rank,
+    )
+    if strategy is ShardingStrategy.NO_SHARD:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
+        kwargs = _policies(config, device)
+        for _, module in targets:
+            replicate(module, mesh=replicate_mesh, ignored_params=ignored, **kwargs)
+        replicate(model, mesh=replicate_mesh, ignored_params=ignored, **kwargs)
+    else:
+        kwargs = {**_policies(config, device), "mesh": mesh, "ignored_params": ignored}
+        for _, module in targets:
+            fully_shard(module, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        # FSDP2 keeps the root gathered after forward unless told otherwise; inference wants the memory back.
+        fully_shard(model, reshard_after_forward=True if not training else config.reshard_after_forward, **kwargs)
+    for param in ignored:
+        if not param.is_meta and param.device != device:
+            param.data = param.data.to(device)
+    _guard_inference_mode(model)
+    logger.info("Sharded %d modules + root", len(targets))
+    local, total = parameter_bytes(model)
+    return ShardReport(
+        rank=meshes.rank,
+        world_size=config.world_size,
+        replicate_size=config.hsdp_replicate_size,
+        shard_size=config.hsdp_shard_size,
+        strategy=strategy.value,
+        plan_source=plan.source,
+        sharded_modules=[n for n, _ in targets],
+        replicated_params=sorted(keep),
+        local_param_bytes=local,
+        total_param_bytes=total,
+    )
