@@ -67,13 +67,32 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, FSDPModule)]
 
 
-def _unshardable_params(model: nn.Module, plan: ShardPlan) -> dict[str, nn.Parameter]:
-    """Parameters kept whole on every rank: from ignored modules, and those FSDP2 cannot shard."""
+def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _unshardable_params(model: nn.Module, plan: ShardPlan, training: bool) -> dict[str, nn.Parameter]:
+    """Parameters kept whole on every rank: those of ignored modules, those FSDP2 cannot shard (integer, 0-d),
+    and, for inference, those the model keeps in another dtype (diffusers keeps norms and time embedders in fp32
+    inside bf16 models; one FSDP unit needs one dtype, and these are small)."""
     keep: dict[str, nn.Parameter] = {}
     ignored_prefixes = [name for name, mod in model.named_modules() if name and plan.is_ignored(name, mod)]
+    dominant = _dominant_dtype(model)
     for name, param in model.named_parameters():
         in_ignored = any(name.startswith(prefix + ".") for prefix in ignored_prefixes)
-        if in_ignored or param.dim() == 0 or not (param.is_floating_point() or param.is_complex()):
+        floating = param.is_floating_point() or param.is_complex()
+        if in_ignored or param.dim() == 0 or not floating:
+            keep[name] = param
+        elif param.dtype != dominant:
+            if training:
+                raise ValueError(
+                    f"parameter {name} is {param.dtype} but most of the model is {dominant}: FSDP2 needs one dtype "
+                    "per unit for training; load the model in one dtype and use --param-dtype for mixed precision"
+                )
             keep[name] = param
     return keep
 
@@ -140,7 +159,7 @@ def apply_hsdp_to_model(
             f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
             f"{', '.join(candidates[:20])}"
         )
-    keep = _unshardable_params(model, plan)
+    keep = _unshardable_params(model, plan, training)
     ignored = set(keep.values())
     strategy = config.sharding_strategy
     mode = "Training" if training else "Inference"
@@ -171,6 +190,8 @@ def apply_hsdp_to_model(
             param.data = param.data.to(device)
     _guard_inference_mode(model)
     logger.info("Sharded %d modules + root", len(targets))
+    if keep:
+        logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))
     local, total = parameter_bytes(model)
     return ShardReport(
         rank=meshes.rank,

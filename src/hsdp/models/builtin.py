@@ -64,3 +64,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+# Built-ins defined in their own modules register themselves on import (after register_builtin exists).
+from hsdp.models import tiny_wan  # noqa: E402,F401

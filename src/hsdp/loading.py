@@ -1,0 +1,301 @@
+"""Sharded loading: build on meta, shard, then fill each rank's shards straight from safetensors.
+
+No rank ever holds the whole model: parameters are created on the meta device (buffers are created for real,
+since non-persistent ones such as rotary ``inv_freq`` are computed in ``__init__`` and are not in checkpoints),
+FSDP2 shards the empty model, ``to_empty`` allocates only this rank's shards, and each shard is read with
+``safe_open(...).get_slice`` so only this rank's rows leave the file. Every problem with the checkpoint
+(missing file, corrupt header, missing or unexpected key, wrong shape) is found from the file headers before
+anything is allocated, on every rank alike, so no rank waits for another that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hsdp.config import DTYPES, ParallelConfig
+from hsdp.distributed import local_device
+from hsdp.mesh import ParallelMeshes
+from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["load_pretrained", "CheckpointError", "CheckpointIndex", "read_checkpoint_index", "model_class_for"]
+
+_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, unreadable, or does not match the model."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """Every tensor of a safetensors checkpoint (one file or an index of shards), read from headers only."""
+
+    folder: Path
+    tensors: dict[str, TensorEntry]
+
+    @property
+    def floating_dtype(self) -> torch.dtype | None:
+        return next((e.dtype for e in self.tensors.values() if e.dtype.is_floating_point), None)
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    for name in _INDEX_NAMES:
+        index = folder / name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            files = [folder / f for f in sorted(set(weight_map.values()))]
+            missing = [str(f) for f in files if not f.exists()]
+            if missing:
+                raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+            return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors checkpoint in {folder}")
+    return files
+
+
+def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
+    """Read the headers of every checkpoint file in ``folder``; raises :class:`CheckpointError` naming the file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    tensors: dict[str, TensorEntry] = {}
+    for file in _checkpoint_files(folder):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for key in handle.keys():
+                    sl = handle.get_slice(key)
+                    tensors[key] = TensorEntry(file, tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise CheckpointError(f"{file}: unreadable or corrupt safetensors file ({exc})") from exc
+    return CheckpointIndex(folder, tensors)
+
+
+def model_class_for(folder: Path) -> type[nn.Module]:
+    """The model class named by a folder's ``config.json`` (diffusers ``_class_name`` or HF ``architectures``)."""
+    config_file = folder / "config.json"
+    if (folder / "model_index.json").exists() and not config_file.exists():
+        raise CheckpointError(
+            f"{folder} is a diffusers pipeline folder; load one of its components, e.g. {folder / 'transformer'}"
+        )
+    if not config_file.exists():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model or diffusers component folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: invalid JSON ({exc})") from exc
+    if "_class_name" in config:
+        import diffusers
+
+        library, name = diffusers, config["_class_name"]
+    elif config.get("architectures"):
+        import transformers
+
+        library, name = transformers, config["architectures"][0]
+    else:
+        raise CheckpointError(f"{config_file} names no model class (_class_name or architectures); pass model_class=")
+    cls = getattr(library, name, None)
+    if cls is None:
+        raise CheckpointError(f"{config_file}: class {name!r} is not in {library.__name__} {library.__version__}")
+    return cls
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while buffers are created for real (they are small and some are
+    computed, not loaded)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _build_empty(cls: type[nn.Module], folder: Path) -> nn.Module:
+    with _parameters_on_meta():
+        if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):  # diffusers
+            return cls.from_config(cls.load_config(folder))
+        from transformers import AutoConfig
+
+        return cls._from_config(AutoConfig.from_pretrained(folder))
+
+
+def _cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters to ``dtype``, except those the model keeps in fp32 (norms, time embedders), matched
+    on the dotted name's parts as diffusers and transformers do."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{pname}" if module_name else pname
+            if keep.intersection(full_name.split(".")) or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            setattr(module, pname, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, index: CheckpointIndex) -> torch.dtype | None:
+    if dtype is None or dtype == "auto":
+        return index.floating_dtype
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of auto, {', '.join(sorted(DTYPES))}")
+        return DTYPES[dtype]
+    return dtype
+
+
+def _targets(model: nn.Module, index: CheckpointIndex) -> dict[str, torch.Tensor]:
+    """Map checkpoint keys to this rank's tensors; raise naming every missing, unexpected or misshapen key."""
+    state = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    targets: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for key, tensor in state.items():
+        if key in index.tensors:
+            targets[key] = tensor
+        elif not any(alias in index.tensors for alias in aliases.get(id(tensor), ())):
+            missing.append(key)  # a tied alias present under another name is fine
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = [k for k in index.tensors if k not in state and not any(p.search(k) for p in ignore)]
+    wrong = [
+        f"{k} in {index.tensors[k].file.name}: checkpoint {list(index.tensors[k].shape)}, model {list(t.shape)}"
+        for k, t in targets.items()
+        if tuple(t.shape) != index.tensors[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys (in the model, not in the checkpoint): {', '.join(missing[:10])}")
+    if unexpected:
+        files = sorted({index.tensors[k].file.name for k in unexpected})
+        problems.append(f"unexpected keys in {', '.join(files)}: {', '.join(unexpected[:10])}")
+    if wrong:
+        problems.append("shape mismatch: " + "; ".join(wrong[:10]))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {index.folder} does not match {type(model).__name__}:\n  " + "\n  ".join(problems)
+        )
+    return targets
+
+
+def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's storage for ``tensor`` and the region of the full tensor it holds."""
+    if isinstance(tensor, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return tensor, tuple(slice(0, n) for n in tensor.shape)
+
+
+@torch.no_grad()
+def _fill(targets: dict[str, torch.Tensor], index: CheckpointIndex) -> int:
+    by_file: dict[Path, list[str]] = {}
+    for key in targets:
+        by_file.setdefault(index.tensors[key].file, []).append(key)
+    read = 0
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for key in keys:
+                local, region = _local_slices(targets[key])
+                if local.numel() == 0:
+                    continue
+                chunk = handle.get_slice(key)[region] if region else handle.get_tensor(key)
+                local.copy_(chunk.reshape(local.shape))
+                read += chunk.numel() * chunk.element_size()
+    return read
+
+
+def load_pretrained(
+    path: str | Path,
+    parallel_config: ParallelConfig | None = None,
+    *,
+    model_class: type[nn.Module] | None = None,
+    dtype: torch.dtype | str | None = "auto",
+    meshes: ParallelMeshes | None = None,
+    training: bool = False,
+) -> nn.Module:
+    """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
+
+    ``dtype="auto"`` keeps the checkpoint's floating dtype; pass ``torch.float32`` (or ``"bf16"``) to convert.
+    The model is returned in eval mode (call ``.train()`` for training) and carries the :class:`ShardReport` as
+    ``model.hsdp_report`` when sharded. Needs the process group to be initialised when the layout has more than
+    one rank.
+    """
+    started = time.perf_counter()
+    folder = Path(path)
+    config = (parallel_config or ParallelConfig()).resolved()
+    cls = model_class or model_class_for(folder)
+    index = read_checkpoint_index(folder)
+    model = _build_empty(cls, folder)
+    target_dtype = _resolve_dtype(dtype, index)
+    if target_dtype is not None:
+        _cast(model, target_dtype)
+    _targets(model, index)  # validate before any allocation
+    device = local_device()
+    computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
+    report = None
+    if config.use_hsdp:
+        report = apply_hsdp_to_model(model, config, meshes=meshes, training=training)
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives each alias of a tied parameter its own storage
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in computed_buffers:
+                buffer.copy_(computed_buffers[name])
+    read = _fill(_targets(model, index), index)
+    model.eval()
+    model.hsdp_report = report
+    local, total = parameter_bytes(model)
+    logger.info(
+        "Loaded %s from %s: read %.1f MiB, holding %.1f of %.1f MiB of parameters on this rank (%.2fs)",
+        cls.__name__,
+        folder,
+        read / 2**20,
+        local / 2**20,
+        total / 2**20,
+        time.perf_counter() - started,
+    )
+    return model
