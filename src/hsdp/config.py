@@ -154,7 +154,9 @@ class ParallelConfig:
         ]:
             if not isinstance(value, int) or value < 1:
                 out.append(f"{flag}={value} must be an integer >= 1")
-        if not isinstance(self.hsdp_shard_size, int) or (self.hsdp_shard_size < 1 and self.hsdp_shard_size != -1):
+        if not isinstance(self.hsdp_shard_size, int) or (
+            self.hsdp_shard_size < 1 and self.hsdp_shard_size != -1
+        ):
             out.append(f"--hsdp-shard-size={self.hsdp_shard_size} must be >= 1, or -1 for auto")
         if self.cfg_parallel_size not in (1, 2) and self.cfg_parallel_size >= 1:
             out.append(
@@ -242,8 +244,12 @@ class ParallelConfig:
         if self._resolved:
             return self
         config = self
-        if isinstance(self.sharding_strategy, str) and not isinstance(self.sharding_strategy, ShardingStrategy):
-            config = dataclasses.replace(config, sharding_strategy=ShardingStrategy.parse(self.sharding_strategy))
+        if isinstance(self.sharding_strategy, str) and not isinstance(
+            self.sharding_strategy, ShardingStrategy
+        ):
+            config = dataclasses.replace(
+                config, sharding_strategy=ShardingStrategy.parse(self.sharding_strategy)
+            )
         problems = config.problems()
         if problems:
             raise ConfigError(problems)

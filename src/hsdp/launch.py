@@ -16,6 +16,7 @@ Failure handling is the point of this module:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -166,7 +167,9 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order.
 
         ``fn`` must be importable by name (a module-level function), since it is pickled by reference.
@@ -174,7 +177,12 @@ class WorkerGroup:
         return self.run_per_rank(fn, [args] * self.world_size, timeout_s=timeout_s, **kwargs)
 
     def run_per_rank(
-        self, fn: Callable[..., Any], per_rank_args: list[tuple], *, timeout_s: float | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        per_rank_args: list[tuple],
+        *,
+        timeout_s: float | None = None,
+        **kwargs: Any,
     ) -> list[Any]:
         """Like :meth:`run`, with a different positional-argument tuple for each rank."""
         if self._closed or self.broken:
@@ -220,11 +228,15 @@ class WorkerGroup:
                 )
             if deadline is not None and time.monotonic() > deadline:
                 self._fail()
-                raise WorkerTimeout(f"{what} did not finish within {timeout_s:.0f}s on ranks {sorted(pending)}")
+                raise WorkerTimeout(
+                    f"{what} did not finish within {timeout_s:.0f}s on ranks {sorted(pending)}"
+                )
         return [results[r] for r in range(self.world_size)]
 
     def _exit_report(self) -> str:
-        codes = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(self._procs) if p.exitcode is not None]
+        codes = [
+            f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(self._procs) if p.exitcode is not None
+        ]
         return "; ".join(codes) or "no exit codes yet"
 
     def _fail(self) -> None:
@@ -238,10 +250,8 @@ class WorkerGroup:
         self._closed = True
         if graceful:
             for conn in self._conns:
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         deadline = time.monotonic() + (timeout_s if graceful else 0.0)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -32,7 +32,13 @@ from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["load_pretrained", "CheckpointError", "CheckpointIndex", "read_checkpoint_index", "model_class_for"]
+__all__ = [
+    "load_pretrained",
+    "CheckpointError",
+    "CheckpointIndex",
+    "read_checkpoint_index",
+    "model_class_for",
+]
 
 _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _SAFETENSORS_DTYPES = {
@@ -100,9 +106,11 @@ def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
     for file in _checkpoint_files(folder):
         try:
             with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                     sl = handle.get_slice(key)
-                    tensors[key] = TensorEntry(file, tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+                    tensors[key] = TensorEntry(
+                        file, tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()]
+                    )
         except (SafetensorError, OSError, KeyError) as exc:
             raise CheckpointError(f"{file}: unreadable or corrupt safetensors file ({exc})") from exc
     return CheckpointIndex(folder, tensors)
@@ -111,12 +119,16 @@ def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
 def model_class_for(folder: Path) -> type[nn.Module]:
     """The model class named by a folder's ``config.json`` (diffusers ``_class_name`` or HF ``architectures``)."""
     config_file = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder {folder} does not exist")
     if (folder / "model_index.json").exists() and not config_file.exists():
         raise CheckpointError(
             f"{folder} is a diffusers pipeline folder; load one of its components, e.g. {folder / 'transformer'}"
         )
     if not config_file.exists():
-        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model or diffusers component folder")
+        raise CheckpointError(
+            f"{folder} has no config.json: not a Hugging Face model or diffusers component folder"
+        )
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
@@ -130,10 +142,14 @@ def model_class_for(folder: Path) -> type[nn.Module]:
 
         library, name = transformers, config["architectures"][0]
     else:
-        raise CheckpointError(f"{config_file} names no model class (_class_name or architectures); pass model_class=")
+        raise CheckpointError(
+            f"{config_file} names no model class (_class_name or architectures); pass model_class="
+        )
     cls = getattr(library, name, None)
     if cls is None:
-        raise CheckpointError(f"{config_file}: class {name!r} is not in {library.__name__} {library.__version__}")
+        raise CheckpointError(
+            f"{config_file}: class {name!r} is not in {library.__name__} {library.__version__}"
+        )
     return cls
 
 
@@ -168,12 +184,17 @@ def _cast(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating parameters to ``dtype``, except those the model keeps in fp32 (norms, time embedders), matched
     on the dotted name's parts as diffusers and transformers do."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for module_name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
+    cast: dict[nn.Parameter, nn.Parameter] = {}  # tied parameters are cast once and stay tied
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in list(module._parameters.items()):
             full_name = f"{module_name}.{pname}" if module_name else pname
-            if keep.intersection(full_name.split(".")) or not param.is_floating_point() or param.dtype == dtype:
+            if param is None or keep.intersection(full_name.split(".")):
                 continue
-            setattr(module, pname, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+            if not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if param not in cast:
+                cast[param] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+            setattr(module, pname, cast[param])
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, index: CheckpointIndex) -> torch.dtype | None:
@@ -224,7 +245,9 @@ def _targets(model: nn.Module, index: CheckpointIndex) -> dict[str, torch.Tensor
 def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's storage for ``tensor`` and the region of the full tensor it holds."""
     if isinstance(tensor, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
         return tensor.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
     return tensor, tuple(slice(0, n) for n in tensor.shape)
 

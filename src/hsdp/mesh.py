@@ -68,12 +68,18 @@ def build_meshes(config: ParallelConfig) -> ParallelMeshes:
     if world == 1 and not config.use_hsdp:
         return ParallelMeshes(config, fsdp=None, compute=None, tp=None)
     if not dist.is_initialized():
-        raise RuntimeError("build_meshes needs torch.distributed to be initialised (see hsdp.init_distributed)")
+        raise RuntimeError(
+            "build_meshes needs torch.distributed to be initialised (see hsdp.init_distributed)"
+        )
     kind = device_type()
     fsdp = compute = tp = None
     if config.tensor_parallel_size > 1:
-        shape, names = _fsdp_shape(config) if config.use_hsdp else ((world // config.tensor_parallel_size,), ("dp",))
-        world_mesh = init_device_mesh(kind, (*shape, config.tensor_parallel_size), mesh_dim_names=(*names, "tp"))
+        shape, names = (
+            _fsdp_shape(config) if config.use_hsdp else ((world // config.tensor_parallel_size,), ("dp",))
+        )
+        world_mesh = init_device_mesh(
+            kind, (*shape, config.tensor_parallel_size), mesh_dim_names=(*names, "tp")
+        )
         tp = world_mesh["tp"]
         fsdp = world_mesh[names] if config.use_hsdp else None
         return ParallelMeshes(config, fsdp=fsdp, compute=None, tp=tp)

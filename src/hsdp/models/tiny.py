@@ -104,7 +104,10 @@ def build_byte_tokenizer(vocab_size: int = 384):
     assert len(vocab) <= vocab_size
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
+        [
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Split("", "isolated"),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(

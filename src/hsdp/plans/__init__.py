@@ -48,7 +48,9 @@ class ShardPlan:
 _REGISTRY: dict[str, Callable[[nn.Module], ShardPlan]] = {}
 
 
-def register_plan(*class_names: str) -> Callable[[Callable[[nn.Module], ShardPlan]], Callable[[nn.Module], ShardPlan]]:
+def register_plan(
+    *class_names: str,
+) -> Callable[[Callable[[nn.Module], ShardPlan]], Callable[[nn.Module], ShardPlan]]:
     """Register a plan factory for models whose class (or a base class) has one of ``class_names``."""
 
     def decorator(factory: Callable[[nn.Module], ShardPlan]) -> Callable[[nn.Module], ShardPlan]:

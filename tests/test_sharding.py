@@ -1,0 +1,68 @@
+"""FSDP2 sharding by shard plan: exact parity with one process at world 2 (1-D) and 4 (2 x 2 HSDP)."""
+
+import pytest
+import torch
+from torch import nn
+
+from hsdp.config import ParallelConfig
+from hsdp.plans import resolve_plan
+from tests import core_fns
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("shard, replicate", [(2, 1), (2, 2)], ids=["fsdp2", "hsdp2x2"])
+def test_sharded_outputs_equal_unsharded(dist_run, shard, replicate):
+    results = dist_run(shard * replicate, core_fns.shard_and_compare, shard, replicate)
+    for rank, out in enumerate(results):
+        assert out["llama_diff"] == 0.0 and out["llama_diff_second_call"] == 0.0
+        assert out["tokens_equal"]
+        assert out["wan_diff"] == 0.0
+        # The root is resharded after forward: every parameter is back to its sharded DTensor.
+        assert out["unsharded_after_forward"] == []
+        report = out["llama_report"]
+        assert report.num_sharded == 4 and report.sharded_modules[0] == "model.layers.3"
+        # Held bytes are total / shard_size, give or take one padded row per parameter.
+        assert abs(report.local_param_bytes - report.total_param_bytes / shard) <= out["llama_row_bytes"]
+        assert out["wan_report"].num_sharded == 3
+        assert (
+            f"HSDP Inference: replicate_size={replicate}, shard_size={shard}, world_size={shard * replicate}, rank={rank}"
+            in out["logs"]
+        )
+        assert "Sharded 4 modules + root" in out["logs"] and "Sharded 3 modules + root" in out["logs"]
+        assert "use torch.no_grad()" in out["inference_mode_error"]
+
+
+def test_plan_sources():
+    from hsdp.models.tiny import build_tiny_wan_transformer
+
+    wan = build_tiny_wan_transformer()
+    plan = resolve_plan(wan)
+    assert "WanTransformerBlock" in plan.source
+    assert plan.should_shard("blocks.0", wan.blocks[0]) and not plan.should_shard(
+        "blocks.0.attn1", wan.blocks[0].attn1
+    )
+
+    class Custom(nn.Module):
+        _hsdp_shard_conditions = [lambda name, module: isinstance(module, nn.Linear)]
+
+    assert resolve_plan(Custom()).source == "_hsdp_shard_conditions"
+
+
+def test_plan_matching_nothing_lists_candidates():
+    from hsdp.sharding import apply_hsdp_to_model
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=1)
+    with pytest.raises(ValueError, match="matched no module of Blocks.*Sequential"):
+        apply_hsdp_to_model(Blocks(), config, meshes=_single_rank_meshes(config))
+
+
+def _single_rank_meshes(config):
+    from hsdp.mesh import ParallelMeshes
+
+    return ParallelMeshes(config.resolved(), fsdp=torch.zeros(0), compute=None, tp=None)  # never reached
