@@ -8,6 +8,7 @@ plan's ignored modules stay replicated. NO_SHARD uses FSDP2's composable ``repli
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -129,8 +130,15 @@ def apply_hsdp_to_model(
     meshes: ParallelMeshes | None = None,
     plan: ShardPlan | None = None,
     training: bool = False,
+    resident_modules: Collection[str] = (),
+    forward_prefetch: int = 0,
 ) -> ShardReport:
     """Shard ``model`` in place over the layout's FSDP mesh and return a report for this rank.
+
+    ``resident_modules`` (qualified names of plan-selected modules, ``""`` for the root) keep their gathered
+    weights between forwards (``reshard_after_forward=False``): memory-budgeted inference, see
+    :func:`hsdp.planner.residency_for_budget`. ``forward_prefetch`` all-gathers that many units ahead in forward
+    order.
 
     Raises ``ValueError`` when the plan matches no module (the message lists candidate module names).
     """
@@ -159,6 +167,12 @@ def apply_hsdp_to_model(
             f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
             f"{', '.join(candidates[:20])}"
         )
+    resident = set(resident_modules)
+    if unknown := resident - {n for n, _ in targets} - {""}:
+        raise ValueError(
+            f"resident_modules {sorted(unknown)[:5]} are not FSDP units of {type(model).__name__}; name modules the "
+            f"shard plan selects, e.g. {targets[-1][0]!r}"
+        )
     keep = _unshardable_params(model, plan, training)
     ignored = set(keep.values())
     strategy = config.sharding_strategy
@@ -172,6 +186,8 @@ def apply_hsdp_to_model(
         meshes.rank,
     )
     if strategy is ShardingStrategy.NO_SHARD:
+        if resident or forward_prefetch:
+            logger.warning("resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)")
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
@@ -181,10 +197,16 @@ def apply_hsdp_to_model(
         replicate(model, mesh=replicate_mesh, ignored_params=ignored, **kwargs)
     else:
         kwargs = {**_policies(config, device), "mesh": mesh, "ignored_params": ignored}
-        for _, module in targets:
-            fully_shard(module, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        for name, module in targets:
+            reshard = False if name in resident else config.reshard_after_forward
+            fully_shard(module, reshard_after_forward=reshard, **kwargs)
         # FSDP2 keeps the root gathered after forward unless told otherwise; inference wants the memory back.
-        fully_shard(model, reshard_after_forward=True if not training else config.reshard_after_forward, **kwargs)
+        root_reshard = True if not training else config.reshard_after_forward
+        fully_shard(model, reshard_after_forward=False if "" in resident else root_reshard, **kwargs)
+        if forward_prefetch > 0:
+            order = [module for _, module in reversed(targets)]  # forward order
+            for i, module in enumerate(order[:-1]):
+                module.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])
     for param in ignored:
         if not param.is_meta and param.device != device:
             param.data = param.data.to(device)

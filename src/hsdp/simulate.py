@@ -1,0 +1,108 @@
+"""Run the real sharding code at any world size in one process, to check the planner's per-rank numbers.
+
+torch ships a ``fake`` process-group backend whose collectives return at once. With it the default group can
+claim 1,024 ranks from one process; the meshes are built on it (outside any ``FakeTensorMode``: mesh creation
+there fails with ``DataDependentOutputException``), the model is built on the ``meta`` device, and the real
+:func:`hsdp.sharding.apply_hsdp_to_model` runs ``fully_shard`` on it. FSDP2 then holds, for this rank, exactly
+the padded shard storage it would allocate on a real cluster; :func:`simulate` reads those sizes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from hsdp.config import ParallelConfig
+from hsdp.mesh import build_meshes
+from hsdp.sharding import apply_hsdp_to_model
+
+__all__ = ["SimulatedRank", "simulate", "allocated_bytes"]
+
+
+@dataclass(frozen=True)
+class SimulatedRank:
+    """What FSDP2 allocated on one simulated rank."""
+
+    world_size: int
+    rank: int
+    sharded_bytes: int
+    """Padded shard storage of every FSDP-managed parameter (what the rank allocates for them)."""
+    replicated_bytes: int
+    """Parameters FSDP2 left whole, plus buffers."""
+    unit_bytes: dict[str, int] = field(default_factory=dict)
+    """Padded shard storage per FSDP unit (qualified module name, ``""`` for the root)."""
+    seconds: float = 0.0
+
+    @property
+    def weights(self) -> int:
+        return self.sharded_bytes + self.replicated_bytes
+
+
+def allocated_bytes(model: nn.Module) -> tuple[dict[str, int], int]:
+    """(padded shard bytes per FSDP unit, bytes of parameters and buffers not managed by FSDP) of a sharded model.
+
+    Reads FSDP2's own per-parameter ``padded_sharded_param_size``: the storage it allocates, not the unpadded
+    local view that ``DTensor.to_local()`` shows.
+    """
+    units: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group  # private: the only place the padded size lives
+        if group is not None:
+            units[name] = sum(
+                p.padded_sharded_param_size.numel() * p.sharded_param.element_size()
+                for p in group.fsdp_params
+            )
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    whole += sum(b.numel() * b.element_size() for b in model.buffers())
+    return units, whole
+
+
+def simulate(
+    build: Callable[[], nn.Module],
+    config: ParallelConfig,
+    *,
+    rank: int = 0,
+    training: bool = False,
+    resident_modules: tuple[str, ...] = (),
+) -> SimulatedRank:
+    """Shard ``build()`` (called under ``torch.device("meta")``) as rank ``rank`` of ``config.world_size``.
+
+    Needs a process with no process group of its own (it creates and destroys the fake one).
+    """
+    import time
+
+    import torch
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    config = config.resolved()
+    if dist.is_initialized():
+        raise RuntimeError("simulate() needs a process without a process group; run it outside the workers")
+    if not 0 <= rank < config.world_size:
+        raise ValueError(f"rank={rank} is outside the simulated world of {config.world_size} ranks")
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config.world_size)
+    try:
+        meshes = build_meshes(config)
+        with torch.device("meta"):
+            model = build()
+        apply_hsdp_to_model(
+            model, config, meshes=meshes, training=training, resident_modules=resident_modules
+        )
+        units, whole = allocated_bytes(model)
+    finally:
+        dist.destroy_process_group()
+    return SimulatedRank(
+        world_size=config.world_size,
+        rank=rank,
+        sharded_bytes=sum(units.values()),
+        replicated_bytes=whole,
+        unit_bytes=units,
+        seconds=time.perf_counter() - start,
+    )
