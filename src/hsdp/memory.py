@@ -29,7 +29,13 @@ import torch
 
 from hsdp.config import ShardingStrategy
 
-__all__ = ["MemoryEstimate", "training_memory", "model_training_memory", "peak_memory_bytes", "count_parameters"]
+__all__ = [
+    "MemoryEstimate",
+    "training_memory",
+    "model_training_memory",
+    "peak_memory_bytes",
+    "count_parameters",
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,9 @@ def training_memory(
     else:
         shards = world_size
     sharded = _ceil_div(num_params, shards)
-    params = num_params if strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP) else sharded
+    params = (
+        num_params if strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP) else sharded
+    )
     return MemoryEstimate(
         params=params * param_bytes, grads=sharded * grad_bytes, optimizer=sharded * optimizer_bytes
     )
@@ -132,7 +140,9 @@ def model_training_memory(
     s, b, h, a = seq_len, micro_batch, config.hidden_size, config.num_attention_heads
     per_block = int(s * b * h * (34 + 5 * a * s / h) * activation_bytes / 2)
     layers = config.num_hidden_layers
-    blocks = per_block + layers * s * b * h * activation_bytes if activation_checkpointing else layers * per_block
+    blocks = (
+        per_block + layers * s * b * h * activation_bytes if activation_checkpointing else layers * per_block
+    )
     logits = 2 * b * s * config.vocab_size * 4
     return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, activations=blocks + logits)
 

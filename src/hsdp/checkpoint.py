@@ -1,0 +1,266 @@
+"""Sharded training checkpoints on DCP, committed atomically, and a consolidated safetensors export.
+
+Layout of ``--output-dir``::
+
+    step-00000020/            a complete checkpoint: DCP shards + .metadata, trainer_state.json,
+        COMPLETE              rng/rank<r>.pt; COMPLETE is written last
+    .tmp-step-00000030/       a save in progress (or interrupted): never taken as a checkpoint
+
+Every rank writes its own shards into the temporary folder; once all ranks are done (a barrier), rank 0
+writes ``trainer_state.json`` and the ``COMPLETE`` marker and renames the folder into place, then deletes all
+but the newest ``keep_last``. A crash at any point leaves the previous checkpoint as the latest. DCP stores
+each tensor's global shape and offsets, so a checkpoint saved at one world size loads at another (reshard on
+load). With ``async_save`` the write runs on a background thread over a separate gloo group, and the commit
+happens at the next save or at :meth:`Checkpointer.wait`.
+
+:func:`export_safetensors` writes a Hugging Face model folder (consolidated ``*.safetensors``, ``config.json``,
+tokenizer files) straight from the sharded parameters with DCP's ``HuggingFaceStorageWriter``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+
+from hsdp.loading import CheckpointError
+
+logger = logging.getLogger("hsdp")
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointError",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "read_trainer_state",
+    "export_safetensors",
+]
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (folders without ``COMPLETE`` are left out)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / COMPLETE).exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state of a complete checkpoint; :class:`CheckpointError` if it is partial or unreadable."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not (path / COMPLETE).exists():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {COMPLETE} marker: the save was interrupted); resume from "
+            f"{latest_checkpoint(path.parent) or 'an earlier checkpoint'} instead"
+        )
+    if not (path / ".metadata").exists():
+        raise CheckpointError(f"checkpoint {path} has no DCP .metadata file: it is corrupt")
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or corrupt ({exc})") from exc
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.accelerator.is_available():
+        state["accelerator"] = torch.get_device_module(
+            torch.accelerator.current_accelerator().type
+        ).get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "accelerator" in state and torch.accelerator.is_available():
+        torch.get_device_module(torch.accelerator.current_accelerator().type).set_rng_state(
+            state["accelerator"]
+        )
+
+
+class Checkpointer:
+    """Saves and loads model + optimizer + trainer state under one output folder (see the module docstring)."""
+
+    def __init__(self, root: str | Path, *, keep_last: int = 2, async_save: bool = False):
+        if keep_last < 1:
+            raise ValueError(f"--keep-last={keep_last} must be >= 1")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: tuple[Any, int, Path, dict] | None = None
+        # A CPU group of its own: the background writer must not interleave collectives with training.
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Checkpoint after optimizer step ``step``; collective (every rank calls it)."""
+        self.wait()
+        tmp = self.root / f".tmp-step-{step:08d}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-step-*"):  # interrupted saves
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier(self._group)
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        app_state = {"model": model_sd, "optim": optim_sd}
+        if self.async_save:
+            future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=self._group)
+            self._pending = (future, step, tmp, state)
+        else:
+            dcp.save(app_state, checkpoint_id=str(tmp), process_group=self._group)
+            self._commit(step, tmp, state)
+
+    def wait(self) -> Path | None:
+        """Finish and commit a pending asynchronous save; returns its folder."""
+        if self._pending is None:
+            return None
+        future, step, tmp, state = self._pending
+        self._pending = None
+        future.result()
+        return self._commit(step, tmp, state)
+
+    def _commit(self, step: int, tmp: Path, state: dict[str, Any]) -> Path:
+        final = self.root / f"step-{step:08d}"
+        _barrier(self._group)  # every rank's shards are on disk
+        if _rank() == 0:
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
+            (tmp / COMPLETE).write_text(f"{step}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in complete_checkpoints(self.root)[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier(self._group)
+        logger.info("Saved checkpoint %s", final)
+        return final
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Load a complete checkpoint into the (already sharded) model and optimizer, at any world size."""
+        path = Path(path)
+        state = read_trainer_state(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        app_state = {"model": model_sd, "optim": optim_sd}
+        try:
+            dcp.load(app_state, checkpoint_id=str(path), process_group=self._group)
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded (corrupt or from another model): {exc}"
+            ) from exc
+        set_state_dict(
+            model, optimizer, model_state_dict=app_state["model"], optim_state_dict=app_state["optim"]
+        )
+        rng_file = path / "rng" / f"rank{_rank()}.pt"
+        if rng_file.exists():  # a resharded resume has ranks the checkpoint did not have
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        return state
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """Names under which an already-listed parameter appears again (``lm_head.weight`` when tied)."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
+
+
+def export_safetensors(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    source_dir: str | Path | None = None,
+) -> Path:
+    """Write a ``from_pretrained``-loadable folder from a (sharded) model; collective.
+
+    Each rank writes its own slices, then rank 0 consolidates them into full tensors. Tied aliases are left
+    out (``from_pretrained`` re-ties them); ``dtype`` casts floating tensors (default: as trained).
+    ``config.json`` records the dtype; tokenizer files are copied from ``source_dir``. Written into a temporary
+    sibling and renamed, so a failed export leaves nothing behind.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    skip = _tied_aliases(model)
+    state = {
+        k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach())
+        for k, v in get_model_state_dict(model).items()
+        if k not in skip
+    }
+    writer = HuggingFaceStorageWriter(
+        str(tmp),
+        save_distributed=True,
+        enable_consolidation=True,
+        fqn_to_index_mapping=dict.fromkeys(state, 1),
+    )
+    dcp.save(state, storage_writer=writer)
+    if _rank() == 0:
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)
+        if hasattr(model, "config"):
+            config = copy.deepcopy(model.config)
+            saved = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
+            config.dtype = saved
+            config.save_pretrained(tmp)
+        if source_dir is not None:
+            for item in Path(source_dir).iterdir():
+                if (
+                    item.is_file()
+                    and not item.name.endswith(".safetensors")
+                    and item.name
+                    not in (
+                        "config.json",
+                        "model.safetensors.index.json",
+                        ".complete",
+                    )
+                ):
+                    shutil.copy2(item, tmp / item.name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    _barrier()
+    logger.info("Exported %d tensors to %s", len(state), out_dir)
+    return out_dir

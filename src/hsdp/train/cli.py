@@ -1,0 +1,119 @@
+"""``hsdp train``: fine-tune a causal LM on a text or JSONL file, sharded as the parallel flags say.
+
+    hsdp train --model tiny-llama --data notes.txt --use-hsdp --hsdp-shard-size 2 --strategy FULL_SHARD \\
+        --steps 20 --output-dir runs/demo --save-every 10 --export runs/demo/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hsdp.checkpoint import latest_checkpoint
+from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.launch import WorkerError
+from hsdp.train.config import TrainConfig, TrainConfigError
+from hsdp.train.run import run_training
+
+__all__ = ["add_arguments", "run", "config_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="tiny-llama", help="model folder or built-in name (default tiny-llama)"
+    )
+    parser.add_argument("--data", required=True, help=".txt file or .jsonl file with a 'text' field per line")
+    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to reach")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch over all ranks")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global gradient norm")
+    parser.add_argument(
+        "--mixed-precision", choices=["bf16"], default=None, help="bf16 compute, fp32 master/reduce"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute blocks in backward"
+    )
+    parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None, help="checkpoint folder")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
+    parser.add_argument("--keep-last", type=int, default=2, help="complete checkpoints to keep")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="resume from the latest checkpoint (or PATH)",
+    )
+    parser.add_argument(
+        "--export", default=None, metavar="DIR", help="write a safetensors model folder at the end"
+    )
+    parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
+    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--summary-json", default=None, help="write per-step figures here")
+    add_parallel_arguments(parser, training=True)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=args.model,
+        data=args.data,
+        parallel=parallel_config_from_args(args),
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        mixed_precision=args.mixed_precision,
+        activation_checkpointing=args.activation_checkpointing,
+        freeze=tuple(args.freeze),
+        seed=args.seed,
+        text_key=args.text_key,
+        output_dir=args.output_dir,
+        save_every=args.save_every,
+        keep_last=args.keep_last,
+        async_save=args.async_save,
+        resume=args.resume,
+        export=args.export,
+        export_dtype=args.export_dtype,
+        log_every=args.log_every,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+        result = run_training(cfg)
+    except (TrainConfigError, ValueError) as exc:
+        print(f"hsdp train: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        last = latest_checkpoint(args.output_dir) if args.output_dir else None
+        hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
+        print(f"hsdp train: training failed: {exc}\n{hint}", file=sys.stderr)
+        return 1
+    steps = result.steps
+    if steps:
+        last_step = steps[-1]
+        peaks = ", ".join(f"{p / 2**20:.0f}" for p in last_step.peak_memory)
+        median = sorted(s.tokens_per_s for s in steps)[len(steps) // 2]
+        print(
+            f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
+            f"median {median:.0f} tokens/s, peak memory per rank {peaks} MiB"
+        )
+    if result.checkpoint:
+        print(f"checkpoint: {result.checkpoint}")
+    if result.export:
+        print(f"exported model: {result.export}")
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps([vars(s) for s in steps], indent=1))
+    return 0

@@ -1,0 +1,203 @@
+"""What a training run is: :class:`TrainConfig`, and the checks that run before any heavy work.
+
+:func:`preflight` reads only small files (config.json, trainer_state.json, the data file's tokens) and raises a
+:class:`TrainConfigError` naming the flag and the fix. It runs in the launching process before any rank is
+spawned and again on every rank before the first collective, so a bad input never leaves one rank waiting on
+another, and nothing in ``--output-dir`` or ``--export`` is overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsdp.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state
+from hsdp.config import DTYPES, ParallelConfig
+
+__all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight"]
+
+_FINGERPRINT_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+class TrainConfigError(ValueError):
+    """A training setting or input file that cannot work; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One fine-tuning run of a causal LM."""
+
+    model: str
+    """A Hugging Face model folder, or a built-in name (``tiny-llama``)."""
+    data: str
+    """A ``.txt`` file (one document) or ``.jsonl`` file (one ``{"text": ...}`` per line)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The layout; ``sharding_strategy`` picks FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
+    steps: int = 10
+    """Optimizer steps to reach (a resumed run continues up to this step)."""
+    batch_size: int = 8
+    """Sequences per micro-batch over all data-parallel ranks (each rank takes batch_size / dp)."""
+    seq_len: int = 128
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    """Clip gradients to this global norm (over all shards and replicated parameters)."""
+    mixed_precision: str | None = None
+    """``bf16``: compute in bf16, reduce gradients in fp32, keep fp32 master weights (saved in fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward instead of keeping them."""
+    freeze: tuple[str, ...] = ()
+    """Regular expressions; matching parameters are frozen (LoRA-style partial fine-tuning)."""
+    replicated_modules: tuple[str, ...] = ()
+    """Module names kept whole on every rank (FSDP ignored modules); their gradients are all-reduced."""
+    seed: int = 0
+    text_key: str = "text"
+    output_dir: str | None = None
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end, when --output-dir is set)."""
+    keep_last: int = 2
+    async_save: bool = False
+    resume: str | None = None
+    """``latest`` (the newest complete checkpoint in ``output_dir``) or a checkpoint folder."""
+    export: str | None = None
+    """Write a consolidated safetensors model folder here at the end."""
+    export_dtype: str | None = None
+    """dtype of the export (default: fp32, as trained)."""
+    log_every: int = 1
+    progress: bool = True
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def effective_parallel(self) -> ParallelConfig:
+        """The layout with ``mixed_precision`` applied to FSDP's policy (param dtype, fp32 reduce)."""
+        parallel = self.parallel
+        if self.mixed_precision and parallel.use_hsdp:
+            parallel = dataclasses.replace(parallel, param_dtype=self.mixed_precision, reduce_dtype="fp32")
+        return parallel.resolved()
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep_last", "log_every"):
+            if getattr(self, name) < 1:
+                out.append(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+        if self.save_every < 0:
+            out.append(f"--save-every={self.save_every} must be >= 0")
+        if self.lr <= 0:
+            out.append(f"--lr={self.lr} must be > 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            out.append(f"--max-grad-norm={self.max_grad_norm} must be > 0")
+        if self.mixed_precision not in (None, "bf16", "bfloat16"):
+            out.append(
+                f"--mixed-precision={self.mixed_precision!r}: use bf16 (fp16 needs loss scaling: not supported)"
+            )
+        if self.parallel.param_dtype and self.mixed_precision:
+            out.append(
+                "--param-dtype and --mixed-precision both set the compute dtype; use --mixed-precision only"
+            )
+        if self.export_dtype is not None and self.export_dtype not in DTYPES:
+            out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        if (self.save_every or self.resume) and not self.output_dir:
+            out.append("--save-every / --resume need --output-dir (where checkpoints live)")
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                out.append(f"--freeze {pattern!r} is not a regular expression ({exc})")
+        try:
+            parallel = self.effective_parallel()
+        except ValueError as exc:
+            return [*out, str(exc)]
+        dp = parallel.data_parallel_size
+        if self.batch_size % dp:
+            out.append(
+                f"--batch-size={self.batch_size} must be a multiple of the data-parallel size {dp} "
+                f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
+            )
+        return out
+
+
+def model_fingerprint(model_dir: Path) -> dict[str, Any]:
+    """The architecture fields of a model folder's config.json: a checkpoint only resumes into the same ones."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainConfigError(f"--model {model_dir}: config.json is missing or invalid ({exc})") from exc
+    return {k: config[k] for k in _FINGERPRINT_KEYS if k in config}
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checks found: the model folder and the checkpoint to resume from (if any)."""
+
+    model_dir: Path
+    fingerprint: dict[str, Any]
+    resume_from: Path | None
+
+
+def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None:
+    root = Path(cfg.output_dir) if cfg.output_dir else None
+    if cfg.resume is None:
+        if root is not None and complete_checkpoints(root):
+            raise TrainConfigError(
+                f"--output-dir {root} already holds checkpoints ({latest_checkpoint(root).name}); pass --resume "
+                "to continue from the latest, or choose an empty --output-dir (nothing was overwritten)"
+            )
+        return None
+    if cfg.resume == "latest":
+        target = latest_checkpoint(root)
+        if target is None:
+            raise TrainConfigError(f"--resume: no complete checkpoint in --output-dir {root}")
+    else:
+        target = Path(cfg.resume)
+    state = read_trainer_state(target)
+    if state.get("model") != fingerprint:
+        diff = sorted(
+            k for k in {*fingerprint, *state.get("model", {})} if fingerprint.get(k) != state["model"].get(k)
+        )
+        raise TrainConfigError(
+            f"--resume {target} was saved from another model (differs in: {', '.join(diff)}); resume with the "
+            f"--model it was trained from, or start in a new --output-dir"
+        )
+    if state["step"] >= cfg.steps:
+        raise TrainConfigError(
+            f"--resume {target} is already at step {state['step']}; raise --steps above it"
+        )
+    return target
+
+
+def preflight(cfg: TrainConfig) -> Preflight:
+    """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
+    from hsdp.models.builtin import resolve_model
+
+    problems = cfg.problems()
+    if problems:
+        raise TrainConfigError("invalid training settings:\n" + "\n".join(f"  - {p}" for p in problems))
+    try:
+        model_dir = resolve_model(cfg.model)
+    except FileNotFoundError as exc:
+        raise TrainConfigError(f"--model: {exc}") from exc
+    if not Path(cfg.data).is_file():
+        raise TrainConfigError(f"--data {cfg.data}: no such file")
+    if cfg.export and Path(cfg.export).exists() and any(Path(cfg.export).iterdir()):
+        raise TrainConfigError(
+            f"--export {cfg.export} exists and is not empty; remove it or choose another folder"
+        )
+    fingerprint = model_fingerprint(model_dir)
+    return Preflight(model_dir, fingerprint, _resume_target(cfg, fingerprint))

@@ -1,0 +1,280 @@
+"""The training loop that runs on every rank: load sharded, step, checkpoint, resume, export.
+
+Dtypes: the optimizer always holds fp32 master weights (the sharded parameters are fp32). With
+``mixed_precision="bf16"`` FSDP2 gathers bf16 copies for compute and reduce-scatters gradients in fp32; a
+single process without FSDP uses ``torch.autocast`` instead. Checkpoints store the fp32 masters; the export
+is fp32 unless ``export_dtype`` says otherwise.
+
+A step is ``grad_accum`` micro-batches; gradient reduction is switched off on all but the last
+(``set_requires_gradient_sync``), gradients of replicated (ignored) parameters are averaged by hand, then the
+global norm is clipped and AdamW steps. The loss of each micro-batch is its mean over tokens divided by
+``grad_accum``, so the gradient equals the one of a single batch of ``batch_size * grad_accum`` rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
+from hsdp.config import DTYPES
+from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device
+from hsdp.loading import load_pretrained, model_class_for
+from hsdp.memory import peak_memory_bytes
+from hsdp.mesh import build_meshes
+from hsdp.train.config import TrainConfig, TrainConfigError, preflight
+from hsdp.train.data import PackedDataset
+from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["Trainer", "StepResult", "TrainResult"]
+
+
+@dataclass
+class StepResult:
+    step: int
+    """Optimizer steps done after this one (1-based)."""
+    loss: float
+    grad_norm: float | None
+    tokens_per_s: float
+    seconds: float
+    peak_memory: list[int]
+    """Peak memory of every rank so far (bytes)."""
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepResult] = field(default_factory=list)
+    checkpoint: str | None = None
+    export: str | None = None
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Trainer:
+    """Build everything for ``cfg`` on this rank (collective when the world has several ranks)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        checks = preflight(cfg)  # before any collective: every rank fails alike on bad input
+        self.parallel = cfg.effective_parallel()
+        self.rank, self.world_size = _world()
+        self.device = local_device()
+        self.meshes = build_meshes(self.parallel)
+        self.dp_size = self.parallel.data_parallel_size
+        self.dp_rank = self.meshes.data_parallel_rank
+        self.model_dir = checks.model_dir
+        self.fingerprint = checks.fingerprint
+
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.data = PackedDataset.from_file(
+            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, text_key=cfg.text_key
+        )
+        self.data.require(cfg.batch_size * cfg.grad_accum)
+
+        torch.manual_seed(cfg.seed)
+        self.model = load_pretrained(
+            self.model_dir,
+            self.parallel,
+            model_class=self._model_class(),
+            dtype=torch.float32,
+            meshes=self.meshes,
+            training=True,
+        )
+        self.model.train()
+        self._freeze()
+        if cfg.activation_checkpointing:
+            if not getattr(self.model, "supports_gradient_checkpointing", False):
+                raise TrainConfigError(
+                    f"--activation-checkpointing: {type(self.model).__name__} does not support it"
+                )
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.checkpointer = (
+            Checkpointer(cfg.output_dir, keep_last=cfg.keep_last, async_save=cfg.async_save)
+            if cfg.output_dir
+            else None
+        )
+        self.step = 0
+        if checks.resume_from is not None:
+            state = self.checkpointer.load(checks.resume_from, self.model, self.optimizer)
+            self.step = int(state["step"])
+            logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
+
+    # -- setup -----------------------------------------------------------------------------------------------
+    def _model_class(self) -> type:
+        cls = model_class_for(self.model_dir)
+        if not self.cfg.replicated_modules:
+            return cls
+        # The shard plan reads _hsdp_ignored_modules from the model; a subclass carries it without editing it.
+        return type(cls.__name__, (cls,), {"_hsdp_ignored_modules": tuple(self.cfg.replicated_modules)})
+
+    def _freeze(self) -> None:
+        patterns = [re.compile(p) for p in self.cfg.freeze]
+        frozen = 0
+        for name, param in self.model.named_parameters():
+            if any(p.search(name) for p in patterns):
+                param.requires_grad_(False)
+                frozen += param.numel()
+        if patterns:
+            logger.info("Froze %d parameters matching %s", frozen, ", ".join(self.cfg.freeze))
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # FSDP's MixedPrecisionPolicy casts for sharded models; autocast gives a lone model the same compute dtype.
+        if self.cfg.mixed_precision and not self.parallel.use_hsdp:
+            return torch.autocast(device_type(), dtype=DTYPES[self.cfg.mixed_precision])
+        return contextlib.nullcontext()
+
+    def _set_grad_sync(self, enabled: bool) -> None:
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def train_step(self) -> StepResult:
+        cfg = self.cfg
+        started = time.perf_counter()
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            self._set_grad_sync(micro == cfg.grad_accum - 1)
+            batch = self.data.micro_batch(
+                self.step,
+                micro,
+                batch_size=cfg.batch_size,
+                grad_accum=cfg.grad_accum,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+            ).to(self.device)
+            with self._autocast():
+                loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss / cfg.grad_accum
+            loss.backward()
+            total += loss.detach().float()
+        all_reduce_plain_grads(self.params)
+        norm = clip_grad_norm_(self.params, cfg.max_grad_norm) if cfg.max_grad_norm else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if (
+            dist.is_initialized()
+        ):  # ranks of one TP group hold the same loss, so the world mean is the dp mean
+            dist.all_reduce(total)
+            total /= self.world_size
+        peaks = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
+        if dist.is_initialized():
+            gathered = [torch.zeros_like(peaks) for _ in range(self.world_size)]
+            dist.all_gather(gathered, peaks)
+            peaks = torch.cat(gathered)
+        self.step += 1
+        seconds = time.perf_counter() - started
+        tokens = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        return StepResult(
+            step=self.step,
+            loss=total.item(),
+            grad_norm=None if norm is None else norm.item(),
+            tokens_per_s=tokens / seconds,
+            seconds=seconds,
+            peak_memory=[int(p) for p in peaks.tolist()],
+        )
+
+    def _state(self) -> dict:
+        cfg = self.cfg
+        return {
+            "model": self.fingerprint,
+            "data": {"path": str(cfg.data), "seq_len": cfg.seq_len, "seed": cfg.seed},
+            "batch_size": cfg.batch_size,
+            "grad_accum": cfg.grad_accum,
+            "world_size": self.world_size,
+            "layout": self.parallel.describe() if self.parallel.use_hsdp else "single process",
+        }
+
+    def save(self) -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.save(self.step, self.model, self.optimizer, self._state())
+
+    def fit(self, on_step=None) -> TrainResult:
+        """Train up to ``cfg.steps``; ``on_step(StepResult)`` is called on every rank after each step."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        result = TrainResult()
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            desc="train",
+            disable=self.rank != 0 or not cfg.progress,
+            leave=False,
+        )
+        try:
+            while self.step < cfg.steps:
+                step = self._guarded_step()
+                result.steps.append(step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{step.loss:.4f}", tok_s=f"{step.tokens_per_s:.0f}")
+                if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
+                    logger.info(
+                        "step %d/%d loss %.4f%s tokens/s %.0f peak memory per rank (MiB) %s",
+                        step.step,
+                        cfg.steps,
+                        step.loss,
+                        "" if step.grad_norm is None else f" grad-norm {step.grad_norm:.4f}",
+                        step.tokens_per_s,
+                        " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
+                    )
+                if on_step is not None:
+                    on_step(step)
+                if self.checkpointer and (
+                    (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
+                ):
+                    self.save()
+        finally:
+            bar.close()
+        if self.checkpointer:
+            self.checkpointer.wait()
+            result.checkpoint = str(latest_checkpoint(self.checkpointer.root))
+        if cfg.export:
+            dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+            result.export = str(
+                export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir)
+            )
+        return result
+
+    def _guarded_step(self) -> StepResult:
+        try:
+            return self.train_step()
+        except RuntimeError as exc:
+            if not dist.is_initialized():
+                raise
+            last = latest_checkpoint(self.checkpointer.root) if self.checkpointer else None
+            raise RuntimeError(
+                f"rank {self.rank}: step {self.step + 1} failed ({exc}). If another rank died, the others stop "
+                f"within the collective timeout (HSDP_COLLECTIVE_TIMEOUT, now {DEFAULT_TIMEOUT_S:.0f}s). Last "
+                f"complete checkpoint: {last or 'none'}" + ("; rerun with --resume" if last else "")
+            ) from exc
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole on every rank, on the CPU (for tests and small exports); collective."""
+        out = {}
+        for name, param in self.model.named_parameters():
+            tensor = param.full_tensor() if isinstance(param, DTensor) else param
+            out[name] = tensor.detach().cpu().clone()
+        return out

@@ -1,0 +1,72 @@
+"""Rank-side functions for the training tests (module level, so WorkerGroup can send them by name)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hsdp.train import TrainConfig, Trainer
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def measured_bytes(trainer: Trainer) -> dict[str, int]:
+    """This rank's bytes of parameter shards, gradient shards (after one more backward) and optimizer state."""
+    params = list(trainer.model.parameters())
+    batch = trainer.data.micro_batch(
+        0,
+        0,
+        batch_size=trainer.cfg.batch_size,
+        grad_accum=1,
+        dp_rank=trainer.dp_rank,
+        dp_size=trainer.dp_size,
+    )
+    trainer.model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
+    out = {"params": _local_bytes(params), "grads": _local_bytes(grads), "optimizer": _local_bytes(state)}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
+def train_configs(configs: list[TrainConfig], measure: bool = False) -> list[dict]:
+    """Train each config in turn; return losses, grad norms, rank 0's full weights and (optionally) bytes."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for cfg in configs:
+        trainer = Trainer(cfg)
+        result = trainer.fit()
+        full = trainer.full_state()
+        entry = {
+            "losses": result.losses,
+            "norms": [s.grad_norm for s in result.steps],
+            "state": full if rank == 0 else None,
+            "checkpoint": result.checkpoint,
+            "peaks": result.steps[-1].peak_memory,
+        }
+        if measure:
+            entry["bytes"] = measured_bytes(trainer)
+        out.append(entry)
+        del trainer
+        gc.collect()
+    return out
+
+
+def train_and_die(cfg: TrainConfig, victim: int, at_step: int) -> None:
+    """Train, and kill rank ``victim`` right after step ``at_step`` (the others are then stuck in a collective)."""
+    rank = dist.get_rank()
+
+    def on_step(step) -> None:
+        if rank == victim and step.step == at_step:
+            os._exit(17)
+
+    Trainer(cfg).fit(on_step=on_step)
