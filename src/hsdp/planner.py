@@ -169,7 +169,9 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         # fully_shard runs leaf-first, so the deepest selected module that contains a parameter owns it.
         owner = max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
         owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
-    config = config if config is not None else dict(getattr(model, "config", {}) or {})
+    if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
+        found = getattr(model, "config", None)
+        config = found.to_dict() if hasattr(found, "to_dict") else dict(found or {})
     heads = _config_int(config, "num_attention_heads", "num_heads", "n_head")
     hidden = _config_int(config, "hidden_size", "d_model", "n_embd")
     if not hidden and heads:

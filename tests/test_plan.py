@@ -1,0 +1,171 @@
+"""``hsdp plan``: sizes, the model profile, the per-rank memory model, the recommendation and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hsdp.config import ParallelConfig
+from hsdp.memory import training_memory
+from hsdp.planner import (
+    Hardware,
+    Layout,
+    PlanError,
+    Workload,
+    add_arguments,
+    estimate,
+    parse_size,
+    profile_module,
+    residency_for_budget,
+    run,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, rows)  # weight (rows, 8), bias (rows,)
+
+
+class Toy(nn.Module):
+    """Three blocks of 5 rows (so every shard size > 1 pads), an embedding on the root, a 0-d scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 8)
+        self.blocks = nn.ModuleList(Block(5) for _ in range(3))
+        self.scale = nn.Parameter(torch.ones(()))
+        self._hsdp_shard_conditions = [lambda name, module: isinstance(module, Block)]
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run(parser.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1e9", 10**9)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["24XB", "-1GiB", "0", "lots", ""])
+def test_parse_size_rejects_nonsense(text):
+    with pytest.raises(PlanError, match="--device-memory"):
+        parse_size(text)
+
+
+def test_profile_follows_the_shard_plan_and_fsdp2_padding():
+    profile = profile_module(Toy())
+    assert [u.name for u in profile.blocks] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert profile.root.params == ((7, 8, 4),)  # the embedding; the 0-d scale stays whole
+    assert profile.replicated_bytes == 4
+    # One block over 2 ranks: weight rows 5 -> 3 per rank (padded to 6), bias 5 -> 3.
+    assert profile.blocks[0].shard_bytes(2) == (3 * 8 + 3) * 4
+    assert profile.blocks[0].gathered_bytes(2) == (6 * 8 + 6) * 4
+    assert profile.blocks[0].unsharded_bytes(2) == (5 * 8 + 5) * 2
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
+    planned = estimate([profile], Layout(config), Workload(), Hardware(2**30))
+    assert planned.weights == 3 * (3 * 8 + 3) * 4 + 4 * 8 * 4 + 4
+
+
+def test_tied_weights_counted_once():
+    from hsdp.models.tiny import build_tiny_llama
+
+    with torch.device("meta"):
+        model = build_tiny_llama()
+    profile = profile_module(model)
+    assert profile.num_params == sum(p.numel() for p in model.parameters())
+    assert profile.kind == "causal_lm" and profile.layers == 4 and profile.vocab == 384
+    assert len(profile.blocks) == 4
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_training_state_agrees_with_the_zero_accounting(shards):
+    """Per-rank params + grads + AdamW state equal hsdp.memory's fp32 ZeRO figures, up to FSDP2's padding."""
+    from hsdp.models.tiny import build_tiny_llama
+
+    with torch.device("meta"):
+        profile = profile_module(build_tiny_llama())
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=shards, hsdp_replicate_size=4 // shards).resolved()
+    planned = estimate([profile], Layout(config), Workload(training=True), Hardware(2**30))
+    zero = training_memory(profile.num_params, shards, "FULL_SHARD", 4, 4, 8)
+    ours = planned.weights + planned.grads + planned.optimizer
+    assert zero.total <= ours <= zero.total * 1.02 + 16 * 2**10
+
+
+def test_residency_fills_the_budget():
+    profile = profile_module(Toy())
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    work = Workload(seq_len=4)
+    none = residency_for_budget(profile, config, 10**9, work)
+    assert none.resident_modules == ("blocks.0", "blocks.1", "blocks.2") and none.prefetch == 0
+    sharded = estimate([profile], Layout(config.resolved(), 1, 0), work, Hardware(1)).total
+    assert residency_for_budget(profile, config, sharded, work).resident_modules == ()
+    one = estimate([profile], Layout(config.resolved(), 1, 1), work, Hardware(1)).total
+    policy = residency_for_budget(profile, config, one, work)
+    assert policy.resident_modules == ("blocks.0",) and policy.prefetch == 1
+    assert (
+        policy.estimate.allgather_bytes
+        < estimate([profile], Layout(config.resolved()), work, Hardware(1)).allgather_bytes
+    )
+    with pytest.raises(PlanError, match="per device even fully sharded"):
+        residency_for_budget(profile, config, 100, work)
+
+
+def test_plan_command_training_json(capsys):
+    assert (
+        _run(
+            "tiny-llama", "--devices", "4", "--device-memory", "64MiB", "--train", "--seq-len", "64", "--json"
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommended"]
+    layouts = {row["layout"]: row for row in result["layouts"]}
+    best = layouts[result["recommended"]]
+    assert best["fits"] and best["total"] <= 64 * 2**20
+    assert {"hsdp 4x1", "hsdp 1x4", "hsdp 2x2", "hsdp 1x4 grad-op"} <= set(layouts)
+    assert layouts["hsdp 1x4"]["weights"] < layouts["hsdp 4x1"]["weights"]
+
+
+def test_plan_command_pipeline_table(capsys):
+    assert _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64") == 0
+    out = capsys.readouterr().out
+    assert "transformer: WanTransformer3DModel" in out and "text_encoder: UMT5EncoderModel" in out
+    assert "cfg2 usp2" in out and "recommended:" in out
+
+
+def test_plan_command_nothing_fits_names_the_smallest(capsys):
+    assert _run("tiny-llama", "--devices", "2", "--device-memory", "1KiB") == 1
+    err = capsys.readouterr().err
+    assert "nothing fits in 1.00 KiB per device; the smallest layout" in err and "needs" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "-2", "--device-memory", "24GiB"], "--devices=-2 must be >= 1"),
+        (["--devices", "2", "--device-memory", "24XB"], "--device-memory='24XB'"),
+        (["--devices", "2", "--device-memory", "24GiB", "--seq-len", "0"], "--seq-len=0"),
+        (["--devices", "2", "--device-memory", "24GiB", "--param-dtype", "fp7"], "--param-dtype='fp7'"),
+    ],
+)
+def test_plan_command_rejects_nonsense(argv, message, capsys):
+    assert _run("tiny-llama", *argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_command_unreadable_folder(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    assert _run(str(tmp_path), "--devices", "2", "--device-memory", "24GiB") == 2
+    assert f"cannot read model folder {tmp_path}" in capsys.readouterr().err
+    assert _run(str(tmp_path / "missing"), "--devices", "2", "--device-memory", "24GiB") == 2
+    assert "neither an existing path nor a built-in model" in capsys.readouterr().err

@@ -1,0 +1,73 @@
+"""The planner's per-rank weight bytes against what FSDP2 allocates, simulated at 64 and 1,024 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsdp.config import ParallelConfig
+from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module
+from hsdp.simulate import simulate
+
+# Wan 2.1 1.3B's transformer shape (30 blocks of width 1536): 5.3 GiB in fp32, so every dim-0 padding case
+# (1536 and 8960 rows over 1,024 ranks, 16-row embeddings over 64) is exercised.
+WAN_1_3B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+
+
+def _wan():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(**WAN_1_3B)
+
+
+def _llama():
+    from hsdp.models.tiny import build_tiny_llama
+
+    return build_tiny_llama()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("build", "config"),
+    [
+        (_wan, ParallelConfig(use_hsdp=True, hsdp_shard_size=64)),
+        (_wan, ParallelConfig(use_hsdp=True, hsdp_shard_size=1024)),
+        (_wan, ParallelConfig(use_hsdp=True, hsdp_replicate_size=4, hsdp_shard_size=256)),
+        (_llama, ParallelConfig(use_hsdp=True, hsdp_shard_size=1024)),  # tied embeddings, rows < ranks
+    ],
+    ids=["wan-64", "wan-1024", "wan-4x256", "llama-1024"],
+)
+def test_plan_matches_fsdp2_allocation(build, config):
+    config = config.resolved()
+    with torch.device("meta"):
+        profile = profile_module(build())
+    planned = estimate([profile], Layout(config), Workload(), Hardware(80 * 2**30))
+    # The last rank holds the short (or empty) padded chunks; rank 0 the full ones (skipped at 1,024: 8 s each).
+    ranks = (0, config.world_size - 1) if config.world_size <= 256 else (config.world_size - 1,)
+    for rank in ranks:
+        sim = simulate(build, config, rank=rank)
+        assert sim.world_size == config.world_size
+        assert sim.weights == planned.weights
+        shard = config.hsdp_shard_size
+        assert sim.unit_bytes == {u.name: u.shard_bytes(shard) for u in profile.units}
+    # Never less than the ideal share; padding (dim 0 rounded up to the shard size) is the difference.
+    assert profile.param_bytes / config.hsdp_shard_size <= sim.weights
+
+
+def test_simulate_rejects_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="outside the simulated world"):
+        simulate(_llama, ParallelConfig(use_hsdp=True, hsdp_shard_size=8), rank=8)
