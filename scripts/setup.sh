@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv and install hsdp with its test and serving extras. Idempotent: re-runs only when pyproject changes.
+# CPU machines get the pinned CPU build of torch; on a GPU machine set HSDP_TORCH_SPEC (e.g. "torch>=2.6") to keep
+# the build you have, since the package itself only asks for a range.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${HSDP_TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${HSDP_EXTRAS:-dev}
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=".venv/.hsdp-installed"
+want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) $TORCH_SPEC $EXTRAS"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "setting up .venv ($TORCH_SPEC, extras: $EXTRAS) ..." >&2
+.venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
+# torch first and pinned, so no dependency pulls a different (multi-GB CUDA) build.
+.venv/bin/python -m pip install --quiet "$TORCH_SPEC" 2>&1 | grep -v "is ignored" >&2 || true
+.venv/bin/python -m pip install --quiet -e ".[$EXTRAS]" "$TORCH_SPEC" 2>&1 | grep -v "is ignored" >&2 || true
+.venv/bin/python -c "import hsdp, torch, diffusers, transformers, fastapi" # fail loudly if the install did not work
+echo "$want" > "$stamp"
