@@ -141,10 +141,14 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         app_state = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
-            future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=self._group)
+            future = dcp.async_save(
+                app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None
+            )
             self._pending = (future, step, tmp, state)
         else:
-            dcp.save(app_state, checkpoint_id=str(tmp), process_group=self._group)
+            dcp.save(
+                app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None
+            )
             self._commit(step, tmp, state)
 
     def wait(self) -> Path | None:
@@ -168,7 +172,8 @@ class Checkpointer:
             for old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier(self._group)
-        logger.info("Saved checkpoint %s", final)
+        if _rank() == 0:
+            logger.info("Saved checkpoint %s", final)
         return final
 
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -178,7 +183,9 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         app_state = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(app_state, checkpoint_id=str(path), process_group=self._group)
+            dcp.load(
+                app_state, checkpoint_id=str(path), process_group=self._group, no_dist=self._group is None
+            )
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded (corrupt or from another model): {exc}"
@@ -237,7 +244,7 @@ def export_safetensors(
         enable_consolidation=True,
         fqn_to_index_mapping=dict.fromkeys(state, 1),
     )
-    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     if _rank() == 0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         if hasattr(model, "config"):
@@ -262,5 +269,6 @@ def export_safetensors(
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     _barrier()
-    logger.info("Exported %d tensors to %s", len(state), out_dir)
+    if _rank() == 0:
+        logger.info("Exported %d tensors (%s) to %s", len(state), dtype or "as trained", out_dir)
     return out_dir

@@ -107,7 +107,11 @@ class Trainer:
                 raise TrainConfigError(
                     f"--activation-checkpointing: {type(self.model).__name__} does not support it"
                 )
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+                self.model.activation_checkpointing_enable(kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")

@@ -1,0 +1,52 @@
+"""The training memory estimator's arithmetic (measured bytes are checked in test_train_parity.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsdp.memory import count_parameters, model_training_memory, peak_memory_bytes, training_memory
+from hsdp.models.tiny import build_tiny_llama, tiny_llama_config
+
+P = 7_000_000_000
+
+
+def test_mixed_precision_adam_per_strategy():
+    """7B parameters on 8 ranks: 2 + 2 + 12 bytes per parameter (ZeRO accounting), split as each strategy shards."""
+    assert training_memory(P, 8, "NO_SHARD").as_dict() == {
+        "params": 2 * P, "grads": 2 * P, "optimizer": 12 * P, "activations": 0, "total": 16 * P,
+    }  # fmt: skip
+    full = training_memory(P, 8, "FULL_SHARD")
+    assert (full.params, full.grads, full.optimizer) == (2 * P // 8, 2 * P // 8, 12 * P // 8)
+    grad_op = training_memory(P, 8, "SHARD_GRAD_OP")
+    assert (grad_op.params, grad_op.grads, grad_op.optimizer) == (2 * P, 2 * P // 8, 12 * P // 8)
+    assert training_memory(P, 8, "HYBRID_SHARD", replicate_size=2) == training_memory(P, 4, "FULL_SHARD")
+    assert training_memory(P, 8, "FULL_SHARD").total < grad_op.total < training_memory(P, 8, "NO_SHARD").total
+
+
+def test_uneven_split_rounds_up_and_bad_input():
+    assert training_memory(10, 4, "FULL_SHARD", 1, 1, 1).params == 3
+    with pytest.raises(ValueError, match="replicate_size"):
+        training_memory(P, 8, "HYBRID_SHARD")
+    with pytest.raises(ValueError, match="unknown"):
+        training_memory(P, 8, "ZERO_SHARD")
+
+
+def test_model_aware_estimate_counts_parameters_and_activations():
+    config = tiny_llama_config()
+    assert count_parameters(config) == sum(p.numel() for p in build_tiny_llama().parameters())
+    untied = tiny_llama_config(tie_word_embeddings=False)
+    assert count_parameters(untied) == count_parameters(config) + config.vocab_size * config.hidden_size
+    full = model_training_memory(config, 2, "FULL_SHARD", micro_batch=4, seq_len=128)
+    checkpointed = model_training_memory(
+        config, 2, "FULL_SHARD", micro_batch=4, seq_len=128, activation_checkpointing=True
+    )
+    assert 0 < checkpointed.activations < full.activations
+    assert full.params == training_memory(count_parameters(config), 2, "FULL_SHARD").params
+    assert (
+        model_training_memory(config, 2, "FULL_SHARD", micro_batch=8, seq_len=128).activations
+        > full.activations
+    )
+
+
+def test_peak_memory_is_positive_on_cpu():
+    assert peak_memory_bytes() > 10 * 2**20

@@ -1,0 +1,61 @@
+"""``hsdp train`` end to end: spawns its ranks, logs per-step figures, checkpoints, exports; bad flags exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
+
+
+def _hsdp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
+    return subprocess.run(
+        [sys.executable, "-m", "hsdp.cli", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    model = root / "model"
+    build_tiny_llama().save_pretrained(model)
+    build_byte_tokenizer().save_pretrained(model)
+    data = root / "docs.jsonl"
+    lines = [json.dumps({"text": f"document {i}: shards, meshes and gradients. " * 3}) for i in range(40)]
+    data.write_text("\n".join(lines))
+    return {"root": root, "model": model, "data": data}
+
+
+def test_unknown_strategy_exits_2_before_spawning(inputs):
+    out = _hsdp("--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size",
+                "2", "--strategy", "ZERO9")  # fmt: skip
+    assert out.returncode == 2
+    assert "ZERO9" in out.stderr and "FULL_SHARD" in out.stderr
+
+
+@pytest.mark.slow
+def test_train_two_ranks_checkpoint_and_export(inputs):
+    root = inputs["root"]
+    out = _hsdp(
+        "--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size", "2",
+        "--strategy", "SHARD_GRAD_OP", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-3",
+        "--max-grad-norm", "1.0", "--save-every", "2", "--output-dir", str(root / "run"), "--export",
+        str(root / "export"), "--summary-json", str(root / "summary.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "trained to step 3" in out.stdout
+    assert "step 3/3 loss" in out.stderr and "tokens/s" in out.stderr and "peak memory per rank" in out.stderr
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["step-00000002", "step-00000003"]
+    summary = json.loads((root / "summary.json").read_text())
+    assert [s["step"] for s in summary] == [1, 2, 3] and all(len(s["peak_memory"]) == 2 for s in summary)
+    assert (root / "export" / "config.json").exists() and list((root / "export").glob("*.safetensors"))
