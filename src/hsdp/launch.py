@@ -76,6 +76,12 @@ def _worker_main(
 ) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # torch is already imported here (unpickling this function imports it), so the variable alone is too
+        # late; oversubscribed OpenMP threads spin and make small ops 100x slower on a busy host.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     from hsdp.distributed import destroy_distributed, init_distributed
     from hsdp.logging_utils import configure_logging
