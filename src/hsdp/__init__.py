@@ -17,3 +17,14 @@ __all__ = [
     "init_distributed",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"Engine": "hsdp.engine", "SamplingParams": "hsdp.engine", "GenerationOutput": "hsdp.engine"}
+
+
+def __getattr__(name: str):
+    """``hsdp.Engine`` and friends, imported on first use so ``import hsdp`` stays light."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hsdp' has no attribute {name!r}")

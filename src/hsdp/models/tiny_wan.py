@@ -75,7 +75,9 @@ def build_tiny_wan_pipeline(seed: int = TINY_SEED, **transformer_overrides):
     tokenizer = build_byte_tokenizer()
     text_encoder = _tiny_umt5(transformer.config.text_dim, len(tokenizer), seed + 1)
     vae = _tiny_vae(transformer.config.in_channels, seed + 2)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
     return WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
     )

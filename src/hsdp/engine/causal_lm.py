@@ -1,0 +1,113 @@
+"""Causal-LM generation on one rank: ``transformers``' own ``generate`` on a sharded model, ranks in lockstep.
+
+Every forward of a sharded model is a collective, so all ranks must run the same number of forwards even when
+their sequences end at different tokens (request-parallel HSDP gives each rank its own prompt). ``generate`` has
+exactly this mode, ``synced_gpus=True``: a rank whose sequence is done keeps running forwards (without
+sampling) until every rank is done, so its tokens are the ones a single process would produce.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from hsdp.config import ParallelConfig
+from hsdp.distributed import local_device
+from hsdp.distributed import world_size as current_world_size
+from hsdp.engine.outputs import Timings
+from hsdp.engine.parallel import enable_forward_prefetch
+from hsdp.engine.params import Request, SamplingParams
+from hsdp.loading import load_pretrained
+from hsdp.mesh import ParallelMeshes
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["CausalLMRunner", "generation_kwargs"]
+
+
+def generation_kwargs(params: SamplingParams) -> dict:
+    """``generate`` arguments for ``params``; the same on the ranks and in a single-process reference."""
+    kwargs: dict = {"max_new_tokens": params.max_new_tokens, "do_sample": params.temperature > 0}
+    if params.stop_token_ids:
+        kwargs["eos_token_id"] = list(params.stop_token_ids)
+    if params.temperature > 0:
+        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    return kwargs
+
+
+class _TokenClock:
+    """A ``generate`` streamer that timestamps each new token (the first ``put`` is the prompt)."""
+
+    def __init__(self, progress: bool, total: int):
+        self.stamps: list[float] = []
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="tokens")
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+        if self._bar is not None and len(self.stamps) > 1:
+            self._bar.update()
+
+    def end(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class CausalLMRunner:
+    kind = "causal_lm"
+
+    def __init__(
+        self,
+        folder: Path,
+        config: ParallelConfig,
+        meshes: ParallelMeshes,
+        *,
+        dtype: str | None = None,
+        forward_prefetch: bool = True,
+    ):
+        from transformers import AutoTokenizer
+
+        self.device = local_device()
+        self.model = load_pretrained(
+            folder,
+            config if config.use_hsdp else ParallelConfig(),
+            meshes=meshes if config.use_hsdp else None,
+            dtype=dtype or "auto",
+        )
+        if config.use_hsdp and forward_prefetch:
+            enable_forward_prefetch(self.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.synced = current_world_size() > 1
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
+    def generate(self, request: Request, params: SamplingParams, *, decode: bool, progress: bool) -> dict:
+        started = time.perf_counter()
+        inputs = self.tokenizer(request.prompt, return_tensors="pt").to(self.device)
+        clock = _TokenClock(progress, params.max_new_tokens)
+        torch.manual_seed(request.seed)
+        pad = (
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        output = self.model.generate(
+            **inputs, **generation_kwargs(params), synced_gpus=self.synced, streamer=clock, pad_token_id=pad
+        )
+        finished = time.perf_counter()
+        new_tokens = output[0, inputs["input_ids"].shape[1] :].tolist()
+        stamps = clock.stamps
+        timings = Timings(
+            total_s=finished - started,
+            encode_s=stamps[1] - started if len(stamps) > 1 else 0.0,
+            step_s=[b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)],
+        )
+        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True) if decode else None
+        return {"token_ids": new_tokens, "text": text, "timings": timings}

@@ -1,0 +1,206 @@
+"""``hsdp.Engine``: load a model sharded over a layout's ranks once, then serve many ``generate()`` calls.
+
+The engine starts ``config.world_size`` worker processes itself (:class:`hsdp.launch.WorkerGroup`, one per
+device) or, when the script was started by ``torchrun``, uses the ranks it runs on (every rank constructs the
+engine and calls ``generate`` with the same arguments). Everything that can be checked from the model's JSON
+files and the arguments is checked before a process starts. A worker that dies or fails surfaces as a
+:class:`hsdp.launch.WorkerError` in the caller; the engine is then closed and a new one can be started.
+
+>>> with Engine("tiny-wan", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)) as engine:
+...     [video] = engine.generate("A cat playing piano", SamplingParams(seed=0))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hsdp import distributed
+from hsdp.config import ParallelConfig
+from hsdp.engine import worker
+from hsdp.engine.model_info import ModelInfo, inspect_model
+from hsdp.engine.outputs import GenerationOutput
+from hsdp.engine.params import SamplingParams, build_requests, request_slots
+from hsdp.launch import WorkerError, WorkerGroup
+from hsdp.models.builtin import resolve_model
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["Engine"]
+
+
+def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
+    """Layout x model problems, found before any process starts."""
+    problems = []
+    if info.kind == "causal_lm" and config.compute_parallel_size > 1:
+        problems.append(
+            "causal LMs run with HSDP (--use-hsdp, --hsdp-shard-size, --hsdp-replicate-size, --request-parallel) "
+            "only; drop --ulysses-degree/--ring-degree/--cfg-parallel-size"
+        )
+    if info.kind == "diffusion" and config.ring_degree > 1 and distributed.device_type() == "cpu":
+        problems.append(
+            "--ring-degree: diffusers' ring attention has no CPU kernel; use --ulysses-degree on CPU"
+        )
+    if (
+        info.kind == "diffusion"
+        and config.ulysses_degree > 1
+        and info.num_heads
+        and info.num_heads % config.ulysses_degree
+    ):
+        problems.append(
+            f"--ulysses-degree {config.ulysses_degree} must divide the transformer's {info.num_heads} attention heads"
+        )
+    devices = distributed.available_devices()
+    if devices is not None and config.world_size > devices:
+        problems.append(
+            f"the layout ({config.describe()}) needs {config.world_size} ranks, one per device, but this host has "
+            f"{devices} {distributed.device_type()} device(s); reduce --hsdp-shard-size/--hsdp-replicate-size/"
+            "--ulysses-degree/--cfg-parallel-size"
+        )
+    return problems
+
+
+class _TorchrunRanks:
+    """The ranks this script already runs on (``torchrun``), with :class:`WorkerGroup`'s ``run`` interface."""
+
+    def __init__(self) -> None:
+        distributed.init_distributed()
+        self.world_size = distributed.world_size()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        result = fn(*args)
+        results: list[Any] = [None] * self.world_size
+        dist.all_gather_object(results, result)
+        return results
+
+    def close(self) -> None:
+        worker.unload()
+
+
+class Engine:
+    """A model loaded sharded across worker ranks; call :meth:`generate` as often as needed, then :meth:`close`."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        parallel_config: ParallelConfig | None = None,
+        *,
+        dtype: str | None = None,
+        forward_prefetch: bool = True,
+        progress: bool = False,
+        call_timeout_s: float | None = None,
+        start_timeout_s: float = 300.0,
+    ):
+        """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
+        Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
+        ``forward_prefetch`` chains explicit all-gather prefetch through the blocks. ``progress`` shows a bar
+        over denoising steps (rank 0). ``call_timeout_s`` bounds each ``generate`` call (None: no limit; a
+        dead worker is still noticed at once)."""
+        self.config = (parallel_config or ParallelConfig()).resolved()
+        self.info = inspect_model(resolve_model(model))
+        problems = layout_problems(self.info, self.config)
+        if problems:
+            raise ValueError(
+                "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+        self.progress = progress
+        self.call_timeout_s = call_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        started = time.perf_counter()
+        if distributed.launched_by_torchrun():
+            self._group: WorkerGroup | _TorchrunRanks = _TorchrunRanks()
+        else:
+            self._group = WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
+        spec = worker.LoadSpec(self.info.path, self.info.kind, self.config, dtype, forward_prefetch)
+        try:
+            self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = time.perf_counter() - started
+        logger.info("Engine ready in %.1fs: %s, %s", self.load_s, self.info.path, self.config.describe())
+
+    @property
+    def model_path(self) -> Path:
+        return self.info.path
+
+    @property
+    def kind(self) -> str:
+        """``diffusion`` or ``causal_lm``."""
+        return self.info.kind
+
+    @property
+    def request_slots(self) -> int:
+        """Requests generated side by side; ``generate`` takes a multiple of this many prompts."""
+        return request_slots(self.config)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker process ids (empty under torchrun)."""
+        return list(getattr(self._group, "pids", []))
+
+    def generate(
+        self, prompts: str | Sequence[str], params: SamplingParams | None = None
+    ) -> list[GenerationOutput]:
+        """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another."""
+        if self._closed:
+            raise RuntimeError("this Engine is closed; start a new one")
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
+        with self._lock:
+            try:
+                results = self._group.run(
+                    worker.generate, requests, resolved, self.progress, timeout_s=self.call_timeout_s
+                )
+            except WorkerError:
+                self.close()  # the group is broken; its processes are already gone
+                raise
+        memory = [r.peak_memory_bytes for r in results]
+        outputs = []
+        for result in results:
+            for request_id, payload in result.outputs:
+                request = requests[request_id]
+                outputs.append(
+                    GenerationOutput(
+                        request_id=request_id,
+                        prompt=request.prompt,
+                        seed=request.seed,
+                        peak_memory_bytes=memory,
+                        memory_kind=result.memory_kind,
+                        rank=result.rank,
+                        **payload,
+                    )
+                )
+        return sorted(outputs, key=lambda o: o.request_id)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        group = getattr(self, "_group", None)
+        if group is not None:
+            group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

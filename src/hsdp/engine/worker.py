@@ -1,0 +1,104 @@
+"""Rank-side entry points of the engine, sent by the caller through :class:`hsdp.launch.WorkerGroup`.
+
+The loaded runner lives in :func:`hsdp.launch.worker_state` between calls, so a model is loaded once and serves
+many :func:`generate` calls. Functions are module-level (they are pickled by reference).
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hsdp.config import ParallelConfig
+from hsdp.distributed import local_device, rank
+from hsdp.engine.params import Request, SamplingParams, request_slots
+from hsdp.launch import worker_state
+from hsdp.mesh import build_meshes
+
+__all__ = ["LoadSpec", "RankResult", "load", "generate", "unload", "peak_memory", "reset_peak_memory"]
+
+_KEY = "hsdp.engine.runner"
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    path: Path
+    kind: str
+    """``diffusion`` or ``causal_lm`` (from :func:`hsdp.engine.model_info.inspect_model`)."""
+    config: ParallelConfig
+    dtype: str | None = None
+    forward_prefetch: bool = True
+
+
+@dataclass
+class RankResult:
+    rank: int
+    outputs: list[tuple[int, dict]]
+    """(request_id, payload) for the requests this rank reports."""
+    peak_memory_bytes: int
+    memory_kind: str
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, kind): peak accelerator memory allocated since the last reset, or the process's peak RSS on CPU."""
+    device = local_device()
+    if device.type != "cpu":
+        return torch.accelerator.max_memory_allocated(device), f"{device.type} max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu peak RSS"
+
+
+def reset_peak_memory() -> None:
+    device = local_device()
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def load(spec: LoadSpec) -> dict:
+    """Build the meshes and load the model sharded on this rank; returns a small report."""
+    from hsdp.sharding import parameter_bytes
+
+    unload()
+    config = spec.config.resolved()
+    meshes = build_meshes(config)
+    if spec.kind == "diffusion":
+        from hsdp.engine.diffusion import DiffusionRunner as runner_cls
+    else:
+        from hsdp.engine.causal_lm import CausalLMRunner as runner_cls
+    runner = runner_cls(spec.path, config, meshes, dtype=spec.dtype, forward_prefetch=spec.forward_prefetch)
+    worker_state()[_KEY] = (runner, config, meshes)
+    local = sum(parameter_bytes(m)[0] for m in runner.modules())
+    memory, kind = peak_memory()
+    return {"rank": rank(), "local_param_bytes": local, "peak_memory_bytes": memory, "memory_kind": kind}
+
+
+def generate(requests: list[Request], params: SamplingParams, progress: bool) -> RankResult:
+    """Generate this rank's share of ``requests``, one at a time, in lockstep with the other ranks.
+
+    Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
+    request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
+    """
+    if _KEY not in worker_state():
+        raise RuntimeError("no model is loaded on this rank; call hsdp.engine.worker.load first")
+    runner, config, meshes = worker_state()[_KEY]
+    slots = request_slots(config)
+    mine = requests[meshes.data_parallel_rank :: slots] if slots > 1 else requests
+    reports = slots > 1 or rank() == 0
+    reset_peak_memory()
+    outputs = []
+    with torch.no_grad():
+        for request in mine:
+            payload = runner.generate(request, params, decode=reports, progress=progress and rank() == 0)
+            if reports:
+                outputs.append((request.request_id, payload))
+    memory, kind = peak_memory()
+    return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind)
+
+
+def unload() -> None:
+    """Drop the loaded model (a new :func:`load` replaces it)."""
+    if worker_state().pop(_KEY, None) is not None:
+        gc.collect()
