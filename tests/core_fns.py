@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -94,6 +95,8 @@ def load_and_compare(paths: dict, shard: int, replicate: int) -> dict:
         want = build_tiny_llama()(ids).logits
         for key in ("llama-fp32", "llama-sharded"):
             out[key] = (load_pretrained(paths[key], config)(ids).logits - want).abs().max().item()
+        offload = dataclasses.replace(config, cpu_offload=True)
+        out["llama-offload"] = (load_pretrained(paths["llama-fp32"], offload)(ids).logits - want).abs().max().item()
         model = load_pretrained(paths["llama-bf16"], config, dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(paths["llama-bf16"], dtype=torch.float32)
         out["llama-bf16-as-fp32"] = (model(ids).logits - reference(ids).logits).abs().max().item()

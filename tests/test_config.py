@@ -82,3 +82,11 @@ def test_all_problems_reported_at_once():
 def test_world_size_needs_resolution():
     with pytest.raises(RuntimeError, match="resolved"):
         _ = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).world_size
+
+
+def test_replace_of_resolved_config_is_validated_again():
+    import dataclasses
+
+    config = resolved(use_hsdp=True, hsdp_shard_size=2)
+    with pytest.raises(ConfigError, match="HYBRID_SHARD needs"):
+        dataclasses.replace(config, sharding_strategy=ShardingStrategy.HYBRID_SHARD).resolved()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("shard, replicate", [(2, 1), (2, 2)], ids=["fsdp2", "hsdp2x2"])
 def test_loaded_outputs_equal_saved_model(dist_run, tiny_checkpoints, shard, replicate):
     for out in dist_run(shard * replicate, core_fns.load_and_compare, tiny_checkpoints, shard, replicate):
-        assert out["llama-fp32"] == 0.0 and out["llama-sharded"] == 0.0
+        assert out["llama-fp32"] == 0.0 and out["llama-sharded"] == 0.0 and out["llama-offload"] == 0.0
         assert out["llama-bf16-as-fp32"] == 0.0
         assert out["llama-bf16-dtype"] == "torch.bfloat16" and out["llama-bf16"] == 0.0
         assert out["wan-fp32"] == 0.0 and out["wan-bf16"] == 0.0

@@ -240,9 +240,10 @@ class ParallelConfig:
         return []
 
     def resolved(self) -> ParallelConfig:
-        """Validate, fill auto sizes and derived settings; raises :class:`ConfigError` listing every problem."""
-        if self._resolved:
-            return self
+        """Validate, fill auto sizes and derived settings; raises :class:`ConfigError` listing every problem.
+
+        Idempotent, and it always re-validates, so a ``dataclasses.replace`` of a resolved config is checked again.
+        """
         config = self
         if isinstance(self.sharding_strategy, str) and not isinstance(
             self.sharding_strategy, ShardingStrategy

@@ -270,6 +270,18 @@ def _fill(targets: dict[str, torch.Tensor], index: CheckpointIndex) -> int:
     return read
 
 
+def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
+    """Move buffers and the parameters FSDP2 does not manage (plain tensors) to ``device``."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+            for param in module._parameters.values():
+                if param is not None and not isinstance(param, DTensor):
+                    param.data = param.data.to(device)
+
+
 def load_pretrained(
     path: str | Path,
     parallel_config: ParallelConfig | None = None,
@@ -301,7 +313,10 @@ def load_pretrained(
     report = None
     if config.use_hsdp:
         report = apply_hsdp_to_model(model, config, meshes=meshes, training=training)
-    model.to_empty(device=device)
+    # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
+    # still belong on the device (moved after filling).
+    offload = config.use_hsdp and config.cpu_offload and device.type != "cpu"
+    model.to_empty(device="cpu" if offload else device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives each alias of a tied parameter its own storage
     with torch.no_grad():
@@ -309,6 +324,8 @@ def load_pretrained(
             if name in computed_buffers:
                 buffer.copy_(computed_buffers[name])
     read = _fill(_targets(model, index), index)
+    if offload:
+        _move_unsharded_state(model, device)
     model.eval()
     model.hsdp_report = report
     local, total = parameter_bytes(model)
