@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the main job on the built-in default model, sharded over 2 local ranks.
+# Set up (idempotent) and run the main job: the built-in tiny Wan video pipeline, sharded over 2 local ranks,
+# writing outputs/cat.mp4. Extra args go to `hsdp generate` (e.g. --num-inference-steps 8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HSDP_CACHE=${HSDP_CACHE:-$PWD/.cache/hsdp}
-exec .venv/bin/hsdp demo --use-hsdp --hsdp-shard-size 2 "$@"
+mkdir -p outputs
+exec .venv/bin/hsdp generate --model tiny-wan --use-hsdp --hsdp-shard-size 2 \
+  --prompt "A cat playing piano" --output outputs/cat.mp4 "$@"
