@@ -2,10 +2,12 @@
 
 from hsdp.config import ConfigError, ParallelConfig, ShardingStrategy
 from hsdp.distributed import destroy_distributed, init_distributed
+from hsdp.loading import CheckpointError, load_pretrained
 from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.sharding import ShardReport, apply_hsdp_to_model
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "ParallelConfig",
     "ShardingStrategy",
@@ -15,6 +17,10 @@ __all__ = [
     "build_meshes",
     "destroy_distributed",
     "init_distributed",
+    "load_pretrained",
+    "Engine",
+    "SamplingParams",
+    "GenerationOutput",
 ]
 __version__ = "0.1.0"
 
