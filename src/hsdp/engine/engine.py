@@ -98,12 +98,15 @@ class Engine:
         progress: bool = False,
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
+        workers: WorkerGroup | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
         ``forward_prefetch`` chains explicit all-gather prefetch through the blocks. ``progress`` shows a bar
         over denoising steps (rank 0). ``call_timeout_s`` bounds each ``generate`` call (None: no limit; a
-        dead worker is still noticed at once)."""
+        dead worker is still noticed at once). ``workers``: an existing group of ``world_size`` ranks to load
+        into instead of starting processes (e.g. to swap models without a restart); it is left running on
+        :meth:`close`, with the model unloaded."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config)
@@ -115,8 +118,16 @@ class Engine:
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._closed = False
+        self._owns_group = workers is None
         started = time.perf_counter()
-        if distributed.launched_by_torchrun():
+        if workers is not None:
+            if workers.world_size != self.config.world_size or workers.broken:
+                raise ValueError(
+                    f"workers= has {workers.world_size} ranks (broken={workers.broken}), but the layout "
+                    f"({self.config.describe()}) needs {self.config.world_size}"
+                )
+            self._group = workers
+        elif distributed.launched_by_torchrun():
             self._group: WorkerGroup | _TorchrunRanks = _TorchrunRanks()
         else:
             self._group = WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
@@ -192,8 +203,12 @@ class Engine:
             return
         self._closed = True
         group = getattr(self, "_group", None)
-        if group is not None:
+        if group is None:
+            return
+        if self._owns_group:
             group.close()
+        elif not group.broken:
+            group.run(worker.unload)
 
     def __enter__(self) -> Engine:
         return self

@@ -1,0 +1,135 @@
+"""Engine input checks that need no worker processes: model folders, sampling parameters, layouts, the CLI.
+
+Each bad input must fail with a message naming the parameter and the fix, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from hsdp import ParallelConfig
+from hsdp.cli import main as cli_main
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.engine import layout_problems
+from hsdp.engine.model_info import inspect_model
+from hsdp.engine.params import build_requests
+from hsdp.models.builtin import resolve_model
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
+
+
+@pytest.fixture(scope="module")
+def wan_info(tmp_path_factory):
+    return inspect_model(resolve_model("tiny-wan", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
+
+
+@pytest.fixture(scope="module")
+def llama_info(tmp_path_factory):
+    return inspect_model(resolve_model("tiny-llama", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
+
+
+def test_model_info_reads_pipeline_and_lm_folders(wan_info, llama_info):
+    assert wan_info.kind == "diffusion" and wan_info.class_name == "WanPipeline"
+    assert (wan_info.spatial_multiple, wan_info.temporal_factor, wan_info.num_heads) == (16, 4, 2)
+    assert wan_info.defaults["height"] == 32 and wan_info.defaults["num_inference_steps"] == 4
+    assert llama_info.kind == "causal_lm"
+
+
+def test_defaults_filled_and_seeds_per_request(wan_info):
+    requests, params = build_requests(wan_info, HSDP2, ["a", "b"], SamplingParams(seed=7, height=48))
+    assert [r.seed for r in requests] == [7, 8]
+    assert (params.height, params.width, params.num_frames) == (48, 32, 5)
+    requests, _ = build_requests(
+        wan_info, HSDP2, ["a", "b"], SamplingParams(seed=[3, 9], negative_prompt=["x", "y"])
+    )
+    assert [(r.seed, r.negative_prompt) for r in requests] == [(3, "x"), (9, "y")]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(height=40), "height=40 must be a positive multiple of 16"),
+        (SamplingParams(width=0), "width=0 must be a positive multiple of 16"),
+        (SamplingParams(num_frames=6), "num_frames=6 must be 4k+1"),
+        (SamplingParams(num_inference_steps=0), "num_inference_steps=0 must be >= 1"),
+        (SamplingParams(negative_prompt=["x"]), "negative_prompt has 1 entries but there are 2 prompts"),
+        (SamplingParams(seed=[1, 2, 3]), "seed has 3 entries"),
+    ],
+)
+def test_bad_video_params(wan_info, params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_requests(wan_info, HSDP2, ["a", "b"], params)
+
+
+def test_prompts_must_match_the_layout(wan_info):
+    request_parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True).resolved()
+    with pytest.raises(ValueError, match="pass a multiple of 2 prompts"):
+        build_requests(wan_info, request_parallel, ["a", "b", "c"], SamplingParams())
+    with pytest.raises(ValueError, match="no prompt given"):
+        build_requests(wan_info, HSDP2, [], SamplingParams())
+    cfg2 = ParallelConfig(use_hsdp=True, cfg_parallel_size=2).resolved()
+    with pytest.raises(ValueError, match="--guidance-scale > 1"):
+        build_requests(wan_info, cfg2, ["a"], SamplingParams(guidance_scale=1.0))
+    ulysses4 = ParallelConfig(ulysses_degree=4).resolved()
+    with pytest.raises(ValueError, match="not divisible by 4"):  # 2 latent frames x 3 x 1 tokens
+        build_requests(wan_info, ulysses4, ["a"], SamplingParams(height=48, width=16))
+
+
+def test_layout_problems(wan_info, llama_info, monkeypatch):
+    assert layout_problems(wan_info, HSDP2) == []
+    assert (
+        "causal LMs run with HSDP"
+        in layout_problems(llama_info, ParallelConfig(ulysses_degree=2).resolved())[0]
+    )
+    assert "attention heads" in layout_problems(wan_info, ParallelConfig(ulysses_degree=4).resolved())[0]
+    assert "no CPU kernel" in layout_problems(wan_info, ParallelConfig(ring_degree=2).resolved())[0]
+
+
+def test_more_ranks_than_devices_fails_before_spawning(wan_info, monkeypatch):
+    import hsdp.distributed
+
+    monkeypatch.setattr(hsdp.distributed, "available_devices", lambda: 1)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="needs 2 ranks, one per device, but this host has 1"):
+        Engine(wan_info.path, HSDP2)
+    assert time.monotonic() - started < 5
+
+
+def test_unknown_model_and_non_pipeline_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither an existing path nor a built-in model"):
+        Engine("no-such-model", HSDP2)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not a model folder: no model_index.json"):
+        Engine(tmp_path, HSDP2)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match="none of which is a causal LM"):
+        Engine(tmp_path, HSDP2)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    code = cli_main(["generate", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nope"], "neither an existing path nor a built-in model"),
+        (["--height", "40"], "height=40 must be a positive multiple of 16"),
+        (["--num-frames", "8"], "num_frames=8 must be 4k+1"),
+        (["--output", "cat.avi"], "a video needs one of .mp4, .gif, .png"),
+        (["--request-parallel", "--prompt", "b", "--prompt", "c"], "pass a multiple of 2 prompts"),
+        (["--hsdp-shard-size", "-3"], "--hsdp-shard-size=-3 must be >= 1"),
+    ],
+)
+def test_cli_rejects_bad_input_before_starting(capsys, monkeypatch, tmp_path_factory, args, message):
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path_factory.getbasetemp() / "hsdp-cache"))
+    base = ["--model", "tiny-wan", "--use-hsdp", "--hsdp-shard-size", "2", "--prompt", "a"]
+    started = time.monotonic()
+    code, err = _cli(capsys, *base, *args)
+    assert code == 2 and message in err
+    assert time.monotonic() - started < 5
