@@ -141,14 +141,10 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         app_state = {"model": model_sd, "optim": optim_sd}
         if self.async_save:
-            future = dcp.async_save(
-                app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None
-            )
+            future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=self._group)
             self._pending = (future, step, tmp, state)
         else:
-            dcp.save(
-                app_state, checkpoint_id=str(tmp), process_group=self._group, no_dist=self._group is None
-            )
+            dcp.save(app_state, checkpoint_id=str(tmp), process_group=self._group)
             self._commit(step, tmp, state)
 
     def wait(self) -> Path | None:
@@ -183,9 +179,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         app_state = {"model": model_sd, "optim": optim_sd}
         try:
-            dcp.load(
-                app_state, checkpoint_id=str(path), process_group=self._group, no_dist=self._group is None
-            )
+            dcp.load(app_state, checkpoint_id=str(path), process_group=self._group)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded (corrupt or from another model): {exc}"
@@ -244,7 +238,7 @@ def export_safetensors(
         enable_consolidation=True,
         fqn_to_index_mapping=dict.fromkeys(state, 1),
     )
-    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    dcp.save(state, storage_writer=writer)
     if _rank() == 0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         if hasattr(model, "config"):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.run import run_training
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
         print(f"hsdp train: training failed: {exc}\n{hint}", file=sys.stderr)
         return 1
+    if rank() != 0:  # under torchrun every process returns here; one summary is enough
+        return 0
     steps = result.steps
     if steps:
         last_step = steps[-1]

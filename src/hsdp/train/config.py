@@ -59,7 +59,8 @@ class TrainConfig:
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (over all shards and replicated parameters)."""
     mixed_precision: str | None = None
-    """``bf16``: compute in bf16, reduce gradients in fp32, keep fp32 master weights (saved in fp32)."""
+    """``bf16`` or ``fp16``: compute in it, reduce gradients in fp32, keep fp32 master weights (saved in fp32).
+    fp16 adds dynamic loss scaling (a gradient scaler whose state is checkpointed)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward instead of keeping them."""
     freeze: tuple[str, ...] = ()
@@ -103,10 +104,8 @@ class TrainConfig:
             out.append(f"--lr={self.lr} must be > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             out.append(f"--max-grad-norm={self.max_grad_norm} must be > 0")
-        if self.mixed_precision not in (None, "bf16", "bfloat16"):
-            out.append(
-                f"--mixed-precision={self.mixed_precision!r}: use bf16 (fp16 needs loss scaling: not supported)"
-            )
+        if self.mixed_precision not in (None, "bf16", "bfloat16", "fp16", "float16"):
+            out.append(f"--mixed-precision={self.mixed_precision!r}: use bf16 or fp16")
         if self.parallel.param_dtype and self.mixed_precision:
             out.append(
                 "--param-dtype and --mixed-precision both set the compute dtype; use --mixed-precision only"

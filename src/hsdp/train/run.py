@@ -7,8 +7,9 @@ process). Inputs are checked by :func:`~hsdp.train.config.preflight` before anyt
 
 from __future__ import annotations
 
-from hsdp.distributed import init_distributed, launched_by_torchrun
+from hsdp.distributed import init_distributed, launched_by_torchrun, rank
 from hsdp.launch import WorkerGroup
+from hsdp.logging_utils import configure_logging
 from hsdp.train.config import TrainConfig, preflight
 from hsdp.train.trainer import Trainer, TrainResult
 
@@ -26,6 +27,7 @@ def run_training(cfg: TrainConfig, *, collective_timeout_s: float | None = None)
     world = cfg.effective_parallel().world_size
     if launched_by_torchrun():
         init_distributed()
+        configure_logging(rank())
         return train_on_rank(cfg)
     if world == 1:
         return train_on_rank(cfg)

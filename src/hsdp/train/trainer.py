@@ -1,8 +1,9 @@
 """The training loop that runs on every rank: load sharded, step, checkpoint, resume, export.
 
 Dtypes: the optimizer always holds fp32 master weights (the sharded parameters are fp32). With
-``mixed_precision="bf16"`` FSDP2 gathers bf16 copies for compute and reduce-scatters gradients in fp32; a
-single process without FSDP uses ``torch.autocast`` instead. Checkpoints store the fp32 masters; the export
+``mixed_precision="bf16"`` (or ``"fp16"``) FSDP2 gathers bf16 copies for compute and reduce-scatters gradients
+in fp32; a single process without FSDP uses ``torch.autocast`` instead. fp16 adds dynamic loss scaling
+(``ShardedGradScaler``, whose inf check spans all ranks). Checkpoints store the fp32 masters; the export
 is fp32 unless ``export_dtype`` says otherwise.
 
 A step is ``grad_accum`` micro-batches; gradient reduction is switched off on all but the last
@@ -121,10 +122,13 @@ class Trainer:
             if cfg.output_dir
             else None
         )
+        self.scaler = self._grad_scaler()
         self.step = 0
         if checks.resume_from is not None:
             state = self.checkpointer.load(checks.resume_from, self.model, self.optimizer)
             self.step = int(state["step"])
+            if self.scaler is not None and state.get("grad_scaler"):
+                self.scaler.load_state_dict(state["grad_scaler"])
             logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -144,6 +148,15 @@ class Trainer:
                 frozen += param.numel()
         if patterns:
             logger.info("Froze %d parameters matching %s", frozen, ", ".join(self.cfg.freeze))
+
+    def _grad_scaler(self) -> torch.amp.GradScaler | None:
+        if self.cfg.mixed_precision not in ("fp16", "float16"):
+            return None
+        if dist.is_initialized():
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            return ShardedGradScaler(device=device_type())
+        return torch.amp.GradScaler(device_type())
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP's MixedPrecisionPolicy casts for sharded models; autocast gives a lone model the same compute dtype.
@@ -172,11 +185,17 @@ class Trainer:
             ).to(self.device)
             with self._autocast():
                 loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss / cfg.grad_accum
-            loss.backward()
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
         all_reduce_plain_grads(self.params)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm_(self.params, cfg.max_grad_norm) if cfg.max_grad_norm else None
-        self.optimizer.step()
+        if self.scaler:  # skips the step when any rank saw inf/nan, then adapts the scale
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if (
             dist.is_initialized()
@@ -209,6 +228,7 @@ class Trainer:
             "grad_accum": cfg.grad_accum,
             "world_size": self.world_size,
             "layout": self.parallel.describe() if self.parallel.use_hsdp else "single process",
+            "grad_scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def save(self) -> None:
