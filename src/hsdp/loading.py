@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,12 +290,15 @@ def load_pretrained(
     dtype: torch.dtype | str | None = "auto",
     meshes: ParallelMeshes | None = None,
     training: bool = False,
+    resident_modules: Collection[str] = (),
+    forward_prefetch: int = 0,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
     ``dtype="auto"`` keeps the checkpoint's floating dtype; pass ``torch.float32`` (or ``"bf16"``) to convert.
     The model is returned in eval mode (call ``.train()`` for training) and carries the :class:`ShardReport` as
-    ``model.hsdp_report`` when sharded. Needs the process group to be initialised when the layout has more than
+    ``model.hsdp_report`` when sharded. ``resident_modules`` and ``forward_prefetch`` are passed to
+    :func:`~hsdp.sharding.apply_hsdp_to_model`. Needs the process group to be initialised when the layout has more than
     one rank.
     """
     started = time.perf_counter()
@@ -312,7 +315,14 @@ def load_pretrained(
     computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
     report = None
     if config.use_hsdp:
-        report = apply_hsdp_to_model(model, config, meshes=meshes, training=training)
+        report = apply_hsdp_to_model(
+            model,
+            config,
+            meshes=meshes,
+            training=training,
+            resident_modules=resident_modules,
+            forward_prefetch=forward_prefetch,
+        )
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
     # still belong on the device (moved after filling).
     offload = config.use_hsdp and config.cpu_offload and device.type != "cpu"

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 from hsdp.config import ParallelConfig, ShardingStrategy
@@ -161,7 +167,9 @@ def apply_hsdp_to_model(
 
     targets = [(n, m) for n, m in reversed(list(model.named_modules())) if n and plan.should_shard(n, m)]
     if not targets:
-        candidates = sorted({type(m).__name__ for n, m in model.named_modules() if n and len(list(m.children()))})
+        candidates = sorted(
+            {type(m).__name__ for n, m in model.named_modules() if n and len(list(m.children()))}
+        )
         raise ValueError(
             f"the shard plan ({plan.source}) matched no module of {type(model).__name__}. Add "
             f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
@@ -187,7 +195,9 @@ def apply_hsdp_to_model(
     )
     if strategy is ShardingStrategy.NO_SHARD:
         if resident or forward_prefetch:
-            logger.warning("resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)")
+            logger.warning(
+                "resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)"
+            )
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
@@ -204,7 +214,9 @@ def apply_hsdp_to_model(
         root_reshard = True if not training else config.reshard_after_forward
         fully_shard(model, reshard_after_forward=False if "" in resident else root_reshard, **kwargs)
         if forward_prefetch > 0:
-            order = [module for _, module in reversed(targets)]  # forward order
+            # Forward order is the reverse of leaf-first; the root starts the first block's all-gather so it
+            # overlaps the root's own work (embeddings) before the first block runs.
+            order = [model, *(module for _, module in reversed(targets))]
             for i, module in enumerate(order[:-1]):
                 module.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])
     for param in ignored:
