@@ -43,9 +43,8 @@ def write_inputs(folder: Path) -> tuple[Path, Path]:
     model_dir = folder / "llama-29m"
     build_tiny_llama(seed=0, **MODEL).save_pretrained(model_dir)
     build_byte_tokenizer().save_pretrained(model_dir)
-    words = (
-        ["sharded", "data", "parallel", "training", "splits", "parameters", "gradients", "and", "optimizer", "state", "over", "ranks"]
-    )
+    vocabulary = "sharded data parallel training splits parameters gradients and optimizer state over ranks"
+    words = vocabulary.split()
     picks = torch.randint(len(words), (60_000,), generator=torch.Generator().manual_seed(0)).tolist()
     data = folder / "data.txt"
     data.write_text(" ".join(words[i] for i in picks))
