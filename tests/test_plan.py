@@ -137,14 +137,15 @@ def test_plan_command_training_json(capsys):
 
 
 def test_plan_command_pipeline_table(capsys):
-    assert _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64") == 0
+    assert _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64", "--reserve", "2MiB") == 0
     out = capsys.readouterr().out
+    assert "devices of 8.00 MiB (6.00 MiB usable, --reserve 2MiB)" in out
     assert "transformer: WanTransformer3DModel" in out and "text_encoder: UMT5EncoderModel" in out
     assert "cfg2 usp2" in out and "recommended:" in out
 
 
 def test_plan_command_nothing_fits_names_the_smallest(capsys):
-    assert _run("tiny-llama", "--devices", "2", "--device-memory", "1KiB") == 1
+    assert _run("tiny-llama", "--devices", "2", "--device-memory", "1KiB", "--reserve", "0%") == 1
     err = capsys.readouterr().err
     assert "nothing fits in 1.00 KiB per device; the smallest layout" in err and "needs" in err
 
@@ -156,6 +157,8 @@ def test_plan_command_nothing_fits_names_the_smallest(capsys):
         (["--devices", "2", "--device-memory", "24XB"], "--device-memory='24XB'"),
         (["--devices", "2", "--device-memory", "24GiB", "--seq-len", "0"], "--seq-len=0"),
         (["--devices", "2", "--device-memory", "24GiB", "--param-dtype", "fp7"], "--param-dtype='fp7'"),
+        (["--devices", "2", "--device-memory", "24GiB", "--reserve", "150%"], "--reserve='150%'"),
+        (["--devices", "2", "--device-memory", "24GiB", "--reserve", "30GiB"], "leaves nothing"),
     ],
 )
 def test_plan_command_rejects_nonsense(argv, message, capsys):

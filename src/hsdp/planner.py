@@ -359,7 +359,9 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.weights + self.gather + self.grads + self.optimizer + self.activations
+        """Peak bytes per device. Gradients fill in as backward frees the activations and gathered weights,
+        so a training step peaks in whichever phase holds more."""
+        return self.weights + self.optimizer + max(self.grads, self.gather + self.activations)
 
     @property
     def fits(self) -> bool:
@@ -384,6 +386,25 @@ def _shard_size(config: ParallelConfig) -> int:
     return config.hsdp_shard_size if config.use_hsdp else 1
 
 
+def _forward_window(p: ModelProfile, shard: int, elem: int | None, prefetch: int) -> int:
+    """Peak gathered bytes around one block in forward, besides the root's weights.
+
+    FSDP2 frees an all-gather's output buffer only after the *next* unit's copy-out (so the copy-out can overlap
+    the next all-gather), and explicit prefetch issues the next all-gathers before that. Around block ``i``:
+    its unsharded weights, the previous unit's buffer (the root's for the first block), its own buffer and the
+    buffers of the ``prefetch - 1`` further blocks already in flight.
+    """
+    order = [p.root, *p.blocks]
+    buffers = [u.gathered_bytes(shard, elem) for u in order]
+    return max(
+        (
+            order[i].unsharded_bytes(elem) + buffers[i - 1] + sum(buffers[i : i + max(1, prefetch)])
+            for i in range(1, len(order))
+        ),
+        default=0,
+    )
+
+
 def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[str, int]:
     """Exact per-rank bytes of one component: sharded storage, gather buffers, grads, optimizer, comm."""
     c = layout.config
@@ -398,24 +419,27 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
     if not training:
         resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
         if gathers:
-            window = max(
-                (u.unsharded_bytes(ce) + max(1, layout.prefetch) * u.gathered_bytes(s, ce) for u in p.blocks),
-                default=0,
+            out["gather"] = (
+                sum(u.unsharded_bytes(ce) for u in resident)
+                + p.root.unsharded_bytes(ce)
+                + _forward_window(p, s, ce, layout.prefetch)
             )
-            out["gather"] = sum(u.unsharded_bytes(ce) for u in resident) + p.root.unsharded_bytes(ce) + window
             out["ag"] = int(frac * sum(u.gathered_bytes(s, ce) for u in moving))
         return out
     # Training: sharded grads (param dtype) and two AdamW states per sharded value.
     out["host" if c.cpu_offload else "grads"] += shards + p.replicated_bytes
     out["host" if c.cpu_offload else "optimizer"] += 2 * (shards + p.replicated_bytes)
     if gathers:
-        biggest = max(p.units, key=lambda u: u.unsharded_bytes(ce))
-        unit = biggest.unsharded_bytes(ce) + biggest.gathered_bytes(s, ce) + biggest.gathered_bytes(s, re_)
+        # Backward of the largest unit, with every activation still saved: its gathered weights, the next unit's
+        # (FSDP2 prefetches it in backward) unless every unit stayed gathered from forward, and its unsharded
+        # gradients (the reduce-scatter buffer replaces them as that layer's activations are freed).
+        biggest = max(p.blocks or p.units, key=lambda u: u.unsharded_bytes(ce))
         root = p.root.unsharded_bytes(ce) + p.root.gathered_bytes(s, re_)
-        if c.reshard_after_forward is False:  # SHARD_GRAD_OP keeps every unit gathered until backward
-            out["gather"] = sum(u.unsharded_bytes(ce) for u in p.blocks) + root + unit
+        grads = biggest.gathered_bytes(s, re_)
+        if c.reshard_after_forward is False:  # SHARD_GRAD_OP
+            out["gather"] = sum(u.unsharded_bytes(ce) for u in p.blocks) + root + grads
         else:
-            out["gather"] = root + unit
+            out["gather"] = root + biggest.unsharded_bytes(ce) + biggest.gathered_bytes(s, ce) + grads
         passes = 1 if c.reshard_after_forward is False else 2
         out["ag"] = int(passes * frac * sum(u.gathered_bytes(s, ce) for u in p.units))
         out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in p.units))
@@ -704,6 +728,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
     parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 24GiB, 80GB")
+    parser.add_argument(
+        "--reserve",
+        default="10%",
+        help="memory kept free for the runtime, communication buffers and fragmentation: a size or a percentage",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--infer", dest="training", action="store_false", help="plan inference (default)")
     mode.add_argument("--train", dest="training", action="store_true", help="plan training (AdamW)")
@@ -749,6 +778,26 @@ def _check_args(args: argparse.Namespace) -> None:
         raise PlanError("; ".join(problems))
 
 
+def _parse_reserve(text: str, memory: int) -> int:
+    if str(text).strip().endswith("%"):
+        try:
+            percent = float(str(text).strip()[:-1])
+        except ValueError:
+            percent = -1.0
+        if not 0 <= percent < 100:
+            raise PlanError(f"--reserve={text!r}: a percentage must be in [0, 100), e.g. 10%")
+        return int(memory * percent / 100)
+    reserve = parse_size(text, "--reserve")
+    if reserve >= memory:
+        raise PlanError(f"--reserve={text} leaves nothing of --device-memory={format_size(memory)}")
+    return reserve
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.2f}" if ms >= 0.01 else f"{ms:.1e}"
+
+
 def _table(result: Plan) -> str:
     rows = [
         (
@@ -780,7 +829,7 @@ def _table(result: Plan) -> str:
                 mark,
                 format_size(e.allgather_bytes),
                 format_size(e.reduce_scatter_bytes + e.allreduce_bytes),
-                f"{e.step_s * 1e3:.3g}",
+                _ms(e.step_s),
                 f"{e.samples_per_s:.1f}",
             )
         )
@@ -793,7 +842,9 @@ def _table(result: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
-        hw = Hardware(parse_size(args.device_memory), args.device_tflops, args.link_gbps, args.host_gbps)
+        memory = parse_size(args.device_memory)
+        reserve = _parse_reserve(args.reserve, memory)
+        hw = Hardware(memory - reserve, args.device_tflops, args.link_gbps, args.host_gbps)
         work = Workload(
             training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
         )
@@ -812,7 +863,8 @@ def run(args: argparse.Namespace) -> int:
             )
         mode = "training" if work.training else "inference"
         print(
-            f"{mode} on {args.devices} devices of {format_size(hw.device_memory)}, batch {work.batch} x {work.seq_len} tokens\n"
+            f"{mode} on {args.devices} devices of {format_size(memory)} ({format_size(hw.device_memory)} usable, "
+            f"--reserve {args.reserve}), batch {work.batch} x {work.seq_len} tokens\n"
         )
         print(_table(result))
         print()
