@@ -17,6 +17,7 @@ from hsdp.config import ConfigError, ParallelConfig, ShardingStrategy
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hsdp.demo", "shard a built-in model across local ranks and compare with one process"),
     "generate": ("hsdp.engine.cli", "generate videos or text with a model sharded across local ranks"),
+    "serve": ("hsdp.serve.cli", "serve a sharded model over an OpenAI-style HTTP API (videos, images, completions)"),
     "train": ("hsdp.train.cli", "fine-tune a causal LM with FSDP2: checkpoints, exact resume, safetensors export"),
     "plan": ("hsdp.planner", "will it fit, and how fast: per-rank memory and traffic of every layout"),
 }

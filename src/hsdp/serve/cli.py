@@ -1,0 +1,121 @@
+"""``hsdp serve MODEL``: load the model sharded across local ranks, then serve it over HTTP (uvicorn).
+
+The model is loaded before the port is bound, so a bad model, layout or flag ends the command with a message
+and exit code 2 instead of a server that cannot answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.serve.settings import ServeLimits, ServeSettings
+
+logger = logging.getLogger("hsdp")
+
+API_KEY_ENV = "HSDP_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="built-in name (tiny-wan, tiny-llama) or a diffusers / Hugging Face model folder"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8091)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as 'model' (default: MODEL)"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("hsdp-serve-output"), help="job records and videos"
+    )
+    parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
+    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+    parser.add_argument(
+        "--job-timeout", type=float, default=600.0, help="seconds per engine call before the workers restart"
+    )
+    limits = parser.add_argument_group("request limits (each violation is a 400 naming the flag)")
+    defaults = ServeLimits()
+    for name in (
+        "max_prompt_chars",
+        "max_side",
+        "max_frames",
+        "max_steps",
+        "max_images",
+        "max_new_tokens",
+        "max_body_bytes",
+    ):
+        limits.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=getattr(defaults, name),
+            help=f"default {getattr(defaults, name)}",
+        )
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_parallel_arguments(parser)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    limit_names = [f.name for f in ServeLimits.__dataclass_fields__.values() if hasattr(args, f.name)]
+    return ServeSettings(
+        model=args.model,
+        parallel_config=parallel_config_from_args(args),
+        served_model_name=args.served_model_name,
+        output_dir=args.output_dir,
+        api_key=args.api_key,
+        dtype=args.dtype,
+        max_queue=args.max_queue,
+        job_timeout_s=args.job_timeout,
+        limits=ServeLimits(**{name: getattr(args, name) for name in limit_names}),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hsdp.serve.app import create_app
+    from hsdp.serve.service import Server
+
+    settings = settings_from_args(args)
+    if not 0 <= args.port < 65536:
+        print(f"hsdp serve: --port {args.port} must be 0..65535", file=sys.stderr)
+        return 2
+    try:
+        server = Server(settings)
+        server.start()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"hsdp serve: {exc}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        logger.warning(
+            "serving on %s without --api-key: anyone who can reach this address can use the model", args.host
+        )
+    logger.info(
+        "serving %s (%s) on http://%s:%d; outputs in %s",
+        settings.name,
+        settings.parallel_config.describe(),
+        args.host,
+        args.port,
+        settings.output_dir,
+    )
+    try:
+        uvicorn.run(
+            create_app(server),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=30,
+        )
+    finally:
+        server.stop()
+    return 0

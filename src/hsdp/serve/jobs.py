@@ -1,0 +1,275 @@
+"""Jobs, the bounded queue in front of the engine, and their records on disk.
+
+Every request that needs the engine becomes one :class:`Job` per output (an image request with ``n=3`` is three
+jobs). Jobs wait in a FIFO queue of bounded length (``submit`` refuses with :class:`QueueFull` past it); the
+engine thread takes batches of *compatible* jobs (same kind and sampling parameters, differing only in prompt,
+seed and negative prompt) so request-parallel HSDP runs them side by side.
+
+Asynchronous video jobs are *persistent*: their record is written to ``<output_dir>/jobs/<id>.json`` at every
+state change (atomically: temp file, then rename) and their video to ``<output_dir>/videos/<id>.mp4`` before
+the record says ``completed``. A restarted server reloads the records: finished jobs are served again, queued
+ones are queued again, and one that was running when the server stopped is marked failed with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["Job", "JobStore", "QueueFull", "FINISHED"]
+
+FINISHED = ("completed", "failed", "cancelled")
+_PERSISTED = (
+    "id",
+    "kind",
+    "prompt",
+    "params",
+    "seed",
+    "negative_prompt",
+    "created_at",
+    "status",
+    "started_at",
+    "completed_at",
+    "error",
+    "output",
+    "meta",
+)
+
+
+@dataclass(eq=False)
+class Job:
+    kind: str
+    """``video`` (asynchronous, persisted), ``video_sync``, ``image`` or ``text``."""
+    prompt: str
+    params: dict
+    """:class:`hsdp.engine.SamplingParams` fields shared by the batch (not seed / negative prompt)."""
+    seed: int
+    negative_prompt: str | None = None
+    meta: dict = field(default_factory=dict)
+    """What the response needs and the engine does not (fps, size, ...)."""
+    id: str = ""
+    created_at: float = field(default_factory=time.time)
+    status: str = "queued"
+    started_at: float | None = None
+    completed_at: float | None = None
+    error: dict | None = None
+    """``{"code": ..., "message": ...}`` when failed or cancelled."""
+    output: str | None = None
+    """File name under ``<output_dir>/videos`` of a finished persistent job."""
+    result: Any = None
+    """In memory only: frames, PNG bytes or a :class:`hsdp.engine.GenerationOutput` for the waiting request."""
+    cancel_requested: bool = False
+    _waiters: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "video" if self.kind.startswith("video") else self.kind
+            self.id = f"{prefix}_{uuid.uuid4().hex}"
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind == "video"
+
+    @property
+    def finished(self) -> bool:
+        """The engine is done with it (a cancelled running job is not finished until its batch ends)."""
+        return self.completed_at is not None
+
+    def batch_key(self) -> str:
+        return json.dumps([self.kind.replace("_sync", ""), self.params], sort_keys=True)
+
+    def record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k in _PERSISTED}
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the job queue is full; retry in {retry_after_s}s")
+        self.retry_after_s = retry_after_s
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+class JobStore:
+    """Thread-safe: HTTP handlers (event loop) submit and read; the engine thread takes and finishes jobs."""
+
+    def __init__(self, output_dir: Path, capacity: int):
+        self.capacity = capacity
+        self.jobs_dir = Path(output_dir) / "jobs"
+        self.videos_dir = Path(output_dir) / "videos"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.videos_dir.mkdir(parents=True, exist_ok=True)
+        self._jobs: dict[str, Job] = {}
+        self._queue: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self.finished_counts: Counter[str] = Counter()
+        self.batch_seconds = 0.0
+        """Moving average of an engine call, for ``Retry-After``."""
+        self.slots = 1
+
+    # -- persistence -----------------------------------------------------------------------------------------
+    def load(self) -> tuple[int, int]:
+        """Reload persisted jobs; returns (jobs loaded, jobs queued again)."""
+        loaded = requeued = 0
+        for path in sorted(self.jobs_dir.glob("*.json")):
+            try:
+                job = Job(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                logger.warning("skipping unreadable job record %s: %s", path, exc)
+                continue
+            if job.status in FINISHED and job.completed_at is None:  # cancelled while it ran
+                job.completed_at = time.time()
+            if job.status == "in_progress":
+                job.status, job.completed_at = "failed", time.time()
+                job.error = {
+                    "code": "server_restarted",
+                    "message": "the server stopped while this job ran; resubmit it",
+                }
+                self._save(job)
+            elif job.status == "completed" and not (job.output and (self.videos_dir / job.output).exists()):
+                job.status = "failed"
+                job.error = {
+                    "code": "output_missing",
+                    "message": f"the output file {job.output} is gone from the output dir",
+                }
+                self._save(job)
+            self._jobs[job.id] = job
+            loaded += 1
+        queued = sorted((j for j in self._jobs.values() if j.status == "queued"), key=lambda j: j.created_at)
+        self._queue.extend(queued)
+        requeued = len(queued)
+        return loaded, requeued
+
+    def _save(self, job: Job) -> None:
+        if job.persistent:
+            _write_json_atomic(self.jobs_dir / f"{job.id}.json", job.record())
+
+    # -- queue -----------------------------------------------------------------------------------------------
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue all of ``jobs`` or none (raises :class:`QueueFull` with a retry estimate)."""
+        with self._cond:
+            if len(self._queue) + len(jobs) > self.capacity:
+                waves = math.ceil((len(self._queue) + len(jobs)) / max(1, self.slots))
+                raise QueueFull(max(1, math.ceil(waves * (self.batch_seconds or 1.0))))
+            for job in jobs:
+                if job.persistent:
+                    self._jobs[job.id] = job
+                    self._save(job)
+                self._queue.append(job)
+            self._cond.notify_all()
+
+    def next_batch(self, max_jobs: int, timeout_s: float) -> list[Job]:
+        """The oldest queued job plus up to ``max_jobs - 1`` compatible ones, marked in progress."""
+        with self._cond:
+            if not self._queue and not self._cond.wait_for(lambda: bool(self._queue), timeout=timeout_s):
+                return []
+            first = self._queue.popleft()
+            batch = [first]
+            key = first.batch_key()
+            for job in list(self._queue):
+                if len(batch) >= max_jobs:
+                    break
+                if job.batch_key() == key:
+                    self._queue.remove(job)
+                    batch.append(job)
+            now = time.time()
+            for job in batch:
+                job.status, job.started_at = "in_progress", now
+                self._save(job)
+            self._running = list(batch)
+            return batch
+
+    def finish(self, job: Job, status: str, *, error: dict | None = None, output: str | None = None) -> None:
+        """Record the end of a job (a cancelled job stays cancelled) and wake whoever waits on it."""
+        with self._cond:
+            if job.status == "cancelled":
+                status, error = "cancelled", job.error
+            job.status, job.error, job.completed_at = status, error, time.time()
+            if output is not None:
+                job.output = output
+            self._save(job)
+            self.finished_counts[status] += 1
+            if job in self._running:
+                self._running.remove(job)
+            waiters, job._waiters = job._waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """A queued job leaves the queue at once; a running one finishes, and its output is discarded."""
+        with self._cond:
+            if job.finished or job.cancel_requested:
+                return
+            error = {"code": "cancelled", "message": reason}
+            if job in self._queue:
+                self._queue.remove(job)
+                job.status = "cancelled"
+                job.error = error
+            else:
+                job.cancel_requested = True
+                job.status, job.error = "cancelled", error
+                self._save(job)
+                return  # the engine thread calls finish() when the batch ends
+        self.finish(job, "cancelled", error=error)
+
+    async def wait(self, job: Job) -> None:
+        """Return when ``job`` is finished (without blocking the event loop or a thread)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if job.finished:
+                return
+            job._waiters.append((loop, future))
+        await future
+
+    # -- reading ---------------------------------------------------------------------------------------------
+    def get(self, job_id: str) -> Job | None:
+        with self._cond:
+            return self._jobs.get(job_id)
+
+    def list(self) -> list[Job]:
+        with self._cond:
+            return sorted(self._jobs.values(), key=lambda j: j.created_at)
+
+    def delete(self, job: Job) -> None:
+        with self._cond:
+            self._jobs.pop(job.id, None)
+            for path in (self.jobs_dir / f"{job.id}.json", self.videos_dir / (job.output or "")):
+                if path.is_file():
+                    path.unlink()
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running)
+
+    def drain(self) -> list[Job]:
+        """Take every queued job out (server shutdown); persistent ones stay queued on disk."""
+        with self._cond:
+            jobs, self._queue = list(self._queue), deque()
+            return jobs
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

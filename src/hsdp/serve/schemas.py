@@ -1,0 +1,310 @@
+"""Request and response bodies of the HTTP API (pydantic), shaped like OpenAI's, vLLM-Omni's and SGLang's.
+
+Field bounds here are absolute (they appear in ``/openapi.json``); the server's own, tighter limits
+(:class:`hsdp.serve.settings.ServeLimits`) are checked by :func:`check_limits` and the model's shape rules
+(multiples of 16, ``4k + 1`` frames) by the engine's own validation, before a job is queued.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hsdp.serve.settings import ServeLimits
+
+__all__ = [
+    "ApiError",
+    "VideoRequest",
+    "VideoJob",
+    "ImageRequest",
+    "CompletionRequest",
+    "ChatMessage",
+    "ChatCompletionRequest",
+    "check_limits",
+    "parse_size",
+]
+
+MAX_TEXT = 100_000
+"""Absolute cap on any text field; the server's --max-prompt-chars is usually far lower."""
+SEED_MAX = 2**32 - 1
+JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+
+
+class ApiError(Exception):
+    """A client-visible error: HTTP status plus an OpenAI-style ``{"error": {...}}`` body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
+
+
+class _DiffusionFields(_Strict):
+    model: str | None = Field(
+        None, max_length=512, description="Served model name; omit for this server's model"
+    )
+    negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
+    num_inference_steps: int | None = Field(None, ge=1, le=1000, description="None: the model's default")
+    guidance_scale: float | None = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
+
+
+class VideoRequest(_DiffusionFields):
+    """``POST /v1/videos`` and ``/v1/videos/sync``, as JSON or multipart form fields."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_TEXT)
+    size: str | None = Field(None, pattern=r"^\d{1,5}x\d{1,5}$", description="'WIDTHxHEIGHT', e.g. '832x480'")
+    width: int | None = Field(None, ge=1, le=16384)
+    height: int | None = Field(None, ge=1, le=16384)
+    num_frames: int | None = Field(None, ge=1, le=4096, description="4k+1 for Wan; None: the model's default")
+    fps: int = Field(16, ge=1, le=240, description="Frames per second of the mp4")
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoJob(BaseModel):
+    """A video job as ``GET /v1/videos/{id}`` reports it (OpenAI's video object plus the generation fields)."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: JobStatus
+    progress: int = Field(..., ge=0, le=100)
+    created_at: int
+    completed_at: int | None = None
+    prompt: str
+    size: str
+    seconds: str
+    num_frames: int
+    fps: int
+    seed: int
+    error: VideoError | None = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+
+
+class DeletedVideo(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+class ImageRequest(_DiffusionFields):
+    """OpenAI ``POST /v1/images/generations``: one frame of the video pipeline per image."""
+
+    prompt: str = Field(..., min_length=1, max_length=MAX_TEXT)
+    n: int = Field(1, ge=1, le=64)
+    size: str | None = Field(
+        None, pattern=r"^(auto|\d{1,5}x\d{1,5})$", description="'WIDTHxHEIGHT' or 'auto'"
+    )
+    response_format: Literal["b64_json", "url"] | None = Field(None, description="Only b64_json is served")
+    quality: str | None = Field(None, max_length=64, description="Accepted and ignored")
+    style: str | None = Field(None, max_length=64, description="Accepted and ignored")
+    user: str | None = Field(None, max_length=512)
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = Field(None, max_length=512)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=100_000, description="0: no top-k filtering")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first")
+    n: int = Field(1, ge=1, le=1, description="One choice per prompt")
+    user: str | None = Field(None, max_length=512)
+
+
+class CompletionRequest(_SamplingFields):
+    """OpenAI ``POST /v1/completions``."""
+
+    prompt: str | list[str] = Field(..., description="A prompt or a list of prompts (one choice each)")
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str = Field(..., max_length=MAX_TEXT)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(..., description="Text, or a list of text parts")
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """OpenAI ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    max_tokens: int | None = Field(
+        None, ge=1, le=1_000_000, description="Deprecated name of max_completion_tokens"
+    )
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+
+    def token_budget(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx: OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: str
+    model: str
+    engine: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hsdp"
+    kind: Literal["diffusion", "causal_lm"]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def parse_size(size: str | None, width: int | None, height: int | None) -> tuple[int | None, int | None]:
+    """``size='WxH'`` or ``width``/``height`` (not both, unless they agree); None means the model's default."""
+    if size is None or size == "auto":
+        return width, height
+    w, h = (int(v) for v in size.split("x"))
+    if (width is not None and width != w) or (height is not None and height != h):
+        raise ApiError(
+            400,
+            f"size={size!r} disagrees with width={width}/height={height}; give one or the other",
+            param="size",
+        )
+    return w, h
+
+
+def _too_long(name: str, text: str | None, limit: int) -> str | None:
+    if text is not None and len(text) > limit:
+        return (
+            f"{name} has {len(text)} characters; this server allows {limit} (hsdp serve --max-prompt-chars)"
+        )
+    return None
+
+
+def check_limits(
+    request: BaseModel, limits: ServeLimits, width: int | None = None, height: int | None = None
+) -> None:
+    """Raise a 400 naming every field over this server's limits (and the flag that raises each limit)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(param: str, message: str | None) -> None:
+        if message:
+            problems.append((param, message))
+
+    for name in ("prompt", "negative_prompt"):
+        value = getattr(request, name, None)
+        for i, text in enumerate([value] if isinstance(value, str) or value is None else value):
+            check(
+                name,
+                _too_long(name if isinstance(value, str) else f"{name}[{i}]", text, limits.max_prompt_chars),
+            )
+    for i, message in enumerate(getattr(request, "messages", None) or []):
+        check("messages", _too_long(f"messages[{i}].content", message.text(), limits.max_prompt_chars))
+    for name, value in (("width", width), ("height", height)):
+        if value is not None and value > limits.max_side:
+            check(
+                name, f"{name}={value} exceeds this server's {limits.max_side} pixels (hsdp serve --max-side)"
+            )
+    frames = getattr(request, "num_frames", None)
+    if frames is not None and frames > limits.max_frames:
+        check(
+            "num_frames",
+            f"num_frames={frames} exceeds this server's {limits.max_frames} (hsdp serve --max-frames)",
+        )
+    steps = getattr(request, "num_inference_steps", None)
+    if steps is not None and steps > limits.max_steps:
+        check(
+            "num_inference_steps",
+            f"num_inference_steps={steps} exceeds {limits.max_steps} (hsdp serve --max-steps)",
+        )
+    if isinstance(request, ImageRequest) and request.n > limits.max_images:
+        check(
+            "n",
+            f"n={request.n} exceeds this server's {limits.max_images} images per request (hsdp serve --max-images)",
+        )
+    if isinstance(request, (CompletionRequest, ChatCompletionRequest)):
+        budget = request.max_tokens if isinstance(request, CompletionRequest) else request.token_budget()
+        if budget > limits.max_new_tokens:
+            check(
+                "max_tokens",
+                f"max_tokens={budget} exceeds {limits.max_new_tokens} (hsdp serve --max-new-tokens)",
+            )
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            check("stop", "stop takes up to 4 non-empty strings")
+    if isinstance(request, CompletionRequest):
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if not prompts or len(prompts) > limits.max_prompts:
+            check("prompt", f"prompt must be a string or a list of 1 to {limits.max_prompts} strings")
+        if any(not p for p in prompts):
+            check("prompt", "every prompt must be a non-empty string")
+    if problems:
+        raise ApiError(400, "; ".join(m for _, m in problems), param=problems[0][0], code="limit_exceeded")
+
+
+_ID = re.compile(r"^[a-z]+_[0-9a-f]{32}$")
+
+
+def valid_job_id(job_id: str) -> bool:
+    return bool(_ID.match(job_id))

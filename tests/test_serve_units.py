@@ -1,0 +1,164 @@
+"""``hsdp serve`` parts that need no model and no server: the job queue and its records, limits, text helpers,
+metrics. The end-to-end behaviour over HTTP is in test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from hsdp.serve.jobs import Job, JobStore, QueueFull
+from hsdp.serve.metrics import render_metrics
+from hsdp.serve.runner import RunnerStats
+from hsdp.serve.schemas import (
+    ApiError,
+    ChatMessage,
+    CompletionRequest,
+    VideoRequest,
+    check_limits,
+    parse_size,
+)
+from hsdp.serve.settings import ServeLimits, ServeSettings
+from hsdp.serve.text import apply_stop, chat_prompt, text_deltas
+
+VIDEO = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1}
+
+
+def _job(kind: str = "video", seed: int = 0, **params) -> Job:
+    return Job(kind, f"prompt {seed}", {**VIDEO, **params}, seed, meta={"fps": 8})
+
+
+def test_queue_bound_refuses_whole_request_with_retry_estimate(tmp_path):
+    store = JobStore(tmp_path, capacity=3)
+    store.submit([_job(seed=i) for i in range(2)])
+    with pytest.raises(QueueFull) as info:
+        store.submit([_job(seed=5), _job(seed=6)])  # all-or-nothing: 2 + 2 > 3
+    assert info.value.retry_after_s >= 1
+    assert store.depth() == 2
+    store.submit([_job(seed=7)])
+    assert store.depth() == 3
+
+
+def test_batches_take_compatible_jobs_in_order(tmp_path):
+    store = JobStore(tmp_path, capacity=10)
+    a, b, c, d = _job(seed=1), _job(seed=2, num_inference_steps=2), _job("video_sync", seed=3), _job(seed=4)
+    store.submit([a, b, c, d])
+    batch = store.next_batch(2, timeout_s=0)
+    assert batch == [a, c]  # video_sync has the same engine parameters as video; b differs in steps
+    assert all(j.status == "in_progress" for j in batch)
+    assert store.next_batch(2, timeout_s=0) == [b]
+    assert store.next_batch(2, timeout_s=0) == [d]
+    assert store.next_batch(2, timeout_s=0.01) == []
+
+
+def test_cancel_queued_and_running(tmp_path):
+    store = JobStore(tmp_path, capacity=10)
+    running, queued = _job(seed=1), _job(seed=2, num_inference_steps=3)
+    store.submit([running, queued])
+    assert store.next_batch(1, timeout_s=0) == [running]
+    store.cancel(queued, "by test")
+    assert queued.status == "cancelled" and queued.finished and store.depth() == 0
+    store.cancel(running, "by test")
+    assert running.status == "cancelled" and not running.finished  # the engine still holds it
+    store.finish(running, "completed", output="x.mp4")
+    assert running.status == "cancelled" and running.finished  # cancellation wins over the late result
+
+
+def test_records_survive_a_restart(tmp_path):
+    store = JobStore(tmp_path, capacity=10)
+    done, running, waiting, lost = (_job(seed=i) for i in range(4))
+    store.submit([done, running, waiting, lost])
+    store.next_batch(1, timeout_s=0)
+    (store.videos_dir / f"{done.id}.mp4").write_bytes(b"mp4")
+    store.finish(done, "completed", output=f"{done.id}.mp4")
+    store.next_batch(1, timeout_s=0)  # running: in progress when the server "stops"
+    store.next_batch(1, timeout_s=0)  # waiting: taken, then put back below as if never started
+    waiting.status = "queued"
+    store._save(waiting)
+    lost_record = lost.record() | {
+        "status": "completed",
+        "output": "missing.mp4",
+        "completed_at": time.time(),
+    }
+    (store.jobs_dir / f"{lost.id}.json").write_text(json.dumps(lost_record))
+
+    again = JobStore(tmp_path, capacity=10)
+    assert again.load() == (4, 1)
+    assert again.get(done.id).status == "completed" and again.get(done.id).output == f"{done.id}.mp4"
+    assert again.get(running.id).status == "failed"
+    assert again.get(running.id).error["code"] == "server_restarted"
+    assert again.get(lost.id).error["code"] == "output_missing"
+    assert [j.id for j in again.next_batch(4, timeout_s=0)] == [waiting.id]
+
+
+def test_ephemeral_jobs_leave_no_record(tmp_path):
+    store = JobStore(tmp_path, capacity=10)
+    job = _job("image")
+    store.submit([job])
+    assert store.get(job.id) is None and not list(store.jobs_dir.iterdir())
+
+
+def test_limits_name_the_flag():
+    limits = ServeLimits(max_prompt_chars=10, max_side=64, max_frames=9, max_steps=2)
+    request = VideoRequest(prompt="x" * 11, num_frames=13, num_inference_steps=3)
+    with pytest.raises(ApiError) as info:
+        check_limits(request, limits, width=128, height=32)
+    message = info.value.message
+    for flag in ("--max-prompt-chars", "--max-side", "--max-frames", "--max-steps"):
+        assert flag in message
+    assert info.value.status == 400
+    with pytest.raises(ApiError, match="--max-new-tokens"):
+        check_limits(CompletionRequest(prompt="hi", max_tokens=5000), limits)
+    with pytest.raises(ApiError, match="non-empty"):
+        check_limits(CompletionRequest(prompt=["a", ""]), limits)
+
+
+def test_size_and_width_height():
+    assert parse_size("48x32", None, None) == (48, 32)
+    assert parse_size(None, 16, None) == (16, None)
+    assert parse_size("48x32", 48, 32) == (48, 32)
+    with pytest.raises(ApiError, match="disagrees"):
+        parse_size("48x32", 64, None)
+
+
+def test_settings_problems_name_flags():
+    problems = ServeSettings(model="m", max_queue=0, job_timeout_s=0, api_key=" ").problems()
+    assert any("--max-queue" in p for p in problems) and any("--job-timeout" in p for p in problems)
+    assert any("--api-key" in p for p in problems)
+
+
+def test_stop_strings_and_streamed_pieces():
+    from hsdp.models.tiny import build_byte_tokenizer
+
+    assert apply_stop("hello world", [" wor", "xyz"]) == ("hello", True)
+    assert apply_stop("hello", None) == ("hello", False)
+    tokenizer = build_byte_tokenizer()
+    text = "héllo ✓"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = list(text_deltas(tokenizer, ids, tokenizer.decode(ids, skip_special_tokens=True)))
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
+    cut = list(text_deltas(tokenizer, ids, "hé"))  # a stop string cut the text: stream stops there
+    assert "".join(cut) == "hé"
+    messages = [
+        ChatMessage(role="system", content="be brief"),
+        ChatMessage(role="user", content=[{"type": "text", "text": "hi"}]),
+    ]
+    assert chat_prompt(tokenizer, messages) == "system: be brief\nuser: hi\nassistant:"
+
+
+def test_metrics_are_valid_prometheus_text(tmp_path):
+    store = JobStore(tmp_path, capacity=4)
+    store.submit([_job()])
+    stats = RunnerStats(
+        state="ready", peak_memory_bytes=[10, 20], memory_kind="cpu peak RSS", worker_pids=[11, 12]
+    )
+    text = render_metrics('m"x', store, stats)
+    sample = re.compile(r'^[a-z_]+(\{([a-z_]+="([^"\\]|\\.)*",?)*\})? -?[0-9.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith("# ") or sample.match(line), line
+    assert 'hsdp_queue_depth{model="m\\"x"} 1' in text
+    assert 'hsdp_rank_peak_memory_bytes{model="m\\"x",rank="1",kind="cpu peak RSS"} 20' in text
+    assert 'hsdp_worker_info{model="m\\"x",rank="1",pid="12"} 1' in text
