@@ -1,515 +1,57 @@
 """``hsdp plan``: will the model fit, and how fast, answered from its config alone.
 
 The model is built on the meta device (no weights are read) and split into the FSDP units the real sharding
-code would make (the same shard plan, leaf-first ownership, parameters FSDP2 cannot shard kept whole). Every
-per-rank figure is then exact arithmetic over parameter shapes, including FSDP2's padding of dim 0 to a
-multiple of the shard size, so :mod:`hsdp.simulate` can check it against what ``fully_shard`` allocates at
-1,024 ranks. Activations and step time are estimates (a transformer-shaped formula and a roofline over the
-``--device-tflops`` / ``--link-gbps`` figures); the rest is exact.
+code would make (:mod:`hsdp.model_profile`); every candidate layout is then estimated per rank
+(:mod:`hsdp.plan_estimate`): weights, gradients, optimizer state and collective bytes exactly, including
+FSDP2's padding of dim 0 to a multiple of the shard size, so :mod:`hsdp.simulate` can check them against what
+``fully_shard`` allocates at 1,024 ranks; gather buffers, activations and step time as estimates. This module
+enumerates the layouts, picks the fastest that fits, chooses budgeted residency for inference and is the
+``hsdp plan`` command.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
-import math
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
 from torch import nn
 
-from hsdp.config import DTYPES, ConfigError, ParallelConfig, ShardingStrategy
-from hsdp.plans import resolve_plan
-from hsdp.sharding import _unshardable_params
+from hsdp.config import DTYPES, ConfigError, ParallelConfig
+from hsdp.model_profile import (
+    ModelProfile,
+    PlanError,
+    format_size,
+    main_component,
+    parse_size,
+    profile_model,
+    profile_module,
+)
+from hsdp.plan_estimate import Estimate, Hardware, Layout, Workload, estimate
 
 __all__ = [
     "PlanError",
     "parse_size",
     "format_size",
-    "UnitProfile",
     "ModelProfile",
     "profile_module",
     "profile_model",
-    "build_meta_model",
-    "component_folders",
-    "main_component",
     "Workload",
     "Hardware",
     "Layout",
     "Estimate",
     "estimate",
     "candidate_layouts",
+    "Plan",
     "plan",
     "ResidencyPolicy",
     "residency_for_budget",
     "add_arguments",
     "run",
 ]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
-_UNITS |= {"t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class PlanError(ValueError):
-    """A planning input a user can fix (size, device count, model folder); the message says how."""
-
-
-def parse_size(text: str | int, flag: str = "--device-memory") -> int:
-    """``"24GiB"`` / ``"80GB"`` / ``"512MiB"`` / ``"1e9"`` -> bytes; anything else is a :class:`PlanError`."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not match or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
-        raise PlanError(f"{flag}={text!r} is not a positive size; write e.g. 24GiB, 80GB or 512MiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def format_size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-# -- model profile -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class UnitProfile:
-    """One FSDP unit: the parameters it owns, as ``(dim0, numel // dim0, element bytes)``."""
-
-    name: str
-    params: tuple[tuple[int, int, int], ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(d0 * rest for d0, rest, _ in self.params)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d0 * rest * b for d0, rest, b in self.params)
-
-    def shard_bytes(self, shard: int, elem: int | None = None) -> int:
-        """Bytes FSDP2 allocates per rank: dim 0 padded to a multiple of ``shard``, one chunk each."""
-        return sum(math.ceil(d0 / shard) * rest * (elem or b) for d0, rest, b in self.params)
-
-    def gathered_bytes(self, shard: int, elem: int | None = None) -> int:
-        """Size of the padded all-gather output (in ``elem`` bytes per value, or the stored dtype)."""
-        return sum(math.ceil(d0 / shard) * shard * rest * (elem or b) for d0, rest, b in self.params)
-
-    def unsharded_bytes(self, elem: int | None = None) -> int:
-        return sum(d0 * rest * (elem or b) for d0, rest, b in self.params)
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """A model (or pipeline component) as the planner sees it: FSDP units plus what stays whole."""
-
-    name: str
-    class_name: str
-    kind: str
-    """``diffusion`` (a DiT: CFG and Ulysses apply), ``causal_lm`` or ``encoder``."""
-    blocks: tuple[UnitProfile, ...]
-    """Units the shard plan selects, in forward (module) order."""
-    root: UnitProfile
-    """Parameters left to the root unit."""
-    replicated_bytes: int
-    """Parameters FSDP2 does not shard (ignored modules, 0-d or integer) plus buffers: whole on every rank."""
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    vocab: int
-    num_params: int
-    """Every parameter, sharded or not (tied weights once)."""
-
-    @property
-    def units(self) -> tuple[UnitProfile, ...]:
-        return (*self.blocks, self.root)
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(u.nbytes for u in self.units) + self.replicated_bytes
-
-    @property
-    def sharded_params(self) -> int:
-        return sum(u.numel for u in self.units)
-
-
-def main_component(profiles: Sequence[ModelProfile]) -> ModelProfile:
-    """The component that runs every step: a pipeline's diffusion transformer, else the largest."""
-    return max(profiles, key=lambda p: (p.kind == "diffusion", p.num_params))
-
-
-def _config_int(config: dict, *keys: str, default: int = 0) -> int:
-    for key in keys:
-        if isinstance(config.get(key), int):
-            return config[key]
-    return default
-
-
-def profile_module(model: nn.Module, name: str = "model", config: dict | None = None) -> ModelProfile:
-    """Profile a module (on meta or real) by the plan :func:`hsdp.sharding.apply_hsdp_to_model` would use."""
-    plan = resolve_plan(model)
-    targets = [n for n, m in model.named_modules() if n and plan.should_shard(n, m)]
-    # The very rule apply_hsdp_to_model uses for parameters left whole (ignored, 0-d, integer, odd dtype).
-    whole = (
-        set(_unshardable_params(model, plan, training=False))
-        if targets
-        else {n for n, _ in model.named_parameters()}
-    )
-    owned: dict[str, list[tuple[int, int, int]]] = {n: [] for n in [*targets, ""]}
-    replicated = sum(b.numel() * b.element_size() for b in model.buffers())
-    for pname, param in model.named_parameters():
-        if pname in whole:
-            replicated += param.numel() * param.element_size()
-            continue
-        # fully_shard runs leaf-first, so the deepest selected module that contains a parameter owns it.
-        owner = max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
-        owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
-    if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
-        found = getattr(model, "config", None)
-        config = found.to_dict() if hasattr(found, "to_dict") else dict(found or {})
-    heads = _config_int(config, "num_attention_heads", "num_heads", "n_head")
-    hidden = _config_int(config, "hidden_size", "d_model", "n_embd")
-    if not hidden and heads:
-        hidden = heads * _config_int(config, "attention_head_dim", "head_dim", default=64)
-    class_name = type(model).__name__
-    if "Transformer" in class_name and hasattr(model, "register_to_config"):
-        kind = "diffusion"
-    elif class_name.endswith("ForCausalLM"):
-        kind = "causal_lm"
-    else:
-        kind = "encoder"
-    return ModelProfile(
-        name=name,
-        class_name=class_name,
-        kind=kind,
-        blocks=tuple(UnitProfile(t, tuple(owned[t])) for t in targets if owned[t]),
-        root=UnitProfile("", tuple(owned[""])),
-        replicated_bytes=replicated,
-        hidden=hidden,
-        ffn=_config_int(config, "intermediate_size", "ffn_dim", "d_ff", "n_inner", default=4 * hidden),
-        layers=_config_int(config, "num_hidden_layers", "num_layers", "n_layer", default=len(targets)),
-        heads=heads,
-        vocab=_config_int(config, "vocab_size"),
-        num_params=sum(p.numel() for p in model.parameters()),
-    )
-
-
-def _cast_meta(model: nn.Module, dtype: torch.dtype) -> None:
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for mname, module in model.named_modules():
-        if any(k in mname.split(".") for k in keep):
-            continue
-        for pname, param in module.named_parameters(recurse=False):
-            if param.is_floating_point():
-                setattr(module, pname, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
-
-
-def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
-    from hsdp.loading import CheckpointError, read_checkpoint_index
-
-    try:
-        dtype = read_checkpoint_index(folder).floating_dtype
-    except CheckpointError:  # a config-only folder still plans, at the config's dtype
-        dtype = None
-    return dtype or DTYPES.get(str(config.get("torch_dtype", "")).removeprefix("torch."), torch.float32)
-
-
-def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
-    """The model a folder's ``config.json`` describes, on the meta device at its stored dtype, and that config."""
-    from hsdp.loading import CheckpointError, model_class_for
-
-    try:
-        cls = model_class_for(folder)
-        config = json.loads((folder / "config.json").read_text())
-    except (CheckpointError, OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read model folder {folder}: {exc}") from exc
-    try:
-        with torch.device("meta"):
-            if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):  # diffusers
-                model = cls.from_config(cls.load_config(folder))
-            else:
-                from transformers import AutoConfig
-
-                hf_config = AutoConfig.from_pretrained(folder)
-                model = cls._from_config(hf_config)
-                config = hf_config.to_dict()
-    except Exception as exc:  # a config the library rejects: say which file, keep the library's reason
-        raise PlanError(f"cannot build {cls.__name__} from {folder / 'config.json'}: {exc}") from exc
-    _cast_meta(model, dtype or _stored_dtype(folder, config))
-    return model, config
-
-
-def component_folders(name_or_path: str) -> list[tuple[str, Path]]:
-    """``[(name, folder)]``: the folder itself, or each model component of a diffusers pipeline folder."""
-    from hsdp.models.builtin import resolve_model
-
-    for module in ("hsdp.models.tiny_wan",):  # built-ins register themselves on import
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
-    try:
-        folder = resolve_model(name_or_path)
-    except FileNotFoundError as exc:
-        raise PlanError(str(exc)) from exc
-    index_file = folder / "model_index.json"
-    if not index_file.exists():
-        return [(folder.name, folder)]
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read {index_file}: {exc}") from exc
-    # Schedulers and tokenizers have no config.json; components set to null (Wan's transformer_2) are skipped.
-    found = [
-        (key, folder / key)
-        for key, value in index.items()
-        if isinstance(value, list)
-        and value[0] in ("diffusers", "transformers")
-        and (folder / key / "config.json").exists()
-    ]
-    if not found:
-        raise PlanError(f"{folder} is a pipeline folder, but none of its components has a model config.json")
-    return found
-
-
-def profile_model(name_or_path: str, dtype: torch.dtype | None = None) -> list[ModelProfile]:
-    """Profiles of a model folder, a diffusers pipeline folder (one per model component) or a built-in name."""
-    profiles = []
-    for name, folder in component_folders(name_or_path):
-        model, config = build_meta_model(folder, dtype)
-        profiles.append(profile_module(model, name, config))
-    return profiles
-
-
-# -- per-rank estimate of one layout -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Workload:
-    training: bool = False
-    batch: int = 1
-    """Samples per rank group (per rank in training)."""
-    seq_len: int = 1024
-    """Tokens per sample (for a DiT: latent patches per frame stack)."""
-    guidance: bool = True
-    """Diffusion inference runs two guidance branches (classifier-free guidance) per step."""
-
-
-@dataclass(frozen=True)
-class Hardware:
-    device_memory: int
-    device_tflops: float = 300.0
-    """Sustained dense TFLOP/s of one device at the compute dtype."""
-    link_gbps: float = 100.0
-    """Collective bandwidth per rank in GB/s (NVLink-class inside a node, far less across nodes)."""
-    host_gbps: float = 25.0
-    """Host <-> device copy bandwidth in GB/s (CPU offload)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    config: ParallelConfig
-    prefetch: int = 0
-    """Blocks all-gathered ahead of the one computing (FSDP2 explicit forward prefetch)."""
-    resident: int = 0
-    """Blocks kept gathered between steps (inference with ``reshard_after_forward=False``)."""
-
-    @property
-    def label(self) -> str:
-        c = self.config
-        parts = []
-        if c.use_hsdp:
-            parts.append(f"hsdp {c.hsdp_replicate_size}x{c.hsdp_shard_size}")
-            if c.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP:
-                parts.append("grad-op")
-        else:
-            parts.append("replicated")
-        for flag, value in (
-            ("cfg", c.cfg_parallel_size),
-            ("usp", c.ulysses_degree),
-            ("tp", c.tensor_parallel_size),
-        ):
-            if value > 1:
-                parts.append(f"{flag}{value}")
-        if c.cpu_offload:
-            parts.append("offload")
-        if self.resident:
-            parts.append(f"resident {self.resident}")
-        if self.prefetch:
-            parts.append(f"prefetch {self.prefetch}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    layout: Layout
-    weights: int
-    gather: int
-    grads: int
-    optimizer: int
-    activations: int
-    host: int
-    allgather_bytes: int
-    reduce_scatter_bytes: int
-    allreduce_bytes: int
-    step_s: float
-    samples_per_s: float
-    device_memory: int
-
-    @property
-    def total(self) -> int:
-        """Peak bytes per device. Gradients fill in as backward frees the activations and gathered weights,
-        so a training step peaks in whichever phase holds more."""
-        return self.weights + self.optimizer + max(self.grads, self.gather + self.activations)
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.device_memory
-
-    def to_dict(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "layout"}
-        c = self.layout.config
-        out.update(
-            layout=self.layout.label,
-            total=self.total,
-            fits=self.fits,
-            prefetch=self.layout.prefetch,
-            resident_blocks=self.layout.resident,
-            config={f.name: getattr(c, f.name) for f in dataclasses.fields(c) if not f.name.startswith("_")},
-        )
-        out["config"]["sharding_strategy"] = c.sharding_strategy.value if c.sharding_strategy else None
-        return out
-
-
-def _shard_size(config: ParallelConfig) -> int:
-    return config.hsdp_shard_size if config.use_hsdp else 1
-
-
-def _forward_window(p: ModelProfile, shard: int, elem: int | None, prefetch: int) -> int:
-    """Peak gathered bytes around one block in forward, besides the root's weights.
-
-    FSDP2 frees an all-gather's output buffer only after the *next* unit's copy-out (so the copy-out can overlap
-    the next all-gather), and explicit prefetch issues the next all-gathers before that. Around block ``i``:
-    its unsharded weights, the previous unit's buffer (the root's for the first block), its own buffer and the
-    buffers of the ``prefetch - 1`` further blocks already in flight.
-    """
-    order = [p.root, *p.blocks]
-    buffers = [u.gathered_bytes(shard, elem) for u in order]
-    return max(
-        (
-            order[i].unsharded_bytes(elem) + buffers[i - 1] + sum(buffers[i : i + max(1, prefetch)])
-            for i in range(1, len(order))
-        ),
-        default=0,
-    )
-
-
-def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[str, int]:
-    """Exact per-rank bytes of one component: sharded storage, gather buffers, grads, optimizer, comm."""
-    c = layout.config
-    s, r = _shard_size(c), (c.hsdp_replicate_size if c.use_hsdp else 1)
-    ce = DTYPES[c.param_dtype].itemsize if c.param_dtype else None
-    re_ = DTYPES[c.reduce_dtype].itemsize if c.reduce_dtype else ce
-    shards = sum(u.shard_bytes(s) for u in p.units)
-    out = dict(weights=p.replicated_bytes, host=0, gather=0, grads=0, optimizer=0, ag=0, rs=0, ar=0)
-    out["host" if c.cpu_offload else "weights"] += shards
-    gathers = s > 1 or ce is not None  # a whole unmixed model computes in place
-    frac = (s - 1) / s
-    if not training:
-        resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
-        if gathers:
-            out["gather"] = (
-                sum(u.unsharded_bytes(ce) for u in resident)
-                + p.root.unsharded_bytes(ce)
-                + _forward_window(p, s, ce, layout.prefetch)
-            )
-            out["ag"] = int(frac * sum(u.gathered_bytes(s, ce) for u in moving))
-        return out
-    # Training: sharded grads (param dtype) and two AdamW states per sharded value.
-    out["host" if c.cpu_offload else "grads"] += shards + p.replicated_bytes
-    out["host" if c.cpu_offload else "optimizer"] += 2 * (shards + p.replicated_bytes)
-    if gathers:
-        # Backward of the largest unit, with every activation still saved: its gathered weights, the next unit's
-        # (FSDP2 prefetches it in backward) unless every unit stayed gathered from forward, and its unsharded
-        # gradients (the reduce-scatter buffer replaces them as that layer's activations are freed).
-        biggest = max(p.blocks or p.units, key=lambda u: u.unsharded_bytes(ce))
-        root = p.root.unsharded_bytes(ce) + p.root.gathered_bytes(s, re_)
-        grads = biggest.gathered_bytes(s, re_)
-        if c.reshard_after_forward is False:  # SHARD_GRAD_OP
-            out["gather"] = sum(u.unsharded_bytes(ce) for u in p.blocks) + root + grads
-        else:
-            out["gather"] = root + biggest.unsharded_bytes(ce) + biggest.gathered_bytes(s, ce) + grads
-        passes = 1 if c.reshard_after_forward is False else 2
-        out["ag"] = int(passes * frac * sum(u.gathered_bytes(s, ce) for u in p.units))
-        out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in p.units))
-    if r > 1:  # HSDP: the reduce-scattered shards are all-reduced across the replica groups
-        out["ar"] = int(2 * (r - 1) / r * sum(u.shard_bytes(s, re_) for u in p.units))
-    return out
-
-
-def _activations(p: ModelProfile, layout: Layout, work: Workload) -> tuple[int, float]:
-    """(activation bytes per rank, tokens this rank computes per step). Estimated, transformer-shaped."""
-    c = layout.config
-    elem = DTYPES[c.param_dtype].itemsize if c.param_dtype else (p.root.params or p.blocks[0].params)[0][2]
-    branches = 2 if p.kind == "diffusion" and work.guidance and not work.training else 1
-    tokens = work.batch * work.seq_len * branches / c.compute_parallel_size
-    per_token = (4 * p.hidden + 2 * p.ffn) * elem
-    if work.training:
-        per_token = p.layers * (12 * p.hidden + 4 * p.ffn) * elem
-    if p.kind == "causal_lm":
-        per_token += p.vocab * (elem + 8 if work.training else elem)
-    return int(tokens * per_token), tokens
-
-
-def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, hw: Hardware) -> Estimate:
-    """Per-rank memory, bytes moved and a roofline step time for one layout.
-
-    Components of a pipeline all hold their shards; they run one at a time, so gather buffers are the largest
-    one's. Activations, collectives and time are those of the main component (the largest), which runs every
-    step.
-    """
-    main = main_component(profiles)
-    parts = {
-        p.name: _weights_and_comm(p, layout if p is main else Layout(layout.config), work.training)
-        for p in profiles
-    }
-    m = parts[main.name]
-    c = layout.config
-    acts, tokens = _activations(main, layout, work)
-    flops = (
-        (6 if work.training else 2)
-        * tokens
-        * (main.num_params + 2 * work.seq_len * main.hidden * main.layers)
-    )
-    compute = flops / (hw.device_tflops * 1e12)
-    fsdp_comm = (m["ag"] + m["rs"] + m["ar"]) / (hw.link_gbps * 1e9)
-    u = c.sequence_parallel_size
-    # Ulysses: four all-to-alls of the activations per layer, on the critical path.
-    a2a = 4 * main.layers * tokens * main.hidden * 2 * (u - 1) / u / (hw.link_gbps * 1e9) if u > 1 else 0.0
-    offload = sum(x["host"] for x in parts.values()) / (hw.host_gbps * 1e9) * (2 if work.training else 1)
-    overlap = layout.prefetch > 0 or work.training  # FSDP2 overlaps backward's all-gathers by default
-    step = (
-        (max(compute, fsdp_comm) if overlap else compute + fsdp_comm)
-        + a2a
-        + (offload if c.cpu_offload else 0)
-    )
-    groups = c.data_parallel_size if (c.request_parallel or work.training) else 1
-    return Estimate(
-        layout=layout,
-        weights=sum(x["weights"] for x in parts.values()),
-        gather=max(x["gather"] for x in parts.values()),
-        grads=m["grads"],
-        optimizer=m["optimizer"],
-        activations=acts,
-        host=sum(x["host"] for x in parts.values()),
-        allgather_bytes=m["ag"],
-        reduce_scatter_bytes=m["rs"],
-        allreduce_bytes=m["ar"],
-        step_s=step,
-        samples_per_s=work.batch * max(1, groups) / step if step else 0.0,
-        device_memory=hw.device_memory,
-    )
 
 
 # -- candidates and the recommendation -----------------------------------------------------------------------
@@ -563,6 +105,15 @@ def _base_configs(
     return [c for c in out if c is not None]
 
 
+@dataclass(frozen=True)
+class ResidencyPolicy:
+    resident_modules: tuple[str, ...]
+    """Qualified names of the blocks to keep gathered (``reshard_after_forward=False``)."""
+    prefetch: int
+    """Forward prefetch depth for the sharded blocks."""
+    estimate: Estimate
+
+
 def residency_for_budget(
     model: nn.Module | ModelProfile | Sequence[ModelProfile],
     config: ParallelConfig,
@@ -611,15 +162,6 @@ def residency_for_budget(
         prefetch=best.prefetch,
         estimate=estimate(profiles, best, work, hw),
     )
-
-
-@dataclass(frozen=True)
-class ResidencyPolicy:
-    resident_modules: tuple[str, ...]
-    """Qualified names of the blocks to keep gathered (``reshard_after_forward=False``)."""
-    prefetch: int
-    """Forward prefetch depth for the sharded blocks."""
-    estimate: Estimate
 
 
 def candidate_layouts(

@@ -1,0 +1,268 @@
+"""What the planner knows of a model, read from its config alone: FSDP units and their parameter shapes.
+
+The model is built on the meta device (no weights are read) and split into the units the real sharding code
+would make: the same shard plan, leaf-first ownership of parameters, and the same rule for parameters left
+whole. Every per-rank byte count derived from a :class:`ModelProfile` is exact arithmetic over these shapes,
+including FSDP2's padding of dim 0 to a multiple of the shard size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hsdp.config import DTYPES
+from hsdp.plans import resolve_plan
+from hsdp.sharding import _unshardable_params
+
+__all__ = [
+    "PlanError",
+    "parse_size",
+    "format_size",
+    "UnitProfile",
+    "ModelProfile",
+    "main_component",
+    "profile_module",
+    "build_meta_model",
+    "component_folders",
+    "profile_model",
+]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+_UNITS |= {"t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    """A planning input a user can fix (size, device count, model folder); the message says how."""
+
+
+def parse_size(text: str | int, flag: str = "--device-memory") -> int:
+    """``"24GiB"`` / ``"80GB"`` / ``"512MiB"`` / ``"1e9"`` -> bytes; anything else is a :class:`PlanError`."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not match or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
+        raise PlanError(f"{flag}={text!r} is not a positive size; write e.g. 24GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def format_size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# -- model profile -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnitProfile:
+    """One FSDP unit: the parameters it owns, as ``(dim0, numel // dim0, element bytes)``."""
+
+    name: str
+    params: tuple[tuple[int, int, int], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(d0 * rest for d0, rest, _ in self.params)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d0 * rest * b for d0, rest, b in self.params)
+
+    def shard_bytes(self, shard: int, elem: int | None = None) -> int:
+        """Bytes FSDP2 allocates per rank: dim 0 padded to a multiple of ``shard``, one chunk each."""
+        return sum(math.ceil(d0 / shard) * rest * (elem or b) for d0, rest, b in self.params)
+
+    def gathered_bytes(self, shard: int, elem: int | None = None) -> int:
+        """Size of the padded all-gather output (in ``elem`` bytes per value, or the stored dtype)."""
+        return sum(math.ceil(d0 / shard) * shard * rest * (elem or b) for d0, rest, b in self.params)
+
+    def unsharded_bytes(self, elem: int | None = None) -> int:
+        return sum(d0 * rest * (elem or b) for d0, rest, b in self.params)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model (or pipeline component) as the planner sees it: FSDP units plus what stays whole."""
+
+    name: str
+    class_name: str
+    kind: str
+    """``diffusion`` (a DiT: CFG and Ulysses apply), ``causal_lm`` or ``encoder``."""
+    blocks: tuple[UnitProfile, ...]
+    """Units the shard plan selects, in forward (module) order."""
+    root: UnitProfile
+    """Parameters left to the root unit."""
+    replicated_bytes: int
+    """Parameters FSDP2 does not shard (ignored modules, 0-d or integer) plus buffers: whole on every rank."""
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    vocab: int
+    num_params: int
+    """Every parameter, sharded or not (tied weights once)."""
+
+    @property
+    def units(self) -> tuple[UnitProfile, ...]:
+        return (*self.blocks, self.root)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units) + self.replicated_bytes
+
+    @property
+    def sharded_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+
+def main_component(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """The component that runs every step: a pipeline's diffusion transformer, else the largest."""
+    return max(profiles, key=lambda p: (p.kind == "diffusion", p.num_params))
+
+
+def _config_int(config: dict, *keys: str, default: int = 0) -> int:
+    for key in keys:
+        if isinstance(config.get(key), int):
+            return config[key]
+    return default
+
+
+def profile_module(model: nn.Module, name: str = "model", config: dict | None = None) -> ModelProfile:
+    """Profile a module (on meta or real) by the plan :func:`hsdp.sharding.apply_hsdp_to_model` would use."""
+    plan = resolve_plan(model)
+    targets = [n for n, m in model.named_modules() if n and plan.should_shard(n, m)]
+    # The very rule apply_hsdp_to_model uses for parameters left whole (ignored, 0-d, integer, odd dtype).
+    whole = (
+        set(_unshardable_params(model, plan, training=False))
+        if targets
+        else {n for n, _ in model.named_parameters()}
+    )
+    owned: dict[str, list[tuple[int, int, int]]] = {n: [] for n in [*targets, ""]}
+    replicated = sum(b.numel() * b.element_size() for b in model.buffers())
+    for pname, param in model.named_parameters():
+        if pname in whole:
+            replicated += param.numel() * param.element_size()
+            continue
+        # fully_shard runs leaf-first, so the deepest selected module that contains a parameter owns it.
+        owner = max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
+        owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
+    if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
+        found = getattr(model, "config", None)
+        config = found.to_dict() if hasattr(found, "to_dict") else dict(found or {})
+    heads = _config_int(config, "num_attention_heads", "num_heads", "n_head")
+    hidden = _config_int(config, "hidden_size", "d_model", "n_embd")
+    if not hidden and heads:
+        hidden = heads * _config_int(config, "attention_head_dim", "head_dim", default=64)
+    class_name = type(model).__name__
+    if "Transformer" in class_name and hasattr(model, "register_to_config"):
+        kind = "diffusion"
+    elif class_name.endswith("ForCausalLM"):
+        kind = "causal_lm"
+    else:
+        kind = "encoder"
+    return ModelProfile(
+        name=name,
+        class_name=class_name,
+        kind=kind,
+        blocks=tuple(UnitProfile(t, tuple(owned[t])) for t in targets if owned[t]),
+        root=UnitProfile("", tuple(owned[""])),
+        replicated_bytes=replicated,
+        hidden=hidden,
+        ffn=_config_int(config, "intermediate_size", "ffn_dim", "d_ff", "n_inner", default=4 * hidden),
+        layers=_config_int(config, "num_hidden_layers", "num_layers", "n_layer", default=len(targets)),
+        heads=heads,
+        vocab=_config_int(config, "vocab_size"),
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def _cast_meta(model: nn.Module, dtype: torch.dtype) -> None:
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for mname, module in model.named_modules():
+        if any(k in mname.split(".") for k in keep):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param.is_floating_point():
+                setattr(module, pname, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+
+
+def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
+    from hsdp.loading import CheckpointError, read_checkpoint_index
+
+    try:
+        dtype = read_checkpoint_index(folder).floating_dtype
+    except CheckpointError:  # a config-only folder still plans, at the config's dtype
+        dtype = None
+    return dtype or DTYPES.get(str(config.get("torch_dtype", "")).removeprefix("torch."), torch.float32)
+
+
+def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
+    """The model a folder's ``config.json`` describes, on the meta device at its stored dtype, and that config."""
+    from hsdp.loading import CheckpointError, model_class_for
+
+    try:
+        cls = model_class_for(folder)
+        config = json.loads((folder / "config.json").read_text())
+    except (CheckpointError, OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read model folder {folder}: {exc}") from exc
+    try:
+        with torch.device("meta"):
+            if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):  # diffusers
+                model = cls.from_config(cls.load_config(folder))
+            else:
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(folder)
+                model = cls._from_config(hf_config)
+                config = hf_config.to_dict()
+    except Exception as exc:  # a config the library rejects: say which file, keep the library's reason
+        raise PlanError(f"cannot build {cls.__name__} from {folder / 'config.json'}: {exc}") from exc
+    _cast_meta(model, dtype or _stored_dtype(folder, config))
+    return model, config
+
+
+def component_folders(name_or_path: str) -> list[tuple[str, Path]]:
+    """``[(name, folder)]``: the folder itself, or each model component of a diffusers pipeline folder."""
+    from hsdp.models.builtin import resolve_model
+
+    for module in ("hsdp.models.tiny_wan",):  # built-ins register themselves on import
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+    try:
+        folder = resolve_model(name_or_path)
+    except FileNotFoundError as exc:
+        raise PlanError(str(exc)) from exc
+    index_file = folder / "model_index.json"
+    if not index_file.exists():
+        return [(folder.name, folder)]
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read {index_file}: {exc}") from exc
+    # Schedulers and tokenizers have no config.json; components set to null (Wan's transformer_2) are skipped.
+    found = [
+        (key, folder / key)
+        for key, value in index.items()
+        if isinstance(value, list)
+        and value[0] in ("diffusers", "transformers")
+        and (folder / key / "config.json").exists()
+    ]
+    if not found:
+        raise PlanError(f"{folder} is a pipeline folder, but none of its components has a model config.json")
+    return found
+
+
+def profile_model(name_or_path: str, dtype: torch.dtype | None = None) -> list[ModelProfile]:
+    """Profiles of a model folder, a diffusers pipeline folder (one per model component) or a built-in name."""
+    profiles = []
+    for name, folder in component_folders(name_or_path):
+        model, config = build_meta_model(folder, dtype)
+        profiles.append(profile_module(model, name, config))
+    return profiles
