@@ -41,7 +41,7 @@ def _pipeline(path: Path):
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(path)
-    _fresh_copies(pipe.transformer, pipe.text_encoder, pipe.vae)
+    _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

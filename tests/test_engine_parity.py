@@ -33,6 +33,22 @@ def model_cache(tmp_path_factory):
     return tmp_path_factory.getbasetemp() / "hsdp-cache"
 
 
+def test_wan22_second_transformer_sharded_and_cfg_parallel(tmp_path, dist_run):
+    from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS, build_tiny_wan_pipeline, write_generation_defaults
+
+    path = tmp_path / "tiny-wan2.2"
+    build_tiny_wan_pipeline(boundary_ratio=0.9).save_pretrained(path)
+    write_generation_defaults(path, TINY_WAN_DEFAULTS)
+    params = SamplingParams(seed=2, num_inference_steps=3, guidance_scale_2=2.0)
+    config = ParallelConfig(use_hsdp=True, cfg_parallel_size=2)
+    with Engine(path, config, workers=dist_run.group(2)) as engine:
+        [out] = engine.generate(PROMPTS[0], params)
+        assert engine.load_report[0]["sharded"] == ["transformer", "transformer_2", "text_encoder"]
+    defaults = {**engine.info.defaults, "guidance_scale_2": None}
+    expected = reference_video(path, PROMPTS[0], 2, params, defaults)
+    np.testing.assert_array_equal(out.frames, expected)
+
+
 def test_request_parallel_each_request_equals_its_single_process_output(model_cache, dist_run):
     path = builtin("tiny-wan", model_cache)
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True)

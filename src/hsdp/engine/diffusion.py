@@ -19,7 +19,7 @@ from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.engine.model_info import TRANSFORMER_COMPONENTS
 from hsdp.engine.outputs import Timings
-from hsdp.engine.parallel import CFGParallelTransformer, enable_forward_prefetch, enable_ulysses
+from hsdp.engine.parallel import CFGParallelTransformer, configure_overlap, enable_ulysses
 from hsdp.engine.params import Request, SamplingParams
 from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
@@ -67,8 +67,7 @@ class DiffusionRunner:
             )
             if shard:
                 self.sharded.append(name)
-                if forward_prefetch:
-                    enable_forward_prefetch(model)
+                configure_overlap(model, config, forward_prefetch=forward_prefetch)
             components[name] = model
         pipeline_cls = getattr(diffusers, index["_class_name"])
         self.pipe = pipeline_cls.from_pretrained(folder, **components)

@@ -2,7 +2,8 @@
 
 * **Forward prefetch**: each FSDP unit starts the next unit's all-gather before its own compute, so the weights
   of block ``i + 1`` travel while block ``i`` runs. Keeping weights gathered across denoising steps is
-  ``ParallelConfig(reshard_after_forward=False)``: the blocks stay unsharded after their first forward.
+  ``ParallelConfig(reshard_after_forward=False)``: every unit, root included, stays unsharded after its first
+  forward, so later steps do no all-gather.
 * **Ulysses**: diffusers' ``enable_parallelism(ContextParallelConfig(..., mesh=...))`` on our ``compute`` mesh,
   whose ``ring`` / ``ulysses`` axes it slices itself; HSDP overlays the same ranks.
 * **CFG parallel**: :class:`CFGParallelTransformer` stands in for the transformer inside the unchanged diffusers
@@ -21,23 +22,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hsdp.config import ParallelConfig
+from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.mesh import ParallelMeshes
 from hsdp.sharding import fsdp_units
 
-__all__ = ["enable_forward_prefetch", "enable_ulysses", "CFGParallelTransformer"]
+__all__ = ["configure_overlap", "enable_ulysses", "CFGParallelTransformer"]
 
 
-def enable_forward_prefetch(model: nn.Module) -> int:
-    """Chain explicit forward prefetch through the model's FSDP units in forward order; returns the links made."""
+def configure_overlap(model: nn.Module, config: ParallelConfig, *, forward_prefetch: bool) -> None:
+    """Explicit forward prefetch chained through the FSDP units in forward order, and, when the layout asks
+    for ``reshard_after_forward=False``, every unit (the root included) kept gathered after its first forward."""
+    if config.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return  # replicated weights: nothing is gathered
     units = [module for _, module in reversed(fsdp_units(model))]  # root first, then blocks in forward order
-    if len(units) < 2:
-        return 0
-    root, blocks = units[0], units[1:]
-    root.set_modules_to_forward_prefetch([blocks[0]])
-    for current, following in zip(blocks, blocks[1:], strict=False):
-        current.set_modules_to_forward_prefetch([following])
-    return len(blocks)
+    if not units:
+        return
+    if config.reshard_after_forward is False:
+        units[0].set_reshard_after_forward(False, recurse=True)
+    if forward_prefetch and len(units) > 1:
+        for current, following in zip(units, units[1:], strict=False):
+            current.set_modules_to_forward_prefetch([following])
 
 
 @contextlib.contextmanager

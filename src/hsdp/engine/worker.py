@@ -6,6 +6,8 @@ many :func:`generate` calls. Functions are module-level (they are pickled by ref
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import resource
 from dataclasses import dataclass
@@ -44,24 +46,49 @@ class RankResult:
 
 
 def peak_memory() -> tuple[int, str]:
-    """(bytes, kind): peak accelerator memory allocated since the last reset, or the process's peak RSS on CPU."""
+    """(bytes, kind): peak accelerator memory allocated since the last reset, or peak RSS on CPU."""
     device = local_device()
     if device.type != "cpu":
         return torch.accelerator.max_memory_allocated(device), f"{device.type} max_memory_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu peak RSS"
+    try:  # VmHWM can be reset (see reset_peak_memory); ru_maxrss is the whole life of the process
+        status = Path("/proc/self/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        return kib * 1024, "cpu peak RSS"
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu peak RSS (process lifetime)"
+
+
+def resident_memory() -> int:
+    """Bytes resident now: accelerator memory allocated, or this process's RSS on CPU (0 if unknown)."""
+    device = local_device()
+    if device.type != "cpu":
+        return torch.accelerator.memory_allocated(device)
+    with contextlib.suppress(OSError, StopIteration):
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) * 1024
+    return 0
 
 
 def reset_peak_memory() -> None:
+    """Start a new peak measurement (per ``generate`` call)."""
     device = local_device()
     if device.type != "cpu":
         torch.accelerator.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS follows live memory
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the RSS high-water mark to the current RSS
 
 
 def load(spec: LoadSpec) -> dict:
-    """Build the meshes and load the model sharded on this rank; returns a small report."""
+    """Build the meshes and load the model sharded on this rank; returns a small report (``baseline_memory_bytes``
+    is what the process held before loading: the runtime and libraries on CPU)."""
     from hsdp.sharding import parameter_bytes
 
     unload()
+    reset_peak_memory()
+    baseline = resident_memory()
     config = spec.config.resolved()
     meshes = build_meshes(config)
     if spec.kind == "diffusion":
@@ -72,7 +99,14 @@ def load(spec: LoadSpec) -> dict:
     worker_state()[_KEY] = (runner, config, meshes)
     local = sum(parameter_bytes(m)[0] for m in runner.modules())
     memory, kind = peak_memory()
-    return {"rank": rank(), "local_param_bytes": local, "peak_memory_bytes": memory, "memory_kind": kind}
+    return {
+        "rank": rank(),
+        "sharded": runner.sharded,
+        "local_param_bytes": local,
+        "baseline_memory_bytes": baseline,
+        "peak_memory_bytes": memory,
+        "memory_kind": kind,
+    }
 
 
 def generate(requests: list[Request], params: SamplingParams, progress: bool) -> RankResult:

@@ -67,11 +67,20 @@ def _tiny_vae(z_dim: int, seed: int):
     ).eval()
 
 
-def build_tiny_wan_pipeline(seed: int = TINY_SEED, **transformer_overrides):
-    """A ``WanPipeline`` of a few hundred thousand parameters; ``transformer_overrides`` widen the DiT."""
+def build_tiny_wan_pipeline(
+    seed: int = TINY_SEED, *, boundary_ratio: float | None = None, **transformer_overrides
+):
+    """A ``WanPipeline`` of a few hundred thousand parameters; ``transformer_overrides`` widen the DiT.
+
+    ``boundary_ratio`` makes it Wan2.2-shaped: a second (low-noise) transformer ``transformer_2`` takes over
+    once the timestep falls below ``boundary_ratio x 1000``.
+    """
     from diffusers import UniPCMultistepScheduler, WanPipeline
 
     transformer = build_tiny_wan_transformer(seed, **transformer_overrides)
+    second = (
+        build_tiny_wan_transformer(seed + 3, **transformer_overrides) if boundary_ratio is not None else None
+    )
     tokenizer = build_byte_tokenizer()
     text_encoder = _tiny_umt5(transformer.config.text_dim, len(tokenizer), seed + 1)
     vae = _tiny_vae(transformer.config.in_channels, seed + 2)
@@ -79,7 +88,13 @@ def build_tiny_wan_pipeline(seed: int = TINY_SEED, **transformer_overrides):
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     )
     return WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+        transformer_2=second,
+        boundary_ratio=boundary_ratio,
     )
 
 
