@@ -77,8 +77,8 @@ def reset_peak_memory() -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS follows live memory
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the RSS high-water mark to the current RSS
+    with contextlib.suppress(OSError):  # Linux: reset the RSS high-water mark to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def load(spec: LoadSpec) -> dict:
