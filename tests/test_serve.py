@@ -1,0 +1,344 @@
+"""``hsdp serve`` end to end: real ``hsdp serve`` processes on 127.0.0.1, the built-in tiny models with HSDP 2
+(request-parallel, so batches of two run side by side), real HTTP clients (httpx and the official ``openai``).
+
+Two servers for the module (tiny-wan, tiny-llama with an API key), plus one restart of the tiny-wan server on
+the same output dir. Outputs are compared with one-process diffusers / transformers runs of the same model and
+seed: exactly, for tokens and for PNG pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from hsdp.engine import SamplingParams
+from hsdp.engine.model_info import inspect_model
+from hsdp.models.builtin import resolve_model
+from hsdp.serve.jobs import Job
+from hsdp.serve.local import LocalServer
+
+pytestmark = pytest.mark.slow
+
+HSDP2 = ["--use-hsdp", "--hsdp-shard-size", "2", "--request-parallel"]
+WAN_ARGS = [*HSDP2, "--max-queue", "3", "--max-side", "64", "--max-frames", "9", "--max-steps", "8"]
+SMALL = {"size": "32x32", "num_frames": 5, "num_inference_steps": 1, "guidance_scale": 1.0}
+KEY = "test-key-123"
+
+
+def _poll(client: httpx.Client, video_id: str, until: tuple[str, ...], timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = client.get(f"/v1/videos/{video_id}").json()
+        if job["status"] in until:
+            return job
+        assert time.monotonic() < deadline, f"video {video_id} still {job['status']} after {timeout_s}s"
+        time.sleep(0.05)
+
+
+def _png_pixels(data: bytes) -> np.ndarray:
+    import imageio.v3 as iio
+
+    return iio.imread(io.BytesIO(data), extension=".png")
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-wan")
+
+
+@pytest.fixture(scope="module")
+def wan(wan_dir):
+    server = LocalServer(
+        "tiny-wan", [*WAN_ARGS, "--output-dir", str(wan_dir / "out")], log=wan_dir / "server.log"
+    )
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def wan_client(wan):
+    with httpx.Client(base_url=wan.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-llama")
+    args = [*HSDP2, "--output-dir", str(folder / "out"), "--served-model-name", "tiny"]
+    with LocalServer("tiny-llama", args, log=folder / "server.log", api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llama_client(llama):
+    with httpx.Client(base_url=llama.url, timeout=120, headers=llama.headers) as client:
+        yield client
+
+
+# -- tiny-wan ----------------------------------------------------------------------------------------------------
+def test_health_models_metrics_openapi(wan, wan_client):
+    assert wan_client.get("/health").json() == {"status": "ok", "model": "tiny-wan", "engine": "ready"}
+    [card] = wan_client.get("/v1/models").json()["data"]
+    assert (card["id"], card["kind"]) == ("tiny-wan", "diffusion")
+    spec = wan_client.get("/openapi.json").json()
+    assert {"/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/chat/completions"} <= set(
+        spec["paths"]
+    )
+    assert "multipart/form-data" in spec["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    metrics = wan_client.get("/metrics").text
+    for name in ("hsdp_queue_depth", 'hsdp_jobs{model="tiny-wan",state="queued"}', "hsdp_step_seconds_count"):
+        assert name in metrics
+    assert len(wan.worker_pids()) == 2
+
+
+def test_video_job_json_form_and_sync_agree(wan_client, wan_dir):
+    created = wan_client.post("/v1/videos", json={"prompt": "a red fox", "seed": 11, **SMALL})
+    assert created.status_code == 200, created.text
+    job = created.json()
+    assert job["status"] == "queued" and job["size"] == "32x32" and job["seed"] == 11
+    form = {"prompt": "a red fox", "seed": "11", "width": "32", "height": "32", "num_frames": "5"}
+    form |= {"num_inference_steps": "1", "guidance_scale": "1.0", "fps": "16", "negative_prompt": ""}
+    by_form = wan_client.post("/v1/videos", files={k: (None, v) for k, v in form.items()}).json()
+    done = _poll(wan_client, job["id"], ("completed", "failed"))
+    assert done["status"] == "completed" and done["progress"] == 100, done
+    assert _poll(wan_client, by_form["id"], ("completed", "failed"))["status"] == "completed"
+    video = wan_client.get(f"/v1/videos/{job['id']}/content")
+    assert video.headers["content-type"] == "video/mp4" and video.content[4:8] == b"ftyp"
+    synced = wan_client.post("/v1/videos/sync", json={"prompt": "a red fox", "seed": 11, **SMALL})
+    assert synced.status_code == 200 and synced.headers["x-video-seed"] == "11"
+    assert video.content == wan_client.get(f"/v1/videos/{by_form['id']}/content").content == synced.content
+    listed = [v["id"] for v in wan_client.get("/v1/videos", params={"order": "asc"}).json()["data"]]
+    assert listed[:2] == [job["id"], by_form["id"]]
+    assert (wan_dir / "out" / "videos" / f"{job['id']}.mp4").read_bytes() == video.content
+
+
+def test_images_openai_client_equal_one_process_pipeline(wan):
+    import openai
+
+    from tests.engine_refs import reference_video
+
+    client = openai.OpenAI(base_url=wan.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"num_inference_steps": 1, "guidance_scale": 1.0, "seed": 21}
+    both = client.images.generate(model="tiny-wan", prompt="a blue bird", n=2, size="32x32", extra_body=extra)
+    second = client.images.generate(prompt="a blue bird", size="32x32", extra_body={**extra, "seed": 22})
+    pngs = [base64.b64decode(d.b64_json) for d in both.data]
+    assert pngs[1] == base64.b64decode(second.data[0].b64_json)  # batched with another request or alone: same
+    params = SamplingParams(height=32, width=32, num_frames=1, num_inference_steps=1, guidance_scale=1.0)
+    info = inspect_model(resolve_model("tiny-wan"))
+    for seed, png in zip((21, 22), pngs, strict=True):
+        frames = reference_video(info.path, "a blue bird", seed, params, info.defaults)
+        want = (np.clip(frames, 0, 1) * 255).round().astype(np.uint8)
+        assert np.array_equal(_png_pixels(png), want[0]), (
+            f"seed {seed}: sharded server differs from one process"
+        )
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"prompt": "x", "width": 40}, 400, "width=40 must be a positive multiple of 16"),
+        ({"prompt": "x", "num_frames": 6}, 400, "num_frames=6 must be 4k+1"),
+        ({"prompt": "x", "num_frames": 13}, 400, "--max-frames"),
+        ({"prompt": "x", "size": "128x32"}, 400, "--max-side"),
+        ({"prompt": "x", "size": "32x32", "width": 48}, 400, "disagrees"),
+        ({"prompt": "", "size": "32x32"}, 400, "prompt"),
+        ({"size": "32x32"}, 400, "prompt: Field required"),
+        ({"prompt": "x", "seed": -1}, 400, "seed"),
+        ({"prompt": "x", "model": "other"}, 404, "not served here"),
+    ],
+)
+def test_video_validation_is_a_clear_4xx(wan_client, body, status, needle):
+    response = wan_client.post("/v1/videos", json=body)
+    assert response.status_code == status, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_other_bad_requests(wan_client):
+    assert (
+        wan_client.post(
+            "/v1/videos", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 400
+    )
+    upload = wan_client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"png")})
+    assert upload.status_code == 400 and "file" in upload.json()["error"]["message"]
+    big = wan_client.post("/v1/videos", json={"prompt": "x" * (2 << 20)})
+    assert big.status_code == 413 and "--max-body-bytes" in big.json()["error"]["message"]
+    wrong_kind = wan_client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert wrong_kind.status_code == 400 and wrong_kind.json()["error"]["code"] == "wrong_model_kind"
+    assert wan_client.get("/v1/videos/video_" + "0" * 32).status_code == 404
+    assert wan_client.get("/v1/videos/../../etc/passwd").status_code == 404
+    url = wan_client.post("/v1/images/generations", json={"prompt": "x", "response_format": "url"})
+    assert url.status_code == 400
+
+
+def test_queue_full_429_then_cancel_and_delete(wan, wan_client):
+    slow = {**SMALL, "num_inference_steps": 8, "size": "64x64", "num_frames": 9}
+    responses = [
+        wan_client.post("/v1/videos", json={"prompt": f"job {i}", "seed": i, **slow}) for i in range(8)
+    ]
+    accepted = [r.json() for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and len(accepted) + len(refused) == 8
+    assert len(accepted) <= 3 + 2  # queue capacity + one request-parallel batch in flight
+    assert int(refused[0].headers["retry-after"]) >= 1 and refused[0].json()["error"]["code"] == "queue_full"
+    last, first = accepted[-1]["id"], accepted[0]["id"]
+    cancelled = wan_client.delete(f"/v1/videos/{last}").json()  # still queued behind the others
+    assert cancelled["status"] == "cancelled" and cancelled["error"]["code"] == "cancelled"
+    _poll(wan_client, first, ("in_progress", "completed"))
+    assert (
+        wan_client.delete(f"/v1/videos/{first}").json()["status"] == "cancelled"
+    )  # running: result discarded
+    final = {a["id"]: _poll(wan_client, a["id"], ("completed", "failed", "cancelled")) for a in accepted}
+    assert final[last]["status"] == final[first]["status"] == "cancelled"
+    assert wan_client.get(f"/v1/videos/{first}/content").status_code == 409
+    others = [i for i in final if i not in (first, last)]
+    assert all(final[i]["status"] == "completed" for i in others), final
+    deleted = wan_client.delete(f"/v1/videos/{others[0]}").json()
+    assert deleted == {"id": others[0], "object": "video.deleted", "deleted": True}
+    assert wan_client.get(f"/v1/videos/{others[0]}").status_code == 404
+    assert 'hsdp_jobs{model="tiny-wan",state="cancelled"}' in wan_client.get("/metrics").text
+
+
+def test_killed_worker_fails_the_job_and_the_server_recovers(wan, wan_client):
+    pids = wan.worker_pids()
+    slow = {**SMALL, "num_inference_steps": 8, "size": "64x64", "num_frames": 9}
+    job = wan_client.post("/v1/videos", json={"prompt": "doomed", "seed": 1, **slow}).json()
+    _poll(wan_client, job["id"], ("in_progress",))
+    os.kill(pids[1], signal.SIGKILL)
+    failed = _poll(wan_client, job["id"], ("completed", "failed"))
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_died", failed
+    assert "rank 1 died" in failed["error"]["message"] and "restarted" in failed["error"]["message"]
+    after = wan_client.post(
+        "/v1/videos", json={"prompt": "after", "seed": 2, **SMALL}
+    ).json()  # queued meanwhile
+    assert _poll(wan_client, after["id"], ("completed", "failed"), timeout_s=300)["status"] == "completed"
+    wan.wait_healthy()
+    new_pids = wan.worker_pids()
+    assert len(new_pids) == 2 and not set(new_pids) & set(pids)
+    assert 'hsdp_engine_restarts_total{model="tiny-wan"} 1' in wan_client.get("/metrics").text
+
+
+def test_restart_serves_finished_jobs_and_requeues_waiting_ones(wan, wan_client, wan_dir):
+    finished = [v for v in wan_client.get("/v1/videos").json()["data"] if v["status"] == "completed"]
+    assert finished
+    content = {v["id"]: wan_client.get(f"/v1/videos/{v['id']}/content").content for v in finished}
+    wan.stop()
+    jobs_dir = wan_dir / "out" / "jobs"
+    # What a server killed mid-way leaves behind: one job still queued, one marked running.
+    params = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1, "guidance_scale": 1.0}
+    waiting = Job("video", "left in the queue", params, 5, meta={"fps": 8, "model": "tiny-wan"})
+    running = Job(
+        "video", "was running", params, 6, meta={"fps": 8, "model": "tiny-wan"}, status="in_progress"
+    )
+    for job in (waiting, running):
+        (jobs_dir / f"{job.id}.json").write_text(json.dumps(job.record()))
+    again = LocalServer(
+        "tiny-wan", [*WAN_ARGS, "--output-dir", str(wan_dir / "out")], log=wan_dir / "server2.log"
+    )
+    with again, httpx.Client(base_url=again.url, timeout=120) as client:
+        for video_id, data in content.items():
+            assert client.get(f"/v1/videos/{video_id}").json()["status"] == "completed"
+            assert client.get(f"/v1/videos/{video_id}/content").content == data
+        assert client.get(f"/v1/videos/{running.id}").json()["error"]["code"] == "server_restarted"
+        assert _poll(client, waiting.id, ("completed", "failed"))["status"] == "completed"
+
+
+# -- tiny-llama ----------------------------------------------------------------------------------------------
+def test_api_key_required_except_health(llama):
+    with httpx.Client(base_url=llama.url, timeout=30) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("GET", "/openapi.json"),
+            ("POST", "/v1/completions"),
+        ):
+            response = anonymous.request(method, path)
+            assert response.status_code == 401, path
+            assert response.headers["www-authenticate"] == "Bearer"
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert anonymous.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert anonymous.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_completions_equal_one_process_generate(llama, llama_client):
+    from hsdp.models.tiny import build_byte_tokenizer
+    from tests.engine_refs import reference_tokens
+
+    body = {"model": "tiny", "prompt": ["Hello there", "Sharded"], "max_tokens": 8, "temperature": 0}
+    response = llama_client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    tokenizer = build_byte_tokenizer()
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for choice, prompt in zip(result["choices"], body["prompt"], strict=True):
+        want = tokenizer.decode(
+            reference_tokens(resolve_model("tiny-llama"), prompt, 0, params), skip_special_tokens=True
+        )
+        assert choice["text"] == want and choice["finish_reason"] == "length"
+    prompt_tokens = sum(len(tokenizer(p)["input_ids"]) for p in body["prompt"])
+    assert result["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 16,
+        "total_tokens": prompt_tokens + 16,
+    }
+    first = result["choices"][0]["text"]
+    stop = first[-1]
+    stopped = llama_client.post(
+        "/v1/completions", json={**body, "prompt": "Hello there", "stop": [stop, "\x01"]}
+    )
+    want = {"index": 0, "text": first[: first.index(stop)], "finish_reason": "stop", "logprobs": None}
+    assert stopped.json()["choices"][0] == want
+
+
+def test_openai_client_chat_and_streaming(llama, llama_client):
+    import openai
+
+    client = openai.OpenAI(base_url=llama.url + "/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    text = chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
+    raw = llama_client.post(
+        "/v1/completions", json={"prompt": "user: Hi\nassistant:", "max_tokens": 6, "temperature": 0}
+    )
+    assert raw.json()["choices"][0]["text"] == text  # the chat prompt is the documented fallback template
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    pieces = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].text for c in pieces)
+    assert (
+        streamed
+        == client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0)
+        .choices[0]
+        .text
+    )
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=llama.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_text_validation(llama_client):
+    too_long = llama_client.post("/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1000})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert llama_client.post("/v1/completions", json={"prompt": "x", "n": 2}).status_code == 400
+    assert llama_client.post("/v1/completions", json={"prompt": "x", "temperature": 3}).status_code == 400
+    bad_role = llama_client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}
+    )
+    assert bad_role.status_code == 400 and "messages.0.role" in bad_role.json()["error"]["message"]
+    assert llama_client.post("/v1/videos", json={"prompt": "x"}).json()["error"]["code"] == "wrong_model_kind"
