@@ -8,7 +8,7 @@ optimizer state and activations added). DeepSpeed and Lightning are optional (``
 a framework that is not installed is skipped. Accelerate is left out on purpose: on CPU its FSDP plugin
 silently trains with plain DDP, so its figures would not be FSDP's.
 
-    .venv/bin/python benchmarks/train.py                 # world 2, ~3-4 minutes; bench_results/train.json
+    .venv/bin/python benchmarks/train.py                 # world 2: ~4 min on an idle 2-core CPU; bench_results/train.json
     .venv/bin/python benchmarks/train.py --world 4 --only hsdp-HYBRID_SHARD,hsdp-FULL_SHARD
 """
 
@@ -79,6 +79,16 @@ def _timed_loop(spec: dict, step_fn) -> list[float]:
     return times[spec["warmup"] :]
 
 
+def _baseline() -> int:
+    """Peak RSS once everything every framework needs is imported, so growth counts only the run itself."""
+    import transformers  # noqa: F401
+
+    import hsdp.train  # noqa: F401
+    from hsdp.memory import peak_memory_bytes
+
+    return peak_memory_bytes()
+
+
 def _report(spec: dict, baseline: int, times: list[float]) -> dict:
     from hsdp.memory import peak_memory_bytes
 
@@ -95,12 +105,11 @@ def _load_model(spec: dict):
 
 def rank_hsdp(spec: dict, strategy: str) -> dict:
     from hsdp.config import ParallelConfig
-    from hsdp.memory import peak_memory_bytes
     from hsdp.train import TrainConfig, Trainer
 
     world = spec["world"]
     shard, replicate = {"NO_SHARD": (1, world), "HYBRID_SHARD": (2, world // 2)}.get(strategy, (world, 1))
-    baseline = peak_memory_bytes()
+    baseline = _baseline()
     parallel = ParallelConfig(
         use_hsdp=True, hsdp_shard_size=shard, hsdp_replicate_size=replicate, sharding_strategy=strategy
     )
@@ -117,9 +126,7 @@ def rank_deepspeed(spec: dict, stage: int) -> dict:
     import deepspeed
     import torch
 
-    from hsdp.memory import peak_memory_bytes
-
-    baseline = peak_memory_bytes()
+    baseline = _baseline()
     model = _load_model(spec)
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
@@ -145,8 +152,6 @@ def rank_lightning(spec: dict) -> dict:
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
-    from hsdp.memory import peak_memory_bytes
-
     def parallelize(model, device_mesh):
         mesh = device_mesh["data_parallel"]
         for layer in model.model.layers:
@@ -154,7 +159,7 @@ def rank_lightning(spec: dict) -> dict:
         fully_shard(model, mesh=mesh)
         return model
 
-    baseline = peak_memory_bytes()
+    baseline = _baseline()
     strategy = ModelParallelStrategy(
         parallelize_fn=parallelize, data_parallel_size=spec["world"], tensor_parallel_size=1
     )
@@ -189,7 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="measured steps (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--only", default=None, help="comma-separated run names")

@@ -19,6 +19,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["Trainer", "StepResult", "TrainResult"]
+__all__ = ["Trainer", "StepResult", "TrainResult", "load_dataset"]
 
 
 @dataclass
@@ -69,6 +70,16 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def load_dataset(cfg: TrainConfig, model_dir: Path) -> PackedDataset:
+    """Tokenize ``cfg.data`` with the model's tokenizer; :class:`DatasetError` if one step's batch does not fit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = PackedDataset.from_file(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, text_key=cfg.text_key)
+    data.require(cfg.batch_size * cfg.grad_accum)
+    return data
+
+
 class Trainer:
     """Build everything for ``cfg`` on this rank (collective when the world has several ranks)."""
 
@@ -78,19 +89,13 @@ class Trainer:
         self.parallel = cfg.effective_parallel()
         self.rank, self.world_size = _world()
         self.device = local_device()
-        self.meshes = build_meshes(self.parallel)
-        self.dp_size = self.parallel.data_parallel_size
-        self.dp_rank = self.meshes.data_parallel_rank
         self.model_dir = checks.model_dir
         self.fingerprint = checks.fingerprint
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.data = PackedDataset.from_file(
-            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, text_key=cfg.text_key
-        )
-        self.data.require(cfg.batch_size * cfg.grad_accum)
+        self.data = load_dataset(cfg, self.model_dir)
+        self.meshes = build_meshes(self.parallel)  # the first collective
+        self.dp_size = self.parallel.data_parallel_size
+        self.dp_rank = self.meshes.data_parallel_rank
 
         torch.manual_seed(cfg.seed)
         self.model = load_pretrained(
