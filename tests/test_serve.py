@@ -233,7 +233,10 @@ def test_restart_serves_finished_jobs_and_requeues_waiting_ones(wan, wan_client,
     finished = [v for v in wan_client.get("/v1/videos").json()["data"] if v["status"] == "completed"]
     assert finished
     content = {v["id"]: wan_client.get(f"/v1/videos/{v['id']}/content").content for v in finished}
-    wan.stop()
+    wan_client.close()  # an open keep-alive connection would hold up the graceful shutdown
+    started = time.monotonic()
+    assert wan.stop() == 0
+    assert time.monotonic() - started < 20, wan.log_tail()
     jobs_dir = wan_dir / "out" / "jobs"
     # What a server killed mid-way leaves behind: one job still queued, one marked running.
     params = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1, "guidance_scale": 1.0}

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="the name clients pass as 'model' (default: MODEL)"
     )
     parser.add_argument(
-        "--output-dir", type=Path, default=Path("hsdp-serve-output"), help="job records and videos"
+        "--output-dir", type=Path, default=Path("outputs/serve"), help="job records and videos"
     )
     parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")

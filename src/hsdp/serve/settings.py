@@ -42,7 +42,7 @@ class ServeSettings:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     served_model_name: str | None = None
     """The name clients pass as ``model`` (default: ``model`` as given)."""
-    output_dir: Path = Path("hsdp-serve-output")
+    output_dir: Path = Path("outputs/serve")
     """Job records (``jobs/``) and finished videos (``videos/``); a restarted server serves them again."""
     api_key: str | None = None
     """When set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``."""
