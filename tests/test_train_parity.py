@@ -171,6 +171,7 @@ def test_frozen_replicated_offload_checkpointing_matches(world2, reference):
 
     run = world2["runs"]["frozen_mixed"]
     assert_matches(run, reference["frozen"])
+    assert run["checkpointing"] and not reference["frozen"]["checkpointing"]
     start = dict(build_tiny_llama().named_parameters())
     frozen = [name for name in start if "self_attn" in name]
     assert frozen and all(torch.equal(run["state"][name], start[name].detach()) for name in frozen)
@@ -234,6 +235,8 @@ def test_hybrid_shard_matches_single_process(world4, reference):
 
 def test_tensor_parallel_2x_fsdp_2_matches_single_process(world4, reference):
     assert_matches(world4["tp"], reference["clipped"])
+    # q_proj is column-parallel over tp and sharded by FSDP over the data-parallel axis
+    assert world4["tp"]["q_proj"] == (("shard", "tp"), (("_StridedShard", 0), ("Shard", 0)))
 
 
 def test_reshard_on_load_4_to_2(world4, reference):

@@ -19,6 +19,15 @@ def _local_bytes(tensors) -> int:
     return total
 
 
+def _layout(param) -> tuple | None:
+    """(mesh axis names, placements) of a DTensor parameter; None for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return None
+    return tuple(param.device_mesh.mesh_dim_names), tuple(
+        (type(p).__name__, getattr(p, "dim", None)) for p in param.placements
+    )
+
+
 def measured_bytes(trainer: Trainer) -> dict[str, int]:
     """This rank's bytes of parameter shards, gradient shards (after one more backward) and optimizer state."""
     params = list(trainer.model.parameters())
@@ -52,6 +61,10 @@ def train_configs(configs: list[TrainConfig], measure: bool = False) -> list[dic
             "state": full if rank == 0 else None,
             "checkpoint": result.checkpoint,
             "peaks": result.steps[-1].peak_memory,
+            "q_proj": _layout(trainer.model.model.layers[0].self_attn.q_proj.weight),
+            "checkpointing": any(
+                getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules()
+            ),
         }
         if measure:
             entry["bytes"] = measured_bytes(trainer)
