@@ -59,6 +59,12 @@ def reference_video(path: Path, prompt: str, seed: int, params: SamplingParams, 
         ).frames[0]
 
 
+def reference_param_bytes(path: Path) -> int:
+    """Bytes of every parameter of the single-process pipeline (all components, unsharded)."""
+    modules = [m for m in _pipeline(path).components.values() if isinstance(m, torch.nn.Module)]
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
 @cache
 def _causal_lm(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -19,7 +19,7 @@ from hsdp import ParallelConfig
 from hsdp.cli import main as cli_main
 from hsdp.engine import Engine, SamplingParams
 from hsdp.launch import WorkerDiedError
-from tests.engine_refs import builtin, reference_video
+from tests.engine_refs import builtin, reference_param_bytes, reference_video
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,10 @@ def test_worker_death_mid_generation_then_new_engine(wan_path):
     params = SamplingParams(seed=3, num_inference_steps=2)
     with Engine(wan_path, config, forward_prefetch=False) as fresh:
         [out] = fresh.generate("A cat playing piano", params)
+        held = fresh.memory_report()
+    # Kept gathered: after generating, each rank holds the full weights, not just its shards.
+    for loaded, now in zip(fresh.load_report, held, strict=True):
+        assert loaded["param_bytes"] < now["param_bytes"] == reference_param_bytes(wan_path)
     expected = reference_video(wan_path, "A cat playing piano", 3, params, fresh.info.defaults)
     np.testing.assert_array_equal(out.frames, expected)
 

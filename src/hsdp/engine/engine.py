@@ -197,6 +197,13 @@ class Engine:
                 )
         return sorted(outputs, key=lambda o: o.request_id)
 
+    def memory_report(self) -> list[dict]:
+        """Per rank, now: ``param_bytes`` held (weights kept gathered count in full), resident and peak memory."""
+        if self._closed:
+            raise RuntimeError("this Engine is closed; start a new one")
+        with self._lock:
+            return self._group.run(worker.memory_report, timeout_s=self.call_timeout_s)
+
     def close(self) -> None:
         """Stop the workers (idempotent)."""
         if self._closed:
@@ -217,5 +224,6 @@ class Engine:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        # A borrowed group is left to its owner; calling into it during garbage collection is not safe.
+        if not getattr(self, "_closed", True) and getattr(self, "_owns_group", False):
             self.close()

@@ -21,7 +21,16 @@ from hsdp.engine.params import Request, SamplingParams, request_slots
 from hsdp.launch import worker_state
 from hsdp.mesh import build_meshes
 
-__all__ = ["LoadSpec", "RankResult", "load", "generate", "unload", "peak_memory", "reset_peak_memory"]
+__all__ = [
+    "LoadSpec",
+    "RankResult",
+    "load",
+    "generate",
+    "memory_report",
+    "unload",
+    "peak_memory",
+    "reset_peak_memory",
+]
 
 _KEY = "hsdp.engine.runner"
 
@@ -82,31 +91,46 @@ def reset_peak_memory() -> None:
 
 
 def load(spec: LoadSpec) -> dict:
-    """Build the meshes and load the model sharded on this rank; returns a small report (``baseline_memory_bytes``
-    is what the process held before loading: the runtime and libraries on CPU)."""
-    from hsdp.sharding import parameter_bytes
-
+    """Build the meshes and load the model sharded on this rank; returns :func:`memory_report` plus
+    ``baseline_memory_bytes``, what the process held before loading (runtime and libraries on CPU)."""
     unload()
+    if spec.kind == "diffusion":
+        import diffusers  # noqa: F401  (imported before the baseline is taken)
+
+        from hsdp.engine.diffusion import DiffusionRunner as runner_cls
+    else:
+        import transformers  # noqa: F401
+
+        from hsdp.engine.causal_lm import CausalLMRunner as runner_cls
     reset_peak_memory()
     baseline = resident_memory()
     config = spec.config.resolved()
     meshes = build_meshes(config)
-    if spec.kind == "diffusion":
-        from hsdp.engine.diffusion import DiffusionRunner as runner_cls
-    else:
-        from hsdp.engine.causal_lm import CausalLMRunner as runner_cls
     runner = runner_cls(spec.path, config, meshes, dtype=spec.dtype, forward_prefetch=spec.forward_prefetch)
     worker_state()[_KEY] = (runner, config, meshes)
-    local = sum(parameter_bytes(m)[0] for m in runner.modules())
-    memory, kind = peak_memory()
+    return {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
+
+
+def memory_report() -> dict:
+    """This rank's memory now: ``param_bytes`` held (sharded parameters count their local shard, gathered
+    ones, e.g. kept gathered between steps, their full size), resident and peak memory."""
+    from hsdp.sharding import parameter_bytes
+
+    runner = _loaded()[0]
+    peak, kind = peak_memory()
     return {
         "rank": rank(),
-        "sharded": runner.sharded,
-        "local_param_bytes": local,
-        "baseline_memory_bytes": baseline,
-        "peak_memory_bytes": memory,
+        "param_bytes": sum(parameter_bytes(m)[0] for m in runner.modules()),
+        "resident_memory_bytes": resident_memory(),
+        "peak_memory_bytes": peak,
         "memory_kind": kind,
     }
+
+
+def _loaded() -> tuple:
+    if _KEY not in worker_state():
+        raise RuntimeError("no model is loaded on this rank; call hsdp.engine.worker.load first")
+    return worker_state()[_KEY]
 
 
 def generate(requests: list[Request], params: SamplingParams, progress: bool) -> RankResult:
@@ -115,9 +139,7 @@ def generate(requests: list[Request], params: SamplingParams, progress: bool) ->
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
     request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
     """
-    if _KEY not in worker_state():
-        raise RuntimeError("no model is loaded on this rank; call hsdp.engine.worker.load first")
-    runner, config, meshes = worker_state()[_KEY]
+    runner, config, meshes = _loaded()
     slots = request_slots(config)
     mine = requests[meshes.data_parallel_rank :: slots] if slots > 1 else requests
     reports = slots > 1 or rank() == 0
