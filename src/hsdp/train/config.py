@@ -166,10 +166,9 @@ def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None
     else:
         target = Path(cfg.resume)
     state = read_trainer_state(target)
-    if state.get("model") != fingerprint:
-        diff = sorted(
-            k for k in {*fingerprint, *state.get("model", {})} if fingerprint.get(k) != state["model"].get(k)
-        )
+    saved = state.get("model", {})
+    if saved != fingerprint:
+        diff = sorted(k for k in {*fingerprint, *saved} if fingerprint.get(k) != saved.get(k))
         raise TrainConfigError(
             f"--resume {target} was saved from another model (differs in: {', '.join(diff)}); resume with the "
             f"--model it was trained from, or start in a new --output-dir"

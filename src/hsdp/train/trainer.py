@@ -202,9 +202,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if (
-            dist.is_initialized()
-        ):  # ranks of one TP group hold the same loss, so the world mean is the dp mean
+        if dist.is_initialized():
+            # Ranks of one TP group hold the same loss, so the world mean is the data-parallel mean.
             dist.all_reduce(total)
             total /= self.world_size
         peaks = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
