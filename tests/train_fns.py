@@ -38,7 +38,7 @@ def measured_bytes(trainer: Trainer) -> dict[str, int]:
         grad_accum=1,
         dp_rank=trainer.dp_rank,
         dp_size=trainer.dp_size,
-    )
+    ).to(trainer.device)
     trainer.model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
     grads = [p.grad for p in params if p.grad is not None]
     state = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
