@@ -206,13 +206,27 @@ def test_export_loads_in_transformers_with_equal_logits(world2):
 def test_memory_estimate_matches_measured_bytes(world2):
     """fp32 AdamW: 4 bytes of params, 4 of grads, 8 of optimizer state (momentum, variance) per parameter."""
     num_params = sum(t.numel() for t in world2["runs"]["full"]["state"].values())
-    for name, strategy, replicate in [("full", "FULL_SHARD", 1), ("no_shard_accum", "NO_SHARD", 1)]:
-        estimate = training_memory(num_params, 2, strategy, 4, 4, 8, replicate_size=replicate)
+    for name, strategy in [("full", "FULL_SHARD"), ("no_shard_accum", "NO_SHARD")]:
+        estimate = training_memory(num_params, 2, strategy, 4, 4, 8)
         for rank_runs in world2["all_ranks"]:
             measured = rank_runs[list(world2["configs"]).index(name)]["bytes"]
             assert measured["params"] == pytest.approx(estimate.params, rel=0.01)
             assert measured["grads"] == pytest.approx(estimate.grads, rel=0.01)
             assert measured["optimizer"] == pytest.approx(estimate.optimizer, rel=0.01)
+    full = world2["all_ranks"][0][list(world2["configs"]).index("full")]["bytes"]
+    assert full["gathered"] == 0  # FULL_SHARD frees every gathered block after its forward
+
+
+def test_memory_estimate_shard_grad_op_keeps_params_gathered(world2):
+    """SHARD_GRAD_OP holds every parameter gathered from forward to backward; grads and Adam state sharded."""
+    num_params = sum(t.numel() for t in world2["runs"]["full"]["state"].values())
+    estimate = training_memory(num_params, 2, "SHARD_GRAD_OP", 4, 4, 8)
+    for rank_runs in world2["all_ranks"]:
+        measured = rank_runs[list(world2["configs"]).index("grad_op_clip")]["bytes"]
+        assert measured["gathered"] == estimate.params
+        assert (measured["grads"], measured["optimizer"]) == pytest.approx(
+            (estimate.grads, estimate.optimizer), rel=0.01
+        )
 
 
 @pytest.fixture(scope="module")

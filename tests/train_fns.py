@@ -29,7 +29,8 @@ def _layout(param) -> tuple | None:
 
 
 def measured_bytes(trainer: Trainer) -> dict[str, int]:
-    """This rank's bytes of parameter shards, gradient shards (after one more backward) and optimizer state."""
+    """This rank's bytes of parameter shards, of parameters held gathered between forward and backward, of
+    gradient shards (after one more backward) and of optimizer state."""
     params = list(trainer.model.parameters())
     batch = trainer.data.micro_batch(
         0,
@@ -39,10 +40,18 @@ def measured_bytes(trainer: Trainer) -> dict[str, int]:
         dp_rank=trainer.dp_rank,
         dp_size=trainer.dp_size,
     ).to(trainer.device)
-    trainer.model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    loss = trainer.model(input_ids=batch, labels=batch, use_cache=False).loss
+    # Between forward and backward FSDP2 puts gathered (plain) parameters on the modules it keeps unsharded.
+    gathered = _local_bytes(p for p in trainer.model.parameters() if not isinstance(p, DTensor))
+    loss.backward()
     grads = [p.grad for p in params if p.grad is not None]
     state = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
-    out = {"params": _local_bytes(params), "grads": _local_bytes(grads), "optimizer": _local_bytes(state)}
+    out = {
+        "params": _local_bytes(params),
+        "gathered": gathered,
+        "grads": _local_bytes(grads),
+        "optimizer": _local_bytes(state),
+    }
     trainer.optimizer.zero_grad(set_to_none=True)
     return out
 
