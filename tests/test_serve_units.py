@@ -162,3 +162,63 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
     assert 'hsdp_queue_depth{model="m\\"x"} 1' in text
     assert 'hsdp_rank_peak_memory_bytes{model="m\\"x",rank="1",kind="cpu peak RSS"} 20' in text
     assert 'hsdp_worker_info{model="m\\"x",rank="1",pid="12"} 1' in text
+
+
+class _FakeEngine:
+    """Engine stand-in: the runner's contract (request_slots, pids, closed, generate, close) without workers."""
+
+    def __init__(self, fail: bool):
+        self.fail, self.closed, self.request_slots, self.pids, self.calls = fail, False, 2, [101, 102], []
+
+    def generate(self, prompts, params):
+        from hsdp.engine import GenerationOutput, Timings
+        from hsdp.launch import WorkerDiedError
+
+        self.calls.append((list(prompts), list(params.seed)))
+        if self.fail:
+            self.closed = True
+            raise WorkerDiedError("generate: worker rank 1 died (rank 1: exit code -9)", rank=1)
+        return [
+            GenerationOutput(
+                i, p, s, Timings(total_s=0.1, step_s=[0.05]), [1, 2], "test", text=p.upper(), token_ids=[i]
+            )
+            for i, (p, s) in enumerate(zip(prompts, params.seed, strict=True))
+        ]
+
+    def close(self):
+        self.closed = True
+
+
+def test_runner_fails_batch_on_dead_worker_restarts_and_pads(tmp_path):
+    from hsdp.serve.runner import EngineRunner
+
+    engines = []
+
+    def make_engine():
+        engines.append(_FakeEngine(fail=not engines))
+        return engines[-1]
+
+    store = JobStore(tmp_path, capacity=10)
+    a, b, c = (Job("text", f"p{i}", {"max_new_tokens": 4}, seed=10 + i) for i in range(3))
+    runner = EngineRunner(make_engine, store, poll_s=0.05)
+    runner.start()
+    try:
+        store.submit([a, b])
+        deadline = time.monotonic() + 10
+        while not (a.finished and b.finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.status == b.status == "failed" and a.error["code"] == "worker_died"
+        assert "rank 1 died" in a.error["message"] and "restarted" in a.error["message"]
+        store.submit([c])
+        while not c.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.stop()
+    assert c.status == "completed" and c.result.text == "P2"
+    assert engines[1].calls == [(["p2", "p2"], [12, 12])]  # padded to the 2 request-parallel slots
+    assert (runner.stats.restarts, runner.stats.padded_requests, runner.stats.worker_pids) == (
+        1,
+        1,
+        [101, 102],
+    )
+    assert engines[1].closed and runner.stats.state == "stopped"

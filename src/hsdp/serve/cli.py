@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-dir", type=Path, default=Path("outputs/serve"), help="job records and videos"
     )
     parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
+    parser.add_argument(
+        "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
+    )
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     parser.add_argument(
         "--job-timeout", type=float, default=600.0, help="seconds per engine call before the workers restart"
@@ -74,6 +77,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         output_dir=args.output_dir,
         api_key=args.api_key,
         dtype=args.dtype,
+        forward_prefetch=args.forward_prefetch,
         max_queue=args.max_queue,
         job_timeout_s=args.job_timeout,
         limits=ServeLimits(**{name: getattr(args, name) for name in limit_names}),

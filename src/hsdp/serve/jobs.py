@@ -263,12 +263,6 @@ class JobStore:
         with self._cond:
             return len(self._running)
 
-    def drain(self) -> list[Job]:
-        """Take every queued job out (server shutdown); persistent ones stay queued on disk."""
-        with self._cond:
-            jobs, self._queue = list(self._queue), deque()
-            return jobs
-
 
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():

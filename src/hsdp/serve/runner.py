@@ -59,21 +59,17 @@ def png_bytes(frame: np.ndarray) -> bytes:
     return iio.imwrite("<bytes>", pixels, extension=".png")
 
 
-def _failure(exc: BaseException, stopping: bool) -> dict:
+def _failure(exc: BaseException, *, stopping: bool, restarting: bool) -> dict:
+    """The ``error`` of the jobs of a failed engine call: a code clients can branch on, and the reason."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if stopping:
         return {"code": "server_stopped", "message": f"the server stopped while this job ran ({first_line})"}
-    if isinstance(exc, WorkerTimeout):
-        code = "timeout"
-    elif isinstance(exc, WorkerDiedError):
-        code = "worker_died"
-    elif isinstance(exc, WorkerError):
-        code = "worker_error"
-    elif isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) and not restarting:
         return {"code": "invalid_request", "message": str(exc)}
-    else:
-        code = "internal_error"
-    return {"code": code, "message": f"{first_line}; the workers were restarted, resubmit the job"}
+    codes = ((WorkerTimeout, "timeout"), (WorkerDiedError, "worker_died"), (WorkerError, "worker_error"))
+    code = next((c for cls, c in codes if isinstance(exc, cls)), "internal_error")
+    then = "; the workers are being restarted, resubmit the job" if restarting else ""
+    return {"code": code, "message": f"{first_line}{then}"}
 
 
 class EngineRunner:
@@ -147,8 +143,7 @@ class EngineRunner:
         try:
             outputs = engine.generate([j.prompt for j in padded], params)
         except Exception as exc:
-            stopping = self._stopping.is_set()
-            error = _failure(exc, stopping)
+            error = _failure(exc, stopping=self._stopping.is_set(), restarting=engine.closed)
             self.stats.last_error = error["message"]
             logger.warning("batch of %d job(s) failed: %s", len(batch), error["message"])
             for job in batch:

@@ -47,6 +47,8 @@ class ServeSettings:
     api_key: str | None = None
     """When set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``."""
     dtype: str | None = None
+    forward_prefetch: bool = True
+    """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
     max_queue: int = 64
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0
