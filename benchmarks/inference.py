@@ -141,30 +141,32 @@ def throughput_rows(
 
 
 def table(step: list[dict], throughput: list[dict]) -> str:
+    """Markdown tables; memory columns show rank 0 (which also decodes the video) / the last rank."""
     base = {(r["world"], r["tokens"]): r["s_per_step"] for r in step if r["variant"] == "replicated"}
     fsdp = {(r["world"], r["tokens"]): r["s_per_step"] for r in step if r["variant"] == "fsdp2-default"}
     lines = [
-        "| world | tokens | variant | s/step | vs replicated | vs fsdp2-default | weights MiB/rank between steps "
-        "| peak MiB/rank (above baseline) |",
+        "| world | tokens | variant | s/step | vs replicated | vs fsdp2-default | weights held MiB/rank | "
+        "peak above baseline MiB (rank 0 / last) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in step:
         key = (r["world"], r["tokens"])
+        above = r["peak_above_baseline_mib_per_rank"]
         lines.append(
             f"| {r['world']} | {r['tokens']} | {r['variant']} | {r['s_per_step']:.3f} | "
             f"{r['s_per_step'] / base[key]:.2f}x | {r['s_per_step'] / fsdp[key]:.2f}x | "
-            f"{max(r['param_mib_per_rank_between_steps']):.0f} | {max(r['peak_mib_per_rank']):.0f} "
-            f"(+{max(r['peak_above_baseline_mib_per_rank']):.0f}) |"
+            f"{max(r['param_mib_per_rank_between_steps']):.0f} | {above[0]:.0f} / {above[-1]:.0f} |"
         )
     lines += [
         "",
-        "| world | mode | requests | seconds | requests/min | peak MiB/rank |",
-        "|---|---|---|---|---|---|",
+        "| world | mode | requests | seconds | requests/min | s/step (median) | VAE decode s | peak MiB (rank 0 / last) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in throughput:
+        peak = r["peak_mib_per_rank"]
         lines.append(
             f"| {r['world']} | {r['mode']} | {r['requests']} | {r['seconds']:.1f} | {r['requests_per_minute']:.1f} | "
-            f"{max(r['peak_mib_per_rank']):.0f} |"
+            f"{r['s_per_step']:.3f} | {r['decode_s']:.3f} | {peak[0]:.0f} / {peak[-1]:.0f} |"
         )
     return "\n".join(lines)
 
