@@ -30,7 +30,9 @@ ROWS = [
 ]
 WAN = dict(num_attention_heads=6, attention_head_dim=64, in_channels=16, out_channels=16, text_dim=96,
            freq_dim=64, ffn_dim=1000, num_layers=6, rope_max_seq_len=256)  # fmt: skip
-LLAMA = dict(hidden_size=384, intermediate_size=1000, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=4)
+LLAMA = dict(
+    hidden_size=384, intermediate_size=1000, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=4
+)
 
 
 def _build(training: bool):
@@ -46,7 +48,9 @@ def measure(kwargs: dict, training: bool, resident: int) -> dict:
 
     model = _build(training)
     names = tuple(f"blocks.{i}" for i in range(resident))
-    apply_hsdp_to_model(model, ParallelConfig(use_hsdp=True, **kwargs), training=training, resident_modules=names)
+    apply_hsdp_to_model(
+        model, ParallelConfig(use_hsdp=True, **kwargs), training=training, resident_modules=names
+    )
     g = torch.Generator().manual_seed(0)
     if training:
         ids = torch.randint(0, 384, (2, 64), generator=g)
@@ -57,7 +61,11 @@ def measure(kwargs: dict, training: bool, resident: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     else:
-        inputs = (torch.randn(1, 16, 1, 16, 16, generator=g), torch.tensor([500]), torch.randn(1, 8, 96, generator=g))
+        inputs = (
+            torch.randn(1, 16, 1, 16, 16, generator=g),
+            torch.tensor([500]),
+            torch.randn(1, 8, 96, generator=g),
+        )
 
         def step():
             with torch.no_grad():
@@ -89,11 +97,20 @@ def main() -> None:
             for name, w, kwargs, training, resident in ROWS:
                 if w == world:
                     report = group.run(measure, kwargs, training, resident, timeout_s=300)[0]
-                    rows.append(dict(name=name, world=world, **report, planned=planned_bytes(kwargs, training, resident)))
-    print(f"{'step':36} {'world':>5} {'collectives':>34} {'KiB/rank':>9} {'minimum':>9} {'x min':>6} {'planned':>9}")
+                    rows.append(
+                        dict(
+                            name=name,
+                            world=world,
+                            **report,
+                            planned=planned_bytes(kwargs, training, resident),
+                        )
+                    )
+    print(
+        f"{'step':36} {'world':>5} {'collectives':>48} {'KiB/rank':>9} {'minimum':>9} {'x min':>6} {'planned':>9}"
+    )
     for r in rows:
         calls = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(r["calls"].items()))
-        print(f"{r['name']:36} {r['world']:>5} {calls:>34} {r['total'] / 1024:>9.1f} "
+        print(f"{r['name']:36} {r['world']:>5} {calls:>48} {r['total'] / 1024:>9.1f} "
               f"{sum(r['minimum'].values()) / 1024:>9.1f} {r['ratio']:>6.3f} {r['planned'] / 1024:>9.1f}")  # fmt: skip
     worst = max(r["ratio"] for r in rows)
     print(f"worst measured / minimum: {worst:.3f} (target 1.00 to 1.05)")

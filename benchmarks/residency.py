@@ -10,9 +10,10 @@ replicated model (every rank holds all weights, no communication):
   all-resident need: as many blocks as fit keep their gathered weights between steps, the rest are prefetched.
 
 ``overlap`` is the share of the all-gather time hidden behind compute: ``1 - (t_sharded - t_replicated) /
-t_gather``, where ``t_gather`` is the time to unshard every unit with no compute. Times are medians of the
-slowest rank; the variants run round-robin in one process per rank, so background load
-hits them alike. Steady-state bytes per step come from :class:`hsdp.comm.CommCounter`.
+t_gather``, where ``t_gather`` is the time to unshard every unit with no compute. Each round times every
+variant once, round-robin in one process per rank, so background load hits them alike; a round's time is the
+slowest rank's, and ratios are medians of per-round ratios. Steady-state bytes per step come from
+:class:`hsdp.comm.CommCounter`.
 
     .venv/bin/python benchmarks/residency.py      # about 3 minutes on 2 cores; writes bench_results/residency.json
 """
@@ -107,15 +108,17 @@ def run_all(width: int, layers: int, side: int, repeats: int) -> list[dict]:
     with torch.no_grad():
         for model, _ in built:  # warm up (and gather the resident blocks)
             model(*inputs)
-        for _ in range(repeats):
-            for model, info in built:
+        for r in range(repeats):
+            for model, info in (
+                built[r % len(built) :] + built[: r % len(built)]
+            ):  # rotate the order each round
                 times[info["variant"]].append(_timed(lambda m=model: m(*inputs)))
             gather.append(_timed(gather_all))
         rows = []
         for model, info in built:
             _, report = measure_comm(model, lambda m=model: m(*inputs))
-            rows.append(dict(info, step_s=statistics.median(times[info["variant"]]), gather_s=statistics.median(gather),
-                             comm_bytes=report.total, comm_ratio=report.ratio))  # fmt: skip
+            rows.append(dict(info, times=times[info["variant"]], gather=gather, comm_bytes=report.total,
+                             comm_ratio=report.ratio))  # fmt: skip
     return rows
 
 
@@ -137,16 +140,23 @@ def main() -> None:
         with WorkerGroup(world) as group:
             for side in args.sides:
                 per_rank = group.run(run_all, args.width, args.layers, side, args.repeats, timeout_s=900)
-                found = {
-                    r["variant"]: dict(r, step_s=max(x[i]["step_s"] for x in per_rank))
-                    for i, r in enumerate(per_rank[0])
-                }
-                base = found["replicated"]["step_s"]
-                for variant in VARIANTS:
-                    row = dict(found[variant], world=world, tokens=(side // 2) ** 2, layers=args.layers)
-                    row["ratio"] = row["step_s"] / base
+                # Per round: the slowest rank's time; ratios are taken within a round, then the median.
+                slowest = {r["variant"]: [max(x) for x in zip(*(p[i]["times"] for p in per_rank), strict=True)]
+                           for i, r in enumerate(per_rank[0])}  # fmt: skip
+                gather = [max(x) for x in zip(*(p[0]["gather"] for p in per_rank), strict=True)]
+                base = slowest["replicated"]
+                for i, variant in enumerate(VARIANTS):
+                    info = {k: v for k, v in per_rank[0][i].items() if k not in ("times", "gather")}
+                    row = dict(info, world=world, tokens=(side // 2) ** 2, layers=args.layers)
+                    row.update(step_s=statistics.median(slowest[variant]), gather_s=statistics.median(gather))
+                    row["ratio"] = statistics.median(
+                        t / b for t, b in zip(slowest[variant], base, strict=True)
+                    )
                     if variant != "replicated":
-                        row["overlap"] = max(0.0, min(1.0, 1 - (row["step_s"] - base) / row["gather_s"]))
+                        hidden = [
+                            1 - (t - b) / g for t, b, g in zip(slowest[variant], base, gather, strict=True)
+                        ]
+                        row["overlap"] = max(0.0, min(1.0, statistics.median(hidden)))
                     rows.append(row)
     print(f"{'world':>5} {'tokens':>6} {'variant':>10} {'resident':>8} {'prefetch':>8} {'step ms':>8} {'x repl':>7} "
           f"{'overlap':>7} {'MiB/step':>8} {'x min':>6}")  # fmt: skip

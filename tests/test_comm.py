@@ -64,8 +64,9 @@ def train_comm() -> dict:
     return report.to_dict()
 
 
-def test_forward_moves_the_minimum_and_matches_unsharded(dist_run):
-    for rank_result in dist_run(2, forward_comm, 0, 0):
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_forward_moves_the_minimum_and_matches_unsharded(dist_run, prefetch):
+    for rank_result in dist_run(2, forward_comm, 0, prefetch):
         warm = rank_result["warm"]
         assert rank_result["max_diff"] == 0.0
         assert warm["calls"]["all_gather"] == 4  # three blocks and the root, each gathered once

@@ -137,7 +137,10 @@ def test_plan_command_training_json(capsys):
 
 
 def test_plan_command_pipeline_table(capsys):
-    assert _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64", "--reserve", "2MiB") == 0
+    assert (
+        _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64", "--reserve", "2MiB")
+        == 0
+    )
     out = capsys.readouterr().out
     assert "devices of 8.00 MiB (6.00 MiB usable, --reserve 2MiB)" in out
     assert "transformer: WanTransformer3DModel" in out and "text_encoder: UMT5EncoderModel" in out
@@ -164,6 +167,24 @@ def test_plan_command_nothing_fits_names_the_smallest(capsys):
 def test_plan_command_rejects_nonsense(argv, message, capsys):
     assert _run("tiny-llama", *argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_config_only_component_folder(tmp_path, capsys):
+    """A diffusers component folder with no weights plans at the --dtype given (fp32-kept modules stay fp32)."""
+    from diffusers import WanTransformer3DModel
+
+    from hsdp.models.tiny import tiny_wan_transformer_config
+    from hsdp.planner import profile_model
+
+    with torch.device("meta"):
+        WanTransformer3DModel(**tiny_wan_transformer_config()).save_config(tmp_path)
+    (profile,) = profile_model(str(tmp_path), torch.bfloat16)
+    elems = [b for u in profile.units for _, _, b in u.params]
+    assert profile.kind == "diffusion" and len(profile.blocks) == 3
+    # bf16 weights; the modules diffusers keeps in fp32 (norms, time embedder) are left whole, as sharding does.
+    assert set(elems) == {2} and profile.replicated_bytes > 0
+    assert _run(str(tmp_path), "--devices", "2", "--device-memory", "1GiB", "--dtype", "bf16") == 0
+    assert "recommended:" in capsys.readouterr().out
 
 
 def test_plan_command_unreadable_folder(tmp_path, capsys):
