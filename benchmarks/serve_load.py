@@ -46,6 +46,7 @@ def _references(prompts: list[str], max_tokens: int) -> list[str]:
 
     from hsdp.models.builtin import resolve_model
 
+    torch.set_num_threads(1)  # as in the worker ranks; spinning OpenMP threads crawl on a shared CPU
     path = resolve_model("tiny-llama")
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -107,72 +108,103 @@ async def _run(
     return results, time.perf_counter() - started
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--deadline", type=float, default=300.0, help="seconds any one request may take")
-    parser.add_argument("--server-args", default="--use-hsdp --hsdp-shard-size 2 --request-parallel")
-    parser.add_argument("--output", type=Path, default=Path("bench_results/serve_load.json"))
-    args = parser.parse_args()
-
-    prompts = [f"request {i}: " for i in range(args.requests)]
-    print(f"computing {len(prompts)} one-process references ...", flush=True)
-    want = _references(prompts, args.max_tokens)
-    workdir = Path(tempfile.mkdtemp(prefix="serve-load-"))
-    server_args = [*args.server_args.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
+def load_run(
+    layout: str, prompts: list[str], want: list[str], args: argparse.Namespace, workdir: Path
+) -> dict:
+    """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate accounting."""
+    server_args = [*layout.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
     with LocalServer("tiny-llama", server_args, log=workdir / "server.log") as server:
         before = httpx.get(server.url + "/metrics").text
         results, wall_s = asyncio.run(
             _run(server.url, prompts, args.concurrency, args.max_tokens, args.deadline)
         )
         after = httpx.get(server.url + "/metrics").text
-    completed = _metric(after, "hsdp_jobs", state="completed") - _metric(
-        before, "hsdp_jobs", state="completed"
-    )
-    batched = _metric(after, "hsdp_batched_requests_total") - _metric(before, "hsdp_batched_requests_total")
-    batches = _metric(after, "hsdp_batches_total") - _metric(before, "hsdp_batches_total")
+
+    def delta(name: str, **labels: str) -> int:
+        return int(_metric(after, name, **labels) - _metric(before, name, **labels))
 
     answered = [i for i in range(len(prompts)) if results.get(i, {}).get("status") == 200]
     wrong = [i for i in answered if results[i]["text"] != want[i]]
-    latencies = [results[i]["latency_s"] for i in answered]
-    summary = {
+    latencies = [results[i]["latency_s"] for i in answered] or [float("nan")]
+    completed, run = delta("hsdp_jobs", state="completed"), delta("hsdp_batched_requests_total")
+    return {
+        "layout": layout,
         "requests": len(prompts),
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "server_args": server_args,
         "answered_200": len(answered),
-        "unanswered_or_error": len(prompts) - len(answered),
+        "lost": len(prompts) - len(answered),
         "wrong_answers": len(wrong),
+        "duplicates": run - len(prompts),
         "retried_429": sum(r.get("retries", 0) for r in results.values()),
-        "server_jobs_completed": int(completed),
-        "server_requests_run": int(batched),
-        "server_batches": int(batches),
+        "server_jobs_completed": completed,
+        "server_requests_run": run,
+        "server_batches": delta("hsdp_batches_total"),
         "wall_s": round(wall_s, 3),
         "throughput_rps": round(len(answered) / wall_s, 2),
         "tokens_per_s": round(len(answered) * args.max_tokens / wall_s, 1),
         "latency_s": {f"p{q}": round(_percentile(latencies, q), 4) for q in (50, 90, 99)}
-        | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)}
-        if latencies
-        else {},
+        | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)},
+        "ok": not wrong and len(answered) == len(prompts) and completed == run == len(prompts),
     }
-    ok = not wrong and len(answered) == len(prompts) and completed == batched == len(prompts)
-    summary["ok"] = ok
-    print(
-        f"\n{'requests':>8} | {'conc':>4} | {'200':>4} | {'wrong':>5} | {'jobs run':>8} | {'batches':>7} | "
-        f"{'req/s':>6} | {'p50 s':>6} | {'p90 s':>6} | {'p99 s':>6} | {'max s':>6}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--deadline", type=float, default=300.0, help="seconds any one request may take")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["--use-hsdp --hsdp-shard-size 2 --request-parallel", "--use-hsdp --hsdp-shard-size 2"],
+        help="server parallel flags, one server each (default: request-parallel HSDP 2, then HSDP 2)",
     )
-    lat = summary["latency_s"]
+    parser.add_argument("--output", type=Path, default=Path("bench_results/serve_load.json"))
+    args = parser.parse_args()
+
+    prompts = [f"request {i}: " for i in range(args.requests)]
+    print(f"computing {len(prompts)} one-process references ...", flush=True)
+    want = _references(prompts, args.max_tokens)
+    rows = []
+    for layout in args.layouts:
+        print(f"load: {layout} ...", flush=True)
+        rows.append(load_run(layout, prompts, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
     print(
-        f"{len(prompts):>8} | {args.concurrency:>4} | {len(answered):>4} | {len(wrong):>5} | {int(batched):>8} | "
-        f"{int(batches):>7} | {summary['throughput_rps']:>6} | {lat.get('p50', 0):>6} | {lat.get('p90', 0):>6} | "
-        f"{lat.get('p99', 0):>6} | {lat.get('max', 0):>6}"
+        f"\n{args.requests} completion requests of {args.max_tokens} tokens, concurrency {args.concurrency}, tiny-llama"
     )
+    header = [
+        "layout",
+        "200",
+        "lost",
+        "wrong",
+        "dup",
+        "jobs run",
+        "batches",
+        "req/s",
+        "x first",
+        "p50 s",
+        "p90 s",
+        "p99 s",
+        "max s",
+    ]
+    print(" | ".join(header))
+    for row in rows:
+        lat = row["latency_s"]
+        ratio = row["throughput_rps"] / rows[0]["throughput_rps"]
+        cells = [row["layout"], row["answered_200"], row["lost"], row["wrong_answers"], row["duplicates"],
+                 row["server_requests_run"], row["server_batches"], row["throughput_rps"], f"{ratio:.2f}",
+                 lat["p50"], lat["p90"], lat["p99"], lat["max"]]  # fmt: skip
+        print(" | ".join(str(c) for c in cells))
+    ok = all(r["ok"] for r in rows)
     print(
-        f"\n{'OK' if ok else 'FAILED'}: lost={len(prompts) - len(answered)} wrong={len(wrong)} "
-        f"server ran {int(batched)} requests for {len(prompts)} sent (duplicates={int(batched) - len(prompts)})"
+        f"\n{'OK' if ok else 'FAILED'}: every request answered once, with the one-process answer for its prompt"
     )
+    summary = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.output}")

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from hsdp.launch import WorkerDiedError, WorkerTimeout
 from hsdp.serve.jobs import Job, JobStore, QueueFull
 from hsdp.serve.metrics import render_metrics
 from hsdp.serve.runner import RunnerStats
@@ -167,17 +168,16 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
 class _FakeEngine:
     """Engine stand-in: the runner's contract (request_slots, pids, closed, generate, close) without workers."""
 
-    def __init__(self, fail: bool):
-        self.fail, self.closed, self.request_slots, self.pids, self.calls = fail, False, 2, [101, 102], []
+    def __init__(self, error: Exception | None):
+        self.error, self.closed, self.request_slots, self.pids, self.calls = error, False, 2, [101, 102], []
 
     def generate(self, prompts, params):
         from hsdp.engine import GenerationOutput, Timings
-        from hsdp.launch import WorkerDiedError
 
         self.calls.append((list(prompts), list(params.seed)))
-        if self.fail:
-            self.closed = True
-            raise WorkerDiedError("generate: worker rank 1 died (rank 1: exit code -9)", rank=1)
+        if self.error is not None:
+            self.closed = True  # as Engine.generate does on any WorkerError
+            raise self.error
         return [
             GenerationOutput(
                 i, p, s, Timings(total_s=0.1, step_s=[0.05]), [1, 2], "test", text=p.upper(), token_ids=[i]
@@ -189,13 +189,24 @@ class _FakeEngine:
         self.closed = True
 
 
-def test_runner_fails_batch_on_dead_worker_restarts_and_pads(tmp_path):
+@pytest.mark.parametrize(
+    "error, code, reason",
+    [
+        (
+            WorkerDiedError("generate: worker rank 1 died (rank 1: exit code -9)", rank=1),
+            "worker_died",
+            "rank 1 died",
+        ),
+        (WorkerTimeout("generate did not finish within 600s on ranks [0, 1]"), "timeout", "within 600s"),
+    ],
+)
+def test_runner_fails_the_batch_restarts_and_pads(tmp_path, error, code, reason):
     from hsdp.serve.runner import EngineRunner
 
     engines = []
 
     def make_engine():
-        engines.append(_FakeEngine(fail=not engines))
+        engines.append(_FakeEngine(error if not engines else None))
         return engines[-1]
 
     store = JobStore(tmp_path, capacity=10)
@@ -207,8 +218,8 @@ def test_runner_fails_batch_on_dead_worker_restarts_and_pads(tmp_path):
         deadline = time.monotonic() + 10
         while not (a.finished and b.finished) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert a.status == b.status == "failed" and a.error["code"] == "worker_died"
-        assert "rank 1 died" in a.error["message"] and "restarted" in a.error["message"]
+        assert a.status == b.status == "failed" and a.error["code"] == code
+        assert reason in a.error["message"] and "restarted" in a.error["message"]
         store.submit([c])
         while not c.finished and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -222,3 +233,19 @@ def test_runner_fails_batch_on_dead_worker_restarts_and_pads(tmp_path):
         [101, 102],
     )
     assert engines[1].closed and runner.stats.state == "stopped"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["no-such-model"], "neither an existing path nor a built-in model"),
+        (["tiny-llama", "--max-queue", "0"], "--max-queue 0 must be >= 1"),
+        (["tiny-llama", "--max-frames", "0"], "--max-frames 0 must be >= 1"),
+        (["tiny-llama", "--use-hsdp", "--ulysses-degree", "2"], "causal LMs run with HSDP"),
+    ],
+)
+def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, argv, needle):
+    from hsdp.cli import main
+
+    assert main(["serve", *argv, "--output-dir", str(tmp_path), "--port", "1"]) == 2
+    assert needle in capsys.readouterr().err

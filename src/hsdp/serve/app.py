@@ -126,12 +126,16 @@ def create_app(server: Server) -> FastAPI:
         failed = [j for j in jobs if j.status != "completed"]
         if failed:
             error = failed[0].error or {"code": "failed", "message": "generation failed"}
-            status = 400 if error["code"] == "invalid_request" else 500
+            if error["code"] == "invalid_request":
+                raise ApiError(400, error["message"], code=error["code"])
+            # The workers died, hung or are restarting: the request itself may succeed again shortly.
+            unavailable = error["code"] in ("worker_died", "timeout", "worker_error", "server_stopped")
             raise ApiError(
-                status,
+                503 if unavailable else 500,
                 error["message"],
                 code=error["code"],
-                kind="server_error" if status == 500 else "invalid_request_error",
+                kind="server_error",
+                headers={"Retry-After": "5"} if unavailable else None,
             )
         return jobs
 
