@@ -7,7 +7,7 @@ import torch
 
 from hsdp.config import ParallelConfig
 from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module
-from hsdp.simulate import simulate
+from hsdp.simulate import simulate, simulate_comm
 
 # Wan 2.1 1.3B's transformer shape (30 blocks of width 1536): 5.3 GiB in fp32, so every dim-0 padding case
 # (1536 and 8960 rows over 1,024 ranks, 16-row embeddings over 64) is exercised.
@@ -71,3 +71,29 @@ def test_plan_matches_fsdp2_allocation(build, config):
 def test_simulate_rejects_a_rank_outside_the_world():
     with pytest.raises(ValueError, match="outside the simulated world"):
         simulate(_llama, ParallelConfig(use_hsdp=True, hsdp_shard_size=8), rank=8)
+
+
+def _wan_4_blocks():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(**{**WAN_1_3B, "num_layers": 4})
+
+
+def _wan_step(model):
+    with torch.no_grad():
+        model(torch.randn(1, 16, 1, 16, 16), torch.tensor([500]), torch.randn(1, 8, WAN_1_3B["text_dim"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [64, 1024])
+def test_simulated_traffic_matches_the_plan(shards):
+    """One forward on fake tensors at 64 / 1,024 ranks: every all-gather counted, bytes equal to the plan's."""
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=shards).resolved()
+    report = simulate_comm(_wan_4_blocks, config, _wan_step, rank=shards - 1)
+    with torch.device("meta"):
+        profile = profile_module(_wan_4_blocks())
+    planned = estimate([profile], Layout(config), Workload(), Hardware(2**40))
+    assert report.calls == {"all_gather": len(profile.units)}
+    assert report.bytes["all_gather"] == planned.allgather_bytes
+    # dim-0 padding: 1536-row weights pad to 2048 rows over 1,024 ranks; over 64 they divide evenly.
+    assert report.ratio < 1.02 if shards == 64 else report.ratio > 1.3

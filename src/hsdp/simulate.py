@@ -4,24 +4,30 @@ torch ships a ``fake`` process-group backend whose collectives return at once. W
 claim 1,024 ranks from one process; the meshes are built on it (outside any ``FakeTensorMode``: mesh creation
 there fails with ``DataDependentOutputException``), the model is built on the ``meta`` device, and the real
 :func:`hsdp.sharding.apply_hsdp_to_model` runs ``fully_shard`` on it. FSDP2 then holds, for this rank, exactly
-the padded shard storage it would allocate on a real cluster; :func:`simulate` reads those sizes back.
+the padded shard storage it would allocate on a real cluster; :func:`simulate` reads those sizes back, and
+:func:`simulate_comm` runs a step on fake tensors to count every collective and its bytes at that scale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from hsdp.comm import CommReport, measure_comm
 from hsdp.config import ParallelConfig
-from hsdp.mesh import build_meshes
+from hsdp.distributed import local_device
+from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.sharding import apply_hsdp_to_model
 
-__all__ = ["SimulatedRank", "simulate", "allocated_bytes"]
+__all__ = ["SimulatedRank", "simulate", "simulate_comm", "allocated_bytes"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,31 @@ def allocated_bytes(model: nn.Module) -> tuple[dict[str, int], int]:
     return units, whole
 
 
+@contextlib.contextmanager
+def _fake_world(config: ParallelConfig, rank: int) -> Iterator[ParallelMeshes]:
+    """This process as rank ``rank`` of a fake process group of ``config.world_size`` ranks, with its meshes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulation needs a process without a process group; run it outside the workers")
+    if not 0 <= rank < config.world_size:
+        raise ValueError(f"rank={rank} is outside the simulated world of {config.world_size} ranks")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config.world_size)
+    try:
+        yield build_meshes(config)  # outside FakeTensorMode: mesh creation fails inside it
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(
+    build: Callable[[], nn.Module], config: ParallelConfig, meshes: ParallelMeshes, **kwargs
+) -> nn.Module:
+    with torch.device("meta"):
+        model = build()
+    apply_hsdp_to_model(model, config, meshes=meshes, **kwargs)
+    return model
+
+
 def simulate(
     build: Callable[[], nn.Module],
     config: ParallelConfig,
@@ -76,28 +107,11 @@ def simulate(
 
     Needs a process with no process group of its own (it creates and destroys the fake one).
     """
-    import time
-
-    import torch
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     config = config.resolved()
-    if dist.is_initialized():
-        raise RuntimeError("simulate() needs a process without a process group; run it outside the workers")
-    if not 0 <= rank < config.world_size:
-        raise ValueError(f"rank={rank} is outside the simulated world of {config.world_size} ranks")
     start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config.world_size)
-    try:
-        meshes = build_meshes(config)
-        with torch.device("meta"):
-            model = build()
-        apply_hsdp_to_model(
-            model, config, meshes=meshes, training=training, resident_modules=resident_modules
-        )
+    with _fake_world(config, rank) as meshes:
+        model = _sharded(build, config, meshes, training=training, resident_modules=resident_modules)
         units, whole = allocated_bytes(model)
-    finally:
-        dist.destroy_process_group()
     return SimulatedRank(
         world_size=config.world_size,
         rank=rank,
@@ -106,3 +120,28 @@ def simulate(
         unit_bytes=units,
         seconds=time.perf_counter() - start,
     )
+
+
+def simulate_comm(
+    build: Callable[[], nn.Module],
+    config: ParallelConfig,
+    step: Callable[[nn.Module], object],
+    *,
+    rank: int = 0,
+    training: bool = False,
+) -> CommReport:
+    """Collectives of one ``step(model)`` at ``config.world_size`` ranks, counted by :class:`~hsdp.comm.CommCounter`.
+
+    FSDP2 will not run with meta parameters, so the sharded model is materialised as fake tensors
+    (``FakeTensorMode``: shapes and dtypes, no storage) and ``step`` runs there too; build its inputs inside
+    ``step`` so they are fake as well. The fake backend's collectives move nothing, but every call, with its
+    real sizes, passes through the counter.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    config = config.resolved()
+    with _fake_world(config, rank) as meshes:
+        model = _sharded(build, config, meshes, training=training)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=local_device())
+            return measure_comm(model, lambda: step(model), training=training)[1]
