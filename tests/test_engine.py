@@ -19,6 +19,8 @@ from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import build_requests
 from hsdp.models.builtin import resolve_model
 
+pytestmark = pytest.mark.slow  # builds the tiny models once (seconds), no worker processes
+
 HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
 
 
