@@ -120,6 +120,32 @@ def test_residency_fills_the_budget():
         residency_for_budget(profile, config, 100, work)
 
 
+def test_candidates_are_valid_layouts_over_all_devices():
+    from diffusers import WanTransformer3DModel
+
+    from hsdp.models.tiny import tiny_wan_transformer_config
+    from hsdp.planner import candidate_layouts
+
+    with torch.device("meta"):
+        profile = profile_module(WanTransformer3DModel(**tiny_wan_transformer_config()))
+    layouts = candidate_layouts([profile], 4, Workload(seq_len=64), Hardware(2**30))
+    labels = {layout.label for layout in layouts}
+    assert {"hsdp 4x1", "hsdp 2x2", "hsdp 1x4", "replicated cfg2 usp2", "hsdp 1x4 cfg2 usp2"} <= labels
+    assert all(layout.config.world_size == 4 for layout in layouts)
+    assert not any(
+        "usp4" in label for label in labels
+    )  # the model has 2 heads: Ulysses degree 4 cannot split
+
+
+def test_model_without_a_plan_is_refused():
+    from hsdp.planner import plan
+
+    profile = profile_module(nn.Sequential(nn.Linear(4, 4)))
+    assert profile.replicated_bytes == (16 + 4) * 4 and not profile.blocks
+    with pytest.raises(PlanError, match="matches no module of Sequential"):
+        plan([profile], 2, Workload(), Hardware(2**30))
+
+
 def test_plan_command_training_json(capsys):
     assert (
         _run(

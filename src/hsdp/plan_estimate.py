@@ -180,10 +180,18 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
     return out
 
 
+def _activation_elem(p: ModelProfile, config: ParallelConfig) -> int:
+    """Bytes per activation value: the compute dtype's, else the dtype most weights are stored in."""
+    if config.param_dtype:
+        return DTYPES[config.param_dtype].itemsize
+    params = [prm for u in p.units for prm in u.params]
+    return max(params, key=lambda prm: prm[0] * prm[1])[2] if params else 4
+
+
 def _activations(p: ModelProfile, layout: Layout, work: Workload) -> tuple[int, float]:
     """(activation bytes per rank, tokens this rank computes per step). Estimated, transformer-shaped."""
     c = layout.config
-    elem = DTYPES[c.param_dtype].itemsize if c.param_dtype else (p.root.params or p.blocks[0].params)[0][2]
+    elem = _activation_elem(p, c)
     branches = 2 if p.kind == "diffusion" and work.guidance and not work.training else 1
     tokens = work.batch * work.seq_len * branches / c.compute_parallel_size
     per_token = (4 * p.hidden + 2 * p.ffn) * elem
@@ -198,8 +206,8 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     """Per-rank memory, bytes moved and a roofline step time for one layout.
 
     Components of a pipeline all hold their shards; they run one at a time, so gather buffers are the largest
-    one's. Activations, collectives and time are those of the main component (the largest), which runs every
-    step.
+    one's. Activations, collectives and time are those of the main component (the diffusion transformer, else
+    the largest), which runs every step.
     """
     main = main_component(profiles)
     parts = {
@@ -218,14 +226,20 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     fsdp_comm = (m["ag"] + m["rs"] + m["ar"]) / (hw.link_gbps * 1e9)
     u = c.sequence_parallel_size
     # Ulysses: four all-to-alls of the activations per layer, on the critical path.
-    a2a = 4 * main.layers * tokens * main.hidden * 2 * (u - 1) / u / (hw.link_gbps * 1e9) if u > 1 else 0.0
+    a2a = (
+        4
+        * main.layers
+        * tokens
+        * main.hidden
+        * _activation_elem(main, c)
+        * (u - 1)
+        / u
+        / (hw.link_gbps * 1e9)
+    )
+    # CPU offload copies the shards in every step (and the gradients back in training).
     offload = sum(x["host"] for x in parts.values()) / (hw.host_gbps * 1e9) * (2 if work.training else 1)
     overlap = layout.prefetch > 0 or work.training  # FSDP2 overlaps backward's all-gathers by default
-    step = (
-        (max(compute, fsdp_comm) if overlap else compute + fsdp_comm)
-        + a2a
-        + (offload if c.cpu_offload else 0)
-    )
+    step = (max(compute, fsdp_comm) if overlap else compute + fsdp_comm) + a2a + offload
     groups = c.data_parallel_size if (c.request_parallel or work.training) else 1
     return Estimate(
         layout=layout,

@@ -230,6 +230,12 @@ def plan(
 ) -> Plan:
     """Estimate every candidate layout and pick the fastest that fits (inference: lowest step time of one
     request, then throughput; training: highest throughput), fewer bytes per device breaking ties."""
+    main = main_component(profiles)
+    if not main.blocks:
+        raise PlanError(
+            f"the shard plan matches no module of {main.class_name} ({main.name}), so it cannot be sharded: give "
+            "the model _no_split_modules naming its block class, or register a plan in hsdp.plans"
+        )
     estimates = [
         estimate(profiles, lay, work, hw)
         for lay in candidate_layouts(profiles, devices, work, hw, param_dtype)
