@@ -8,11 +8,14 @@ its weights into fresh memory (see ``tests/engine_refs.py``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
+from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS
 from tests.engine_refs import builtin, reference_tokens, reference_video
 
 pytestmark = pytest.mark.slow
@@ -34,7 +37,7 @@ def model_cache(tmp_path_factory):
 
 
 def test_wan22_second_transformer_sharded_and_cfg_parallel(tmp_path, dist_run):
-    from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS, build_tiny_wan_pipeline, write_generation_defaults
+    from hsdp.models.tiny_wan import build_tiny_wan_pipeline, write_generation_defaults
 
     path = tmp_path / "tiny-wan2.2"
     build_tiny_wan_pipeline(boundary_ratio=0.9).save_pretrained(path)
@@ -47,6 +50,29 @@ def test_wan22_second_transformer_sharded_and_cfg_parallel(tmp_path, dist_run):
     defaults = {**engine.info.defaults, "guidance_scale_2": None}
     expected = reference_video(path, PROMPTS[0], 2, params, defaults)
     np.testing.assert_array_equal(out.frames, expected)
+
+
+def test_torchrun_ranks_run_the_engine_in_process(model_cache, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests import engine_fns
+
+    path = builtin("tiny-wan", model_cache)
+    out = tmp_path / "frames.npz"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "tests.engine_fns", str(path), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = np.load(out)
+    assert list(saved["ranks"]) == [0, 1] and list(saved["seeds"]) == [21, 22]
+    for i, prompt in enumerate(engine_fns.PROMPTS):
+        expected = reference_video(path, prompt, 21 + i, engine_fns.PARAMS, TINY_WAN_DEFAULTS)
+        np.testing.assert_array_equal(saved[f"frames_{i}"], expected)
 
 
 def test_request_parallel_each_request_equals_its_single_process_output(model_cache, dist_run):
