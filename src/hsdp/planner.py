@@ -125,7 +125,7 @@ def residency_for_budget(
 
     A model that almost fits then pays almost no communication: resident blocks are gathered once and kept
     (``reshard_after_forward=False``), the rest are sharded and all-gathered each step with one block of forward
-    prefetch when its buffer fits, none otherwise. Pass the result to
+    prefetch. Pass the result to
     ``apply_hsdp_to_model(..., resident_modules=policy.resident_modules, forward_prefetch=policy.prefetch)``.
     Raises :class:`PlanError` when not even the fully sharded layout fits.
     """
@@ -139,24 +139,19 @@ def residency_for_budget(
     work, hw = work or Workload(), dataclasses.replace(hw or Hardware(budget), device_memory=budget)
     config = config.resolved()
     main = main_component(profiles)
-    best = None
-    for prefetch in (1, 0):
-        fitting = [
-            k
-            for k in range(len(main.blocks) + 1)
-            if estimate(profiles, Layout(config, prefetch, k), work, hw).fits
-        ]
-        if fitting:
-            best = Layout(config, prefetch, max(fitting))
-            break
-    if best is None:
+    # One block of prefetch costs no memory in FSDP2 (the previous buffer is freed only after the next
+    # copy-out anyway), so every layout with blocks left to gather prefetches one.
+    fitting = [
+        k for k in range(len(main.blocks) + 1) if estimate(profiles, Layout(config, 1, k), work, hw).fits
+    ]
+    if not fitting:
         need = estimate(profiles, Layout(config), work, hw).total
         raise PlanError(
-            f"{config.describe()} needs {format_size(need)} per device even fully sharded without prefetch, over the "
-            f"budget of {format_size(budget)}; shard over more ranks, use --param-dtype bf16 or --cpu-offload"
+            f"{config.describe()} needs {format_size(need)} per device even fully sharded, over the budget of "
+            f"{format_size(budget)}; shard over more ranks, use --param-dtype bf16 or --cpu-offload"
         )
-    if best.resident == len(main.blocks):  # everything resident: nothing left to prefetch
-        best = Layout(config, 0, best.resident)
+    resident = max(fitting)
+    best = Layout(config, 0 if resident == len(main.blocks) else 1, resident)
     return ResidencyPolicy(
         resident_modules=tuple(u.name for u in main.blocks[: best.resident]),
         prefetch=best.prefetch,
