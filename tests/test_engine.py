@@ -96,7 +96,7 @@ def test_more_ranks_than_devices_fails_before_spawning(wan_info, monkeypatch):
 
     monkeypatch.setattr(hsdp.distributed, "available_devices", lambda: 1)
     started = time.monotonic()
-    with pytest.raises(ValueError, match="needs 2 ranks, one per device, but this host has 1"):
+    with pytest.raises(ValueError, match="needs 2 ranks on this host, one per device, but it has 1"):
         Engine(wan_info.path, HSDP2)
     assert time.monotonic() - started < 5
 

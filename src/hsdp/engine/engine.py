@@ -58,9 +58,13 @@ def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
             f"--ulysses-degree {config.ulysses_degree} must divide the transformer's {info.num_heads} attention heads"
         )
     devices = distributed.available_devices()
-    if devices is not None and config.world_size > devices:
+    # Spawned ranks all live on this host; under torchrun only this node's ranks do.
+    local_ranks = config.world_size
+    if distributed.launched_by_torchrun():
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+    if devices is not None and local_ranks > devices:
         problems.append(
-            f"the layout ({config.describe()}) needs {config.world_size} ranks, one per device, but this host has "
+            f"the layout ({config.describe()}) needs {local_ranks} ranks on this host, one per device, but it has "
             f"{devices} {distributed.device_type()} device(s); reduce --hsdp-shard-size/--hsdp-replicate-size/"
             "--ulysses-degree/--cfg-parallel-size"
         )
