@@ -48,7 +48,6 @@ class RunnerStats:
     peak_memory_bytes: list[int] = field(default_factory=list)
     memory_kind: str = ""
     worker_pids: list[int] = field(default_factory=list)
-    last_error: str | None = None
 
 
 def png_bytes(frame: np.ndarray) -> bytes:
@@ -122,8 +121,7 @@ class EngineRunner:
                 self._set_engine(self._make_engine())
                 logger.info("engine restarted (restart %d)", self.stats.restarts)
                 return
-            except Exception as exc:
-                self.stats.last_error = f"engine restart failed: {exc}"
+            except Exception:
                 logger.exception("engine restart failed; retrying in %.0fs", delay)
                 self._stopping.wait(delay)
                 delay = min(30.0, delay * 2)
@@ -144,7 +142,6 @@ class EngineRunner:
             outputs = engine.generate([j.prompt for j in padded], params)
         except Exception as exc:
             error = _failure(exc, stopping=self._stopping.is_set(), restarting=engine.closed)
-            self.stats.last_error = error["message"]
             logger.warning("batch of %d job(s) failed: %s", len(batch), error["message"])
             for job in batch:
                 self.store.finish(job, "failed", error=error)
@@ -153,7 +150,7 @@ class EngineRunner:
         self.store.batch_seconds = (
             elapsed if not self.store.batch_seconds else 0.8 * self.store.batch_seconds + 0.2 * elapsed
         )
-        self._record(batch, outputs, len(padded) - len(batch), elapsed)
+        self._record(batch, outputs, len(padded) - len(batch))
         for job, output in zip(batch, outputs, strict=False):
             try:
                 self._deliver(job, output)
@@ -161,9 +158,7 @@ class EngineRunner:
                 logger.exception("storing the output of %s failed", job.id)
                 self.store.finish(job, "failed", error={"code": "output_error", "message": str(exc)})
 
-    def _record(
-        self, batch: list[Job], outputs: list[GenerationOutput], padding: int, elapsed: float
-    ) -> None:
+    def _record(self, batch: list[Job], outputs: list[GenerationOutput], padding: int) -> None:
         stats = self.stats
         stats.batches += 1
         stats.batched_requests += len(batch)
