@@ -115,11 +115,8 @@ class ModelProfile:
 
     @property
     def param_bytes(self) -> int:
+        """Every parameter and buffer, in their stored dtypes."""
         return sum(u.nbytes for u in self.units) + self.replicated_bytes
-
-    @property
-    def sharded_params(self) -> int:
-        return sum(u.numel for u in self.units)
 
 
 def main_component(profiles: Sequence[ModelProfile]) -> ModelProfile:
