@@ -146,7 +146,8 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
     shards = sum(u.shard_bytes(s) for u in p.units)
     out = dict(weights=p.replicated_bytes, host=0, gather=0, grads=0, optimizer=0, ag=0, rs=0, ar=0)
     out["host" if c.cpu_offload else "weights"] += shards
-    gathers = s > 1 or ce is not None  # a whole unmixed model computes in place
+    # A whole model in its stored dtype computes in place; otherwise units are gathered (or copied in) per use.
+    gathers = s > 1 or ce is not None or c.cpu_offload
     frac = (s - 1) / s
     if not training:
         resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]

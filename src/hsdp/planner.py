@@ -168,7 +168,7 @@ def candidate_layouts(
     param_dtype: str | None = None,
 ) -> list[Layout]:
     """Every valid layout over ``devices`` ranks, each as FSDP2's defaults and, for inference, with the
-    budgeted residency and prefetch; CPU-offload variants of sharded layouts are added when they alone fit."""
+    budgeted residency and prefetch; CPU-offload variants are added where the layout does not fit without."""
     main = main_component(profiles)
     layouts: list[Layout] = []
     for config in _base_configs(main, devices, work, param_dtype):
@@ -181,7 +181,7 @@ def candidate_layouts(
                     layouts.append(policy.estimate.layout)
             except PlanError:
                 pass
-        if sharded and not estimate(profiles, layouts[-1], work, hw).fits:
+        if config.use_hsdp and not estimate(profiles, layouts[-1], work, hw).fits:
             layouts.append(Layout(dataclasses.replace(config, cpu_offload=True, _resolved=False).resolved()))
     return layouts
 
@@ -259,7 +259,7 @@ def plan(
     best = min(fitting, key=key)
     reason = (
         f"{goal} among the {len(fitting)} of {len(estimates)} layouts that fit: "
-        f"{best.step_s * 1e3:.2f} ms per step, {format_size(best.total)} of {format_size(hw.device_memory)} per device, "
+        f"{_ms(best.step_s)} ms per step, {format_size(best.total)} of {format_size(hw.device_memory)} per device, "
         f"{format_size(best.allgather_bytes + best.reduce_scatter_bytes + best.allreduce_bytes)} of collectives per rank per step"
     )
     return Plan(tuple(profiles), devices, work, hw, tuple(estimates), best, reason)
