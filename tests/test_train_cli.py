@@ -12,6 +12,8 @@ import pytest
 
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
 
+pytestmark = pytest.mark.slow  # builds and trains models, spawns ranks
+
 
 def _hsdp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
@@ -43,7 +45,6 @@ def test_unknown_strategy_exits_2_before_spawning(inputs):
     assert "ZERO9" in out.stderr and "FULL_SHARD" in out.stderr
 
 
-@pytest.mark.slow
 def test_train_two_ranks_checkpoint_and_export(inputs):
     root = inputs["root"]
     out = _hsdp(

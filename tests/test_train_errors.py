@@ -16,6 +16,8 @@ from hsdp.train import TrainConfig, TrainConfigError, Trainer, preflight
 from hsdp.train.data import DatasetError
 from tests.train_fns import train_and_die
 
+pytestmark = pytest.mark.slow  # builds and trains models, spawns ranks
+
 
 def _model(folder: Path, **overrides) -> Path:
     build_tiny_llama(**overrides).save_pretrained(folder)
@@ -105,7 +107,6 @@ def test_dataset_too_short_for_one_batch(trained, tmp_path):
         preflight(trained["cfg"].replace(data=str(tmp_path / "missing.txt")))
 
 
-@pytest.mark.slow
 def test_killed_rank_fails_fast_and_last_checkpoint_loads(dist_run, trained, tmp_path):
     """Rank 1 dies after step 3: the group reports it, step 2 (the last complete save) resumes at one rank."""
     cfg = trained["cfg"].replace(
