@@ -210,9 +210,10 @@ def apply_hsdp_to_model(
         for name, module in targets:
             reshard = False if name in resident else config.reshard_after_forward
             fully_shard(module, reshard_after_forward=reshard, **kwargs)
-        # FSDP2 keeps the root gathered after forward unless told otherwise; inference wants the memory back.
-        root_reshard = True if not training else config.reshard_after_forward
-        fully_shard(model, reshard_after_forward=False if "" in resident else root_reshard, **kwargs)
+        # Passed explicitly: left as None, FSDP2 keeps the root gathered after forward, and inference wants the
+        # memory back unless the layout asks to keep weights gathered (reshard_after_forward=False).
+        root_reshard = False if "" in resident else config.reshard_after_forward
+        fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
         if forward_prefetch > 0:
             # Forward order is the reverse of leaf-first; the root starts the first block's all-gather so it
             # overlaps the root's own work (embeddings) before the first block runs.

@@ -18,7 +18,7 @@ from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.distributed import world_size as current_world_size
 from hsdp.engine.outputs import Timings
-from hsdp.engine.parallel import configure_overlap
+from hsdp.engine.parallel import overlap_options
 from hsdp.engine.params import Request, SamplingParams
 from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
@@ -79,10 +79,9 @@ class CausalLMRunner:
             config if config.use_hsdp else ParallelConfig(),
             meshes=meshes if config.use_hsdp else None,
             dtype=dtype or "auto",
+            **(overlap_options(config, forward_prefetch=forward_prefetch) if config.use_hsdp else {}),
         )
         self.sharded = ["model"] if config.use_hsdp else []
-        if config.use_hsdp:
-            configure_overlap(self.model, config, forward_prefetch=forward_prefetch)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.synced = current_world_size() > 1
 

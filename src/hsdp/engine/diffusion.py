@@ -19,7 +19,7 @@ from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.engine.model_info import TRANSFORMER_COMPONENTS
 from hsdp.engine.outputs import Timings
-from hsdp.engine.parallel import CFGParallelTransformer, configure_overlap, enable_ulysses
+from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses, overlap_options
 from hsdp.engine.params import Request, SamplingParams
 from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
@@ -64,10 +64,10 @@ class DiffusionRunner:
                 config if shard else ParallelConfig(),
                 meshes=meshes if shard else None,
                 dtype=dtype or "auto",
+                **(overlap_options(config, forward_prefetch=forward_prefetch) if shard else {}),
             )
             if shard:
                 self.sharded.append(name)
-                configure_overlap(model, config, forward_prefetch=forward_prefetch)
             components[name] = model
         pipeline_cls = getattr(diffusers, index["_class_name"])
         self.pipe = pipeline_cls.from_pretrained(folder, **components)

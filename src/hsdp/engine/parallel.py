@@ -1,9 +1,9 @@
 """Rank-side glue for the layouts: overlap of FSDP all-gathers, Ulysses through diffusers, CFG parallel.
 
 * **Forward prefetch**: each FSDP unit starts the next unit's all-gather before its own compute, so the weights
-  of block ``i + 1`` travel while block ``i`` runs. Keeping weights gathered across denoising steps is
-  ``ParallelConfig(reshard_after_forward=False)``: every unit, root included, stays unsharded after its first
-  forward, so later steps do no all-gather.
+  of block ``i + 1`` travel while block ``i`` runs (applied by :func:`hsdp.sharding.apply_hsdp_to_model`).
+  Keeping weights gathered across denoising steps is ``ParallelConfig(reshard_after_forward=False)``: every
+  unit, root included, stays unsharded after its first forward, so later steps do no all-gather.
 * **Ulysses**: diffusers' ``enable_parallelism(ContextParallelConfig(..., mesh=...))`` on our ``compute`` mesh,
   whose ``ring`` / ``ulysses`` axes it slices itself; HSDP overlays the same ranks.
 * **CFG parallel**: :class:`CFGParallelTransformer` stands in for the transformer inside the unchanged diffusers
@@ -24,24 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.mesh import ParallelMeshes
-from hsdp.sharding import fsdp_units
 
-__all__ = ["configure_overlap", "enable_ulysses", "CFGParallelTransformer"]
+__all__ = ["overlap_options", "enable_ulysses", "CFGParallelTransformer"]
 
 
-def configure_overlap(model: nn.Module, config: ParallelConfig, *, forward_prefetch: bool) -> None:
-    """Explicit forward prefetch chained through the FSDP units in forward order, and, when the layout asks
-    for ``reshard_after_forward=False``, every unit (the root included) kept gathered after its first forward."""
-    if config.sharding_strategy is ShardingStrategy.NO_SHARD:
-        return  # replicated weights: nothing is gathered
-    units = [module for _, module in reversed(fsdp_units(model))]  # root first, then blocks in forward order
-    if not units:
-        return
-    if config.reshard_after_forward is False:
-        units[0].set_reshard_after_forward(False, recurse=True)
-    if forward_prefetch and len(units) > 1:
-        for current, following in zip(units, units[1:], strict=False):
-            current.set_modules_to_forward_prefetch([following])
+def overlap_options(config: ParallelConfig, *, forward_prefetch: bool) -> dict:
+    """Sharding options for :func:`hsdp.loading.load_pretrained`: explicit forward prefetch one unit ahead
+    (nothing to prefetch when weights are replicated)."""
+    prefetch = forward_prefetch and config.sharding_strategy is not ShardingStrategy.NO_SHARD
+    return {"forward_prefetch": 1 if prefetch else 0}
 
 
 @contextlib.contextmanager
