@@ -81,7 +81,12 @@ def _wan_4_blocks():
 
 def _wan_step(model):
     with torch.no_grad():
-        model(torch.randn(1, 16, 1, 16, 16), torch.tensor([500]), torch.randn(1, 8, WAN_1_3B["text_dim"]))
+        model(
+            torch.randn(1, 16, 1, 16, 16),
+            torch.tensor([500]),
+            torch.randn(1, 8, WAN_1_3B["text_dim"]),
+            return_dict=False,
+        )
 
 
 @pytest.mark.slow
