@@ -343,36 +343,18 @@ def _ms(seconds: float) -> str:
 
 
 def _table(result: Plan) -> str:
-    rows = [
-        (
-            "layout",
-            "weights",
-            "gather",
-            "grads+opt",
-            "activations",
-            "total",
-            "fits",
-            "all-gather",
-            "reduce",
-            "step ms",
-            "samples/s",
-        )
-    ]
+    header = "layout weights gather grads+opt activations total fits host all-gather reduce step-ms samples/s"
+    rows = [tuple(header.split())]
     for e in result.estimates:
-        mark = "yes" if e.fits else "no"
-        if e is result.recommended:
-            mark = "yes *"
+        mark = ("yes *" if e is result.recommended else "yes") if e.fits else "no"
+        sizes = (e.weights, e.gather, e.grads + e.optimizer, e.activations, e.total)
+        comm = (e.host, e.allgather_bytes, e.reduce_scatter_bytes + e.allreduce_bytes)
         rows.append(
             (
                 e.layout.label,
-                format_size(e.weights),
-                format_size(e.gather),
-                format_size(e.grads + e.optimizer),
-                format_size(e.activations),
-                format_size(e.total),
+                *map(format_size, sizes),
                 mark,
-                format_size(e.allgather_bytes),
-                format_size(e.reduce_scatter_bytes + e.allreduce_bytes),
+                *map(format_size, comm),
                 _ms(e.step_s),
                 f"{e.samples_per_s:.1f}",
             )
