@@ -18,8 +18,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hsdp.demo", "shard a built-in model across local ranks and compare with one process"),
     "generate": ("hsdp.engine.cli", "generate videos or text with a model sharded across local ranks"),
     "serve": ("hsdp.serve.cli", "serve a sharded model over an OpenAI-style HTTP API (videos, images, completions)"),
-    "train": ("hsdp.train.cli", "fine-tune a causal LM with FSDP2: checkpoints, exact resume, safetensors export"),
-    "plan": ("hsdp.planner", "will it fit, and how fast: per-rank memory and traffic of every layout"),
+    "train": (
+        "hsdp.train.cli",
+        "fine-tune a causal LM on a text/JSONL file with FSDP2 (checkpoints, resume, export)",
+    ),
+    "plan": (
+        "hsdp.planner",
+        "will it fit, and how fast: per-rank memory and traffic of every layout, from the config",
+    ),
 }
 
 
@@ -45,8 +51,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, training: bool = 
         choices=["true", "false"],
         help="free gathered weights after each block (default: from the strategy)",
     )
-    group.add_argument("--param-dtype", default=None, help="compute dtype of gathered weights (bf16, fp16, fp32)")
-    group.add_argument("--reduce-dtype", default=None, help="gradient reduction dtype (default fp32 with mixed precision)")
+    group.add_argument(
+        "--param-dtype", default=None, help="compute dtype of gathered weights (bf16, fp16, fp32)"
+    )
+    group.add_argument(
+        "--reduce-dtype", default=None, help="gradient reduction dtype (default fp32 with mixed precision)"
+    )
     group.add_argument("--cpu-offload", action="store_true", help="keep sharded weights in host memory")
 
 
