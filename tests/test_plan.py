@@ -76,6 +76,21 @@ def test_profile_follows_the_shard_plan_and_fsdp2_padding():
     assert planned.weights == 3 * (3 * 8 + 3) * 4 + 4 * 8 * 4 + 4
 
 
+def test_keep_gathered_inference_moves_nothing_after_the_first_step():
+    profile = profile_module(Toy())
+    kept = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, reshard_after_forward=False).resolved()
+    default = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
+    work, hw = Workload(seq_len=4), Hardware(2**30)
+    assert estimate([profile], Layout(kept), work, hw).allgather_bytes == 0
+    assert (
+        estimate([profile], Layout(default), work, hw).allgather_bytes == (8 * 8 + 3 * (6 * 8 + 6)) * 4 // 2
+    )
+    assert (
+        estimate([profile], Layout(kept), work, hw).gather
+        == estimate([profile], Layout(default, 0, 3), work, hw).gather
+    )
+
+
 def test_tied_weights_counted_once():
     from hsdp.models.tiny import build_tiny_llama
 

@@ -150,7 +150,10 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
     gathers = s > 1 or ce is not None or c.cpu_offload
     frac = (s - 1) / s
     if not training:
-        resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
+        if c.reshard_after_forward is False:  # every unit keeps its weights gathered between steps
+            resident, moving = p.blocks, []
+        else:
+            resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
         if gathers:
             out["gather"] = (
                 sum(u.unsharded_bytes(ce) for u in resident)
