@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -222,11 +222,19 @@ class WorkerGroup:
                 else:
                     results[rank] = payload
             if errors:
-                # One rank failed: the others may be stuck in a collective, so do not wait for them.
+                # One rank failed: the others may be stuck in a collective, so do not wait for them. A peer's
+                # death shows up on the survivors as a collective error first; report the death, the cause.
+                dead = self._dead_ranks(pending, grace_s=1.0)
                 first = min(errors)
                 self._fail()
+                if dead:
+                    raise WorkerDiedError(
+                        f"{what}: worker rank {dead[0]} died ({self._exit_report()}); rank {first} then failed:\n"
+                        f"{errors[first]}",
+                        rank=dead[0],
+                    )
                 raise WorkerError(f"{what} failed on rank {first}:\n{errors[first]}", rank=first)
-            dead = [r for r in pending if not self._procs[r].is_alive()]
+            dead = self._dead_ranks(pending)
             if dead:
                 self._fail()
                 raise WorkerDiedError(
@@ -238,6 +246,15 @@ class WorkerGroup:
                     f"{what} did not finish within {timeout_s:.0f}s on ranks {sorted(pending)}"
                 )
         return [results[r] for r in range(self.world_size)]
+
+    def _dead_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> list[int]:
+        """Ranks among ``ranks`` whose process has exited, waiting up to ``grace_s`` for one to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = [r for r in ranks if not self._procs[r].is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
     def _exit_report(self) -> str:
         codes = [
