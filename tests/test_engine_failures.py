@@ -8,6 +8,7 @@ is run end to end once, as the README shows it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -60,10 +61,16 @@ def test_generate_command_writes_a_playable_video(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
     output = tmp_path / "cat.mp4"
     argv = ["generate", "--model", "tiny-wan", "--use-hsdp", "--hsdp-shard-size", "2"]
-    code = cli_main([*argv, "--prompt", "A cat playing piano", "--output", str(output)])
+    code = cli_main([*argv, "--prompt", "A cat playing piano", "--output", str(output), "--comm-stats"])
     assert code == 0
     frames = iio.imread(output, plugin="FFMPEG")
     assert frames.shape == (5, 32, 32, 3)
     summary = capsys.readouterr().err
     assert "layout: world_size=2, hsdp=1x2 (FULL_SHARD)" in summary and "s/step" in summary
     assert "peak memory (cpu peak RSS): rank0" in summary and "rank1" in summary
+    # 4 steps x 2 guidance branches of the transformer, plus the text encoder for prompt and negative prompt;
+    # every all-gather moves (N-1)/N of a unit's padded weights, so the ratio sits just above 1.
+    comm = re.search(r"(\d+) all_gather over (\d+) sharded forwards; .* ([\d.]+)x the minimum", summary)
+    assert comm is not None, summary
+    assert int(comm[2]) == 10 and int(comm[1]) > 0
+    assert 1.0 <= float(comm[3]) <= 1.05

@@ -1,7 +1,7 @@
 """Communication accounting: collectives and bytes per forward / training step, against the minimum.
 
-:class:`CommCounter` is torch's ``CommDebugMode`` (which already sees FSDP2's c10d collectives and DTensor's
-functional ones) plus the bytes each call moves per rank, by the usual bus-traffic rules: an all-gather or
+:class:`CommCounter` sees what torch's ``CommDebugMode`` sees (FSDP2's c10d collectives and DTensor's
+functional ones) at the dispatcher, and adds up the bytes each call moves per rank, by the usual bus-traffic rules: an all-gather or
 reduce-scatter over ``N`` ranks moves ``(N - 1) / N`` of the full tensor, an all-reduce twice that, an
 all-to-all ``(N - 1) / N`` of its input.
 
@@ -24,10 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CommCounter", "CommReport", "minimum_bytes", "measure_comm", "collective_traffic"]
+__all__ = [
+    "CommAccounting",
+    "CommCounter",
+    "CommReport",
+    "minimum_bytes",
+    "measure_comm",
+    "collective_traffic",
+]
 
 T = TypeVar("T")
 
@@ -77,8 +85,13 @@ def collective_traffic(packet: Any, args: tuple) -> tuple[str, int] | None:
     return None
 
 
-class CommCounter(CommDebugMode):
-    """``CommDebugMode`` that also adds up the bytes each collective moves per rank, by kind."""
+class CommCounter(TorchDispatchMode):
+    """Counts the collectives dispatched while active, and the bytes each moves per rank, by kind.
+
+    The same dispatch-level view as torch's ``CommDebugMode`` (FSDP2's c10d collectives and DTensor's
+    functional ones), without its per-module tracker, whose global module hooks break on some pipelines'
+    nested calls (diffusers' text encoders).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,12 +99,16 @@ class CommCounter(CommDebugMode):
         self.bytes: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is not NotImplemented and not isinstance(func, torch._ops.HigherOrderOperator):
-            traffic = collective_traffic(func._overloadpacket, args)
-            if traffic is not None:
-                self.calls[traffic[0]] += 1
-                self.bytes[traffic[0]] += traffic[1]
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into collectives, which come back through here
+        out = func(*args, **kwargs)
+        traffic = collective_traffic(func._overloadpacket, args)
+        if traffic is not None:
+            self.calls[traffic[0]] += 1
+            self.bytes[traffic[0]] += traffic[1]
         return out
 
 
@@ -178,3 +195,42 @@ def measure_comm(model: nn.Module, step: Callable[[], T], *, training: bool = Fa
         result = step()
     report = CommReport(dict(counter.calls), dict(counter.bytes), minimum_bytes(model, training=training))
     return result, report
+
+
+class CommAccounting:
+    """Count collectives over a whole call (e.g. one ``generate``) and the minimum for the forwards it ran.
+
+    The minimum is taken per root FSDP module: its first forward in the call is cold (every unit gathers),
+    later ones warm (units kept gathered need nothing). Opt-in, since the counter sees every dispatched op.
+    """
+
+    def __init__(self, models: list[nn.Module]):
+        self.models = [m for m in models if isinstance(m, FSDPModule)]
+        self.forwards = [0] * len(self.models)
+        self._counter = CommCounter()
+        self._hooks: list = []
+
+    def __enter__(self) -> CommAccounting:
+        for i, model in enumerate(self.models):
+            self._hooks.append(model.register_forward_pre_hook(lambda *_, i=i: self._count(i)))
+        self._counter.__enter__()
+        return self
+
+    def _count(self, index: int) -> None:
+        self.forwards[index] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._counter.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+
+    def report(self) -> CommReport:
+        minimum: dict[str, int] = defaultdict(int)
+        for model, count in zip(self.models, self.forwards, strict=True):
+            if count == 0:
+                continue
+            for kind, value in minimum_bytes(model, warm=False).items():
+                minimum[kind] += value
+            for kind, value in minimum_bytes(model, warm=True).items():
+                minimum[kind] += value * (count - 1)
+        return CommReport(dict(self._counter.calls), dict(self._counter.bytes), dict(minimum))

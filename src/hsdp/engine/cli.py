@@ -48,7 +48,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
+    parser.add_argument(
+        "--comm-stats",
+        action="store_true",
+        help="count every collective and compare with the minimum (slower: the counter sees every op)",
+    )
     add_parallel_arguments(parser)
+
+
+def _comm_line(comm: dict) -> str:
+    calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm["calls"].items())) or "no collectives"
+    forwards = max(1, comm["forwards"])
+    return (
+        f"communication (rank 0): {calls} over {comm['forwards']} sharded forwards; "
+        f"{comm['total'] / forwards / 2**20:.2f} MiB per rank per forward, {comm['ratio']:.3f}x the minimum"
+    )
 
 
 def _output_paths(output: str | None, count: int, kind: str) -> list[Path | None]:
@@ -110,11 +124,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
     with engine:
-        outputs = engine.generate(args.prompt, params)
+        outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
     for output, path in zip(outputs, paths, strict=True):
         if path is None:
             print(output.text)
         else:
             output.save(path, fps=args.fps)
     print(_summary(engine, outputs, paths), file=sys.stderr)
+    if engine.last_comm and engine.last_comm[0]:
+        print(_comm_line(engine.last_comm[0]), file=sys.stderr)
     return 0

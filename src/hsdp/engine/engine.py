@@ -122,6 +122,7 @@ class Engine:
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._closed = False
+        self.last_comm: list[dict | None] | None = None
         self._owns_group = workers is None
         started = time.perf_counter()
         if workers is not None:
@@ -168,9 +169,17 @@ class Engine:
         return list(getattr(self._group, "pids", []))
 
     def generate(
-        self, prompts: str | Sequence[str], params: SamplingParams | None = None
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | None = None,
+        *,
+        measure_comm: bool = False,
     ) -> list[GenerationOutput]:
-        """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another."""
+        """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
+
+        ``measure_comm`` counts every collective of the call (slower: the counter sees every op) and leaves the
+        per-rank figures in :attr:`last_comm`.
+        """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -178,12 +187,18 @@ class Engine:
         with self._lock:
             try:
                 results = self._group.run(
-                    worker.generate, requests, resolved, self.progress, timeout_s=self.call_timeout_s
+                    worker.generate,
+                    requests,
+                    resolved,
+                    self.progress,
+                    measure_comm,
+                    timeout_s=self.call_timeout_s,
                 )
             except WorkerError:
                 self.close()  # the group is broken; its processes are already gone
                 raise
         memory = [r.peak_memory_bytes for r in results]
+        self.last_comm = [r.comm for r in results] if measure_comm else None
         outputs = []
         for result in results:
             for request_id, payload in result.outputs:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp.comm import CommAccounting
 from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device, rank
 from hsdp.engine.params import Request, SamplingParams, request_slots
@@ -52,6 +53,9 @@ class RankResult:
     """(request_id, payload) for the requests this rank reports."""
     peak_memory_bytes: int
     memory_kind: str
+    comm: dict | None = None
+    """With ``measure_comm``: collectives counted over the call (:meth:`hsdp.comm.CommReport.to_dict`) and the
+    number of sharded-model forwards they served."""
 
 
 def peak_memory() -> tuple[int, str]:
@@ -133,7 +137,9 @@ def _loaded() -> tuple:
     return worker_state()[_KEY]
 
 
-def generate(requests: list[Request], params: SamplingParams, progress: bool) -> RankResult:
+def generate(
+    requests: list[Request], params: SamplingParams, progress: bool, measure_comm: bool = False
+) -> RankResult:
     """Generate this rank's share of ``requests``, one at a time, in lockstep with the other ranks.
 
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
@@ -145,13 +151,15 @@ def generate(requests: list[Request], params: SamplingParams, progress: bool) ->
     reports = slots > 1 or rank() == 0
     reset_peak_memory()
     outputs = []
-    with torch.no_grad():
+    accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
+    with torch.no_grad(), accounting:
         for request in mine:
             payload = runner.generate(request, params, decode=reports, progress=progress and rank() == 0)
             if reports:
                 outputs.append((request.request_id, payload))
     memory, kind = peak_memory()
-    return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind)
+    comm = {**accounting.report().to_dict(), "forwards": sum(accounting.forwards)} if measure_comm else None
+    return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind, comm=comm)
 
 
 def unload() -> None:
