@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,10 +52,15 @@ def test_train_two_ranks_checkpoint_and_export(inputs):
         "--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size", "2",
         "--strategy", "SHARD_GRAD_OP", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--lr", "1e-3",
         "--max-grad-norm", "1.0", "--save-every", "2", "--output-dir", str(root / "run"), "--export",
-        str(root / "export"), "--summary-json", str(root / "summary.json"),
+        str(root / "export"), "--summary-json", str(root / "summary.json"), "--comm-stats",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trained to step 3" in out.stdout
+    # SHARD_GRAD_OP gathers each unit once per step (kept for backward) and reduce-scatters every gradient once:
+    # the counted traffic is the minimum up to FSDP2's padding.
+    comm = re.search(r"comm in the last step \(rank 0\): .*all_gather.*reduce_scatter.*\(([\d.]+)x the minimum\)", out.stdout)
+    assert comm is not None, out.stdout
+    assert 1.0 <= float(comm[1]) <= 1.05
     assert "step 3/3 loss" in out.stderr and "tokens/s" in out.stderr and "peak memory per rank" in out.stderr
     assert sorted(p.name for p in (root / "run").iterdir()) == ["step-00000002", "step-00000003"]
     summary = json.loads((root / "summary.json").read_text())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.comm import CommReport
 from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.train.config import TrainConfig, TrainConfigError
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--summary-json", default=None, help="write per-step figures here")
+    parser.add_argument(
+        "--comm-stats", action="store_true", help="count the last step's collectives against the minimum"
+    )
     add_parallel_arguments(parser, training=True)
 
 
@@ -87,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         export=args.export,
         export_dtype=args.export_dtype,
         log_every=args.log_every,
+        comm_stats=args.comm_stats,
     )
 
 
@@ -113,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
             f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
             f"median {median:.0f} tokens/s, peak memory per rank {peaks} MiB"
         )
+    if result.comm:
+        print(CommReport(**result.comm).summary().replace("per step", "in the last step (rank 0)"))
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
     if result.export:

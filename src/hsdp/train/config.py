@@ -82,6 +82,8 @@ class TrainConfig:
     """dtype of the export (default: fp32, as trained)."""
     log_every: int = 1
     progress: bool = True
+    comm_stats: bool = False
+    """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
+from hsdp.comm import measure_comm
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device
 from hsdp.loading import load_pretrained, model_class_for
@@ -58,6 +59,8 @@ class TrainResult:
     steps: list[StepResult] = field(default_factory=list)
     checkpoint: str | None = None
     export: str | None = None
+    comm: dict | None = None
+    """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
 
     @property
     def losses(self) -> list[float]:
@@ -254,7 +257,11 @@ class Trainer:
         )
         try:
             while self.step < cfg.steps:
-                step = self._guarded_step()
+                if cfg.comm_stats and self.step == cfg.steps - 1:
+                    step, report = measure_comm(self.model, self._guarded_step, training=True)
+                    result.comm = {"calls": report.calls, "bytes": report.bytes, "minimum": report.minimum}
+                else:
+                    step = self._guarded_step()
                 result.steps.append(step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step.loss:.4f}", tok_s=f"{step.tokens_per_s:.0f}")
