@@ -135,3 +135,30 @@ def test_cli_rejects_bad_input_before_starting(capsys, monkeypatch, tmp_path_fac
     code, err = _cli(capsys, *base, *args)
     assert code == 2 and message in err
     assert time.monotonic() - started < 5
+
+
+class _FailingGroup:
+    """A stand-in worker group: loading succeeds, any later call fails as a broken group does."""
+
+    world_size = 2
+    broken = False
+
+    def run(self, fn, *args, timeout_s=None):
+        from hsdp.engine import worker
+        from hsdp.launch import WorkerError
+
+        if fn is worker.load:
+            return [{"rank": r} for r in range(self.world_size)]
+        self.broken = True
+        raise WorkerError(f"{fn.__name__} failed on rank 1", rank=1)
+
+
+def test_worker_failure_in_memory_report_closes_the_engine(llama_info):
+    from hsdp.launch import WorkerError
+
+    engine = Engine(llama_info.path, HSDP2, workers=_FailingGroup())
+    with pytest.raises(WorkerError, match="memory_report failed"):
+        engine.memory_report()
+    assert engine.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate("again")

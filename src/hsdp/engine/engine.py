@@ -221,7 +221,11 @@ class Engine:
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
         with self._lock:
-            return self._group.run(worker.memory_report, timeout_s=self.call_timeout_s)
+            try:
+                return self._group.run(worker.memory_report, timeout_s=self.call_timeout_s)
+            except WorkerError:
+                self.close()  # as in generate: the group is broken, so is this Engine
+                raise
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
