@@ -192,7 +192,8 @@ def test_export_loads_in_transformers_with_equal_logits(world2):
     from hsdp.models.tiny import build_tiny_llama
 
     trained = build_tiny_llama()
-    trained.load_state_dict(world2["runs"]["full"]["state"], strict=False)
+    loaded = trained.load_state_dict(world2["runs"]["full"]["state"], strict=False)
+    assert (loaded.missing_keys, loaded.unexpected_keys) == (["lm_head.weight"], [])  # only the tied alias
     ids = torch.randint(4, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     exported = AutoModelForCausalLM.from_pretrained(world2["root"] / "export").eval()
     assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()  # re-tied
