@@ -1,8 +1,8 @@
 """Communication per step: measured bytes against the minimum, and against the planner's prediction.
 
-Each row shards a model on real ranks, runs one warm step under :class:`hsdp.comm.CommCounter` (torch's
-``CommDebugMode`` plus bytes) and divides the bytes by :func:`hsdp.comm.minimum_bytes`: every gathered unit
-moving ``(N - 1) / N`` of its unpadded weights once per all-gather it needs, every gradient reduce-scattered
+Each row shards a model on real ranks, runs one warm step under :class:`hsdp.comm.CommCounter` (a dispatch
+mode counting collectives and the bytes each moves) and divides the bytes by :func:`hsdp.comm.minimum_bytes`:
+every gathered unit moving ``(N - 1) / N`` of its unpadded weights once per all-gather it needs, every gradient reduce-scattered
 once. Target 1.00 to 1.05; what is above 1.00 is FSDP2's dim-0 padding. ``planned`` is
 :func:`hsdp.planner.estimate`'s all-gather + reduce-scatter + all-reduce bytes for the same layout.
 
