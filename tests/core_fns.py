@@ -96,7 +96,9 @@ def load_and_compare(paths: dict, shard: int, replicate: int) -> dict:
         for key in ("llama-fp32", "llama-sharded"):
             out[key] = (load_pretrained(paths[key], config)(ids).logits - want).abs().max().item()
         offload = dataclasses.replace(config, cpu_offload=True)
-        out["llama-offload"] = (load_pretrained(paths["llama-fp32"], offload)(ids).logits - want).abs().max().item()
+        out["llama-offload"] = (
+            (load_pretrained(paths["llama-fp32"], offload)(ids).logits - want).abs().max().item()
+        )
         model = load_pretrained(paths["llama-bf16"], config, dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(paths["llama-bf16"], dtype=torch.float32)
         out["llama-bf16-as-fp32"] = (model(ids).logits - reference(ids).logits).abs().max().item()

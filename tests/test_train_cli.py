@@ -58,7 +58,10 @@ def test_train_two_ranks_checkpoint_and_export(inputs):
     assert "trained to step 3" in out.stdout
     # SHARD_GRAD_OP gathers each unit once per step (kept for backward) and reduce-scatters every gradient once:
     # the counted traffic is the minimum up to FSDP2's padding.
-    comm = re.search(r"comm in the last step \(rank 0\): .*all_gather.*reduce_scatter.*\(([\d.]+)x the minimum\)", out.stdout)
+    comm = re.search(
+        r"comm in the last step \(rank 0\): .*all_gather.*reduce_scatter.*\(([\d.]+)x the minimum\)",
+        out.stdout,
+    )
     assert comm is not None, out.stdout
     assert 1.0 <= float(comm[1]) <= 1.05
     assert "step 3/3 loss" in out.stderr and "tokens/s" in out.stderr and "peak memory per rank" in out.stderr

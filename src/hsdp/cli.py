@@ -17,7 +17,10 @@ from hsdp.config import ConfigError, ParallelConfig, ShardingStrategy
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hsdp.demo", "shard a built-in model across local ranks and compare with one process"),
     "generate": ("hsdp.engine.cli", "generate videos or text with a model sharded across local ranks"),
-    "serve": ("hsdp.serve.cli", "serve a sharded model over an OpenAI-style HTTP API (videos, images, completions)"),
+    "serve": (
+        "hsdp.serve.cli",
+        "serve a sharded model over an OpenAI-style HTTP API (videos, images, completions)",
+    ),
     "train": (
         "hsdp.train.cli",
         "fine-tune a causal LM on a text/JSONL file with FSDP2 (checkpoints, resume, export)",

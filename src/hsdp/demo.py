@@ -18,9 +18,9 @@ def _inputs(model_dir: str) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return tokenizer(["A cat playing piano", "Sharded weights, same answer"], return_tensors="pt", padding=True)[
-        "input_ids"
-    ]
+    return tokenizer(
+        ["A cat playing piano", "Sharded weights, same answer"], return_tensors="pt", padding=True
+    )["input_ids"]
 
 
 def _rank_forward(model_dir: str, config: ParallelConfig) -> dict:
@@ -35,7 +35,9 @@ def _rank_forward(model_dir: str, config: ParallelConfig) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="built-in name or a Hugging Face causal-LM folder")
+    parser.add_argument(
+        "--model", default="tiny-llama", help="built-in name or a Hugging Face causal-LM folder"
+    )
     add_parallel_arguments(parser)
     parser.set_defaults(use_hsdp=True, hsdp_shard_size=2)
 
@@ -54,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     with torch.no_grad():
         want = reference(_inputs(model_dir)).logits
     print(f"\nlayout: {config.describe()}")
-    print(f"{'rank':>4} | {'params held (KiB)':>17} | {'unsharded (KiB)':>15} | {'fraction':>8} | max |diff| vs 1 process")
+    print(
+        f"{'rank':>4} | {'params held (KiB)':>17} | {'unsharded (KiB)':>15} | {'fraction':>8} | max |diff| vs 1 process"
+    )
     worst = 0.0
     for rank, out in enumerate(results):
         diff = (out["logits"] - want).abs().max().item()
