@@ -249,3 +249,15 @@ def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, argv, needle):
 
     assert main(["serve", *argv, "--output-dir", str(tmp_path), "--port", "1"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_wait_healthy_retries_until_its_deadline(tmp_path):
+    """A server that does not answer (restarting, or gone) is asked again until the deadline, then TimeoutError."""
+    from hsdp.serve.local import LocalServer, free_port
+
+    server = LocalServer("tiny-wan", log=tmp_path / "server.log")
+    server.port = free_port()  # nothing listens there: every request fails to connect
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not healthy within 1"):
+        server.wait_healthy(timeout_s=1)
+    assert 1 <= time.monotonic() - started < 10

@@ -93,7 +93,12 @@ class LocalServer:
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         """Wait for ``/health`` 200 (after an engine restart)."""
         deadline = time.monotonic() + timeout_s
-        while httpx.get(self.url + "/health", timeout=5).status_code != 200:
+        while True:
+            try:  # a busy or restarting server may not answer in time: ask again until the deadline
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not healthy within {timeout_s}s:\n{self.log_tail()}")
             time.sleep(0.5)
