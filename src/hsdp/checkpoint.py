@@ -189,7 +189,7 @@ class Checkpointer:
         )
         rng_file = path / "rng" / f"rank{_rank()}.pt"
         if rng_file.exists():  # a resharded resume has ranks the checkpoint did not have
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors only: no pickle code
         return state
 
 
