@@ -96,15 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    from hsdp.distributed import destroy_distributed
     from hsdp.logging_utils import configure_logging
 
     configure_logging()
     args = build_parser().parse_args(argv)
+    joined_here = not dist.is_initialized()
     try:
         return int(args._run(args) or 0)
     except ConfigError as exc:
         print(f"hsdp {args.command}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # Under torchrun the command joins the process group itself; leave it explicitly, since gloo can
+        # abort at interpreter exit otherwise (a finished run would then exit non-zero).
+        if joined_here:
+            destroy_distributed()
 
 
 if __name__ == "__main__":
