@@ -24,12 +24,13 @@ def _inputs(model_dir: str) -> torch.Tensor:
 
 
 def _rank_forward(model_dir: str, config: ParallelConfig) -> dict:
+    from hsdp.distributed import local_device
     from hsdp.loading import load_pretrained
     from hsdp.mesh import build_meshes
 
     model = load_pretrained(model_dir, config, meshes=build_meshes(config), dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(_inputs(model_dir)).logits
+    with torch.no_grad():  # inputs on the rank's device; logits back on the CPU for the caller's comparison
+        logits = model(_inputs(model_dir).to(local_device())).logits.cpu()
     report = model.hsdp_report
     return {"logits": logits, "local": report.local_param_bytes, "total": report.total_param_bytes}
 
