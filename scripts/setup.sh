@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install hsdp with its test and serving extras. Idempotent: re-runs only when pyproject changes.
-# CPU machines get the pinned CPU build of torch; on a GPU machine set HSDP_TORCH_SPEC (e.g. "torch>=2.6") to keep
+# CPU machines get the pinned CPU build of torch; on a GPU machine set HSDP_TORCH_SPEC (e.g. "torch>=2.13") to keep
 # the build you have, since the package itself only asks for a range.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -284,6 +284,7 @@ class WorkerGroup:
                 proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
+        self._store = None  # the rendezvous store holds a listening socket until it is freed
 
     def __enter__(self) -> WorkerGroup:
         return self

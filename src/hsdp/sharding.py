@@ -154,7 +154,10 @@ def apply_hsdp_to_model(
     meshes = meshes or build_meshes(config)
     plan = plan or resolve_plan(model)
     mesh = meshes.fsdp
-    assert mesh is not None
+    if mesh is None:
+        raise ValueError(
+            "the meshes passed to apply_hsdp_to_model have no FSDP mesh; build them from a config with use_hsdp=True"
+        )
     device = local_device()
 
     if config.tensor_parallel_size > 1:

@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from hsdp.engine.model_info import inspect_model
     from hsdp.engine.outputs import VIDEO_SUFFIXES
     from hsdp.engine.params import build_requests
+    from hsdp.launch import WorkerError
     from hsdp.models.builtin import resolve_model
 
     try:  # everything checkable is checked before any process starts
@@ -117,14 +118,20 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
         )
         build_requests(info, config, args.prompt, params)
-        engine = Engine(
-            args.model, config, dtype=args.dtype, forward_prefetch=args.forward_prefetch, progress=True
-        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
-    with engine:
-        outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
+    try:
+        with Engine(
+            args.model, config, dtype=args.dtype, forward_prefetch=args.forward_prefetch, progress=True
+        ) as engine:
+            outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
+    except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks
+        print(f"hsdp generate: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"hsdp generate: a worker failed, nothing was written: {exc}", file=sys.stderr)
+        return 1
     for output, path in zip(outputs, paths, strict=True):
         if path is None:
             print(output.text)
