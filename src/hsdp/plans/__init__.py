@@ -15,7 +15,7 @@ The core never names a model family; family files in this package call :func:`re
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,7 +36,6 @@ class ShardPlan:
     """Applies tensor parallelism over a 1-D ``tp`` mesh, before FSDP."""
     source: str = ""
     """Where the plan came from, for logs and errors."""
-    extra: dict = field(default_factory=dict)
 
     def should_shard(self, name: str, module: nn.Module) -> bool:
         return any(cond(name, module) for cond in self.conditions)
@@ -118,7 +117,6 @@ def resolve_plan(model: nn.Module) -> ShardPlan:
             ignored=(*plan.ignored, *ignored),
             tensor_parallel=plan.tensor_parallel,
             source=plan.source or f"registered plan for {type(model).__name__}",
-            extra=plan.extra,
         )
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     return ShardPlan(

@@ -87,6 +87,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from hsdp.launch import WorkerError
     from hsdp.serve.app import create_app
     from hsdp.serve.service import Server
 
@@ -100,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp serve: {exc}", file=sys.stderr)
         return 2
+    except WorkerError as exc:
+        print(f"hsdp serve: the workers failed while loading the model: {exc}", file=sys.stderr)
+        return 1
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning(
             "serving on %s without --api-key: anyone who can reach this address can use the model", args.host
