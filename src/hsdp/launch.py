@@ -31,9 +31,35 @@ import torch.distributed as dist
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["WorkerGroup", "WorkerError", "WorkerDiedError", "WorkerTimeout", "worker_state"]
+__all__ = [
+    "WorkerGroup",
+    "WorkerError",
+    "WorkerDiedError",
+    "WorkerTimeout",
+    "worker_state",
+    "emit_event",
+    "event_sink",
+]
 
 _STATE: dict[str, Any] = {}
+_EVENT_SINK: list[Callable[[Any], None]] = []
+
+
+def emit_event(payload: Any) -> None:
+    """Hand ``payload`` to the caller's ``on_event`` callback while the current call still runs (progress of a
+    long call); a no-op where nobody listens."""
+    if _EVENT_SINK:
+        _EVENT_SINK[-1](payload)
+
+
+@contextlib.contextmanager
+def event_sink(sink: Callable[[Any], None]):
+    """Route :func:`emit_event` to ``sink`` for the duration of the block (ranks run in the caller's process)."""
+    _EVENT_SINK.append(sink)
+    try:
+        yield
+    finally:
+        _EVENT_SINK.pop()
 
 
 def worker_state() -> dict[str, Any]:
@@ -104,13 +130,24 @@ def _worker_main(
                 break
             fn, args, kwargs = message
             try:
-                conn.send(("ok", fn(*args, **kwargs)))
+                with event_sink(lambda payload: conn.send(("event", payload))):
+                    result = fn(*args, **kwargs)
+                conn.send(("ok", result))
             except BaseException:  # DCP's CheckpointException derives from BaseException
                 conn.send(("err", traceback.format_exc()))
     finally:
         _STATE.clear()
         destroy_distributed()
         conn.close()
+
+
+def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:
+    if on_event is None:
+        return
+    try:
+        on_event(rank, payload)
+    except Exception:  # a listener's bug must not break the call it listens to
+        logger.exception("on_event callback failed")
 
 
 def _td(seconds: float):
@@ -174,13 +211,21 @@ class WorkerGroup:
         return [p.pid for p in self._procs]
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float | None = None,
+        on_event: Callable[[int, Any], None] | None = None,
+        **kwargs: Any,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order.
 
         ``fn`` must be importable by name (a module-level function), since it is pickled by reference.
+        ``on_event(rank, payload)`` receives what ``fn`` passes to :func:`emit_event`, as it happens.
         """
-        return self.run_per_rank(fn, [args] * self.world_size, timeout_s=timeout_s, **kwargs)
+        return self.run_per_rank(
+            fn, [args] * self.world_size, timeout_s=timeout_s, on_event=on_event, **kwargs
+        )
 
     def run_per_rank(
         self,
@@ -188,6 +233,7 @@ class WorkerGroup:
         per_rank_args: list[tuple],
         *,
         timeout_s: float | None = None,
+        on_event: Callable[[int, Any], None] | None = None,
         **kwargs: Any,
     ) -> list[Any]:
         """Like :meth:`run`, with a different positional-argument tuple for each rank."""
@@ -201,9 +247,11 @@ class WorkerGroup:
         except (BrokenPipeError, OSError) as exc:
             self._fail()
             raise WorkerDiedError(f"a worker is gone: {self._exit_report()}") from exc
-        return self._collect(timeout_s, what=getattr(fn, "__name__", str(fn)))
+        return self._collect(timeout_s, what=getattr(fn, "__name__", str(fn)), on_event=on_event)
 
-    def _collect(self, timeout_s: float | None, what: str) -> list[Any]:
+    def _collect(
+        self, timeout_s: float | None, what: str, on_event: Callable[[int, Any], None] | None = None
+    ) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -216,6 +264,9 @@ class WorkerGroup:
                     status, payload = conn.recv()
                 except (EOFError, OSError):
                     continue  # reported below by the liveness check
+                if status == "event":
+                    _deliver_event(on_event, rank, payload)
+                    continue
                 del pending[rank]
                 if status == "err":
                     errors[rank] = payload

@@ -1,14 +1,18 @@
-"""``hsdp generate``: one command from prompt to video (or text) with the model sharded across local ranks.
+"""``hsdp generate``: one command from prompt (and image) to video, images or text, with the model sharded
+across local ranks.
 
 The number of processes follows from the parallel flags (the layout's world size); flags keep vLLM-Omni's
-names. Example (runs on a 2-core CPU in seconds)::
+names. The output format follows the output name (.mp4 / .gif for video, .png / .jpg / .webp for images).
+Example (runs on a 2-core CPU in seconds)::
 
     hsdp generate --model tiny-wan --use-hsdp --hsdp-shard-size 2 --prompt "A cat playing piano" --output cat.mp4
+    hsdp generate --model tiny-flux --use-hsdp --hsdp-shard-size 2 --prompt "A red fox" --output fox.png
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,13 +27,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several requests")
     parser.add_argument("--negative-prompt", default=None, help="for the unconditional guidance branch")
-    video = parser.add_argument_group("video diffusion (defaults: the model's)")
+    video = parser.add_argument_group(
+        "diffusion (defaults: the model's; each is passed when the pipeline's __call__ takes it)"
+    )
+    video.add_argument("--image", default=None, help="input image (image-to-video, editing): a file")
+    video.add_argument("--mask-image", default=None, help="inpainting mask (white = repaint): a file")
     video.add_argument("--num-inference-steps", type=int, default=None)
-    video.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16")
-    video.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16")
-    video.add_argument("--num-frames", type=int, default=None, help="4k+1")
+    video.add_argument("--height", type=int, default=None, help="pixels, a multiple of the model's (e.g. 16)")
+    video.add_argument("--width", type=int, default=None, help="pixels, a multiple of the model's (e.g. 16)")
+    video.add_argument("--num-frames", type=int, default=None, help="video: 4k+1 for Wan")
     video.add_argument(
         "--guidance-scale", type=float, default=None, help="> 1 enables classifier-free guidance"
+    )
+    video.add_argument("--guidance-scale-2", type=float, default=None, help="Wan2.2: low-noise transformer")
+    video.add_argument(
+        "--true-cfg-scale", type=float, default=None, help="FLUX / Qwen-Image: > 1 with a negative prompt"
+    )
+    video.add_argument(
+        "--pipeline-kwargs",
+        type=json.loads,
+        default=None,
+        help="other __call__ arguments as JSON, e.g. '{\"strength\": 0.6}'",
     )
     video.add_argument("--fps", type=int, default=8, help="frame rate of the written video")
     text = parser.add_argument_group("causal LM")
@@ -42,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         default=None,
-        help="video: .mp4, .gif or .png (default output.mp4); text: a file (default: print)",
+        help="video: .mp4 or .gif (default output.mp4); images: .png, .jpg or .webp (default output.png; "
+        "several images get numbered names); text: a file (default: print)",
     )
     parser.add_argument("--dtype", default=None, help="convert the sharded weights (bf16, fp16, fp32)")
     parser.add_argument(
@@ -66,14 +85,14 @@ def _comm_line(comm: dict) -> str:
 
 
 def _output_paths(output: str | None, count: int, kind: str) -> list[Path | None]:
+    from hsdp.engine.outputs import numbered
+
     if output is None:
-        if kind == "causal_lm":
+        if kind == "text":
             return [None] * count
-        output = "output.mp4"
+        output = "output.mp4" if kind == "video" else "output.png"
     path = Path(output)
-    if count == 1:
-        return [path]
-    return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(count)]
+    return [path] if count == 1 else [numbered(path, i) for i in range(count)]
 
 
 def _summary(engine, outputs: list, written: list[Path | None]) -> str:
@@ -87,14 +106,14 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
         f"{unit} (median per request): {steps}; total {sum(o.timings.total_s for o in outputs):.2f}s",
         f"peak memory ({first.memory_kind}): {per_rank}",
     ]
-    lines += [f"wrote {p}" for p in written if p is not None]
+    lines += [f"wrote {p}" for p in written]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     from hsdp.engine import Engine, SamplingParams
     from hsdp.engine.model_info import inspect_model
-    from hsdp.engine.outputs import VIDEO_SUFFIXES
+    from hsdp.engine.outputs import output_suffix_problem
     from hsdp.engine.params import build_requests
     from hsdp.launch import WorkerError
     from hsdp.models.builtin import resolve_model
@@ -102,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
     try:  # everything checkable is checked before any process starts
         config = parallel_config_from_args(args)
         info = inspect_model(resolve_model(args.model))
-        paths = _output_paths(args.output, len(args.prompt), info.kind)
-        if info.kind == "diffusion" and paths[0].suffix.lower() not in VIDEO_SUFFIXES:
-            raise ValueError(f"--output {args.output}: a video needs one of {', '.join(VIDEO_SUFFIXES)}")
+        paths = _output_paths(args.output, len(args.prompt), info.output)
+        problem = paths[0] and output_suffix_problem(paths[0], info.output)
+        if problem:
+            raise ValueError(f"--output {problem}")
         params = SamplingParams(
             seed=args.seed,
             num_inference_steps=args.num_inference_steps,
@@ -112,7 +132,12 @@ def run(args: argparse.Namespace) -> int:
             width=args.width,
             num_frames=args.num_frames,
             guidance_scale=args.guidance_scale,
+            guidance_scale_2=args.guidance_scale_2,
+            true_cfg_scale=args.true_cfg_scale,
             negative_prompt=args.negative_prompt,
+            image=args.image,
+            mask_image=args.mask_image,
+            pipeline_kwargs=args.pipeline_kwargs or {},
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -132,12 +157,13 @@ def run(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"hsdp generate: a worker failed, nothing was written: {exc}", file=sys.stderr)
         return 1
+    written: list[Path] = []
     for output, path in zip(outputs, paths, strict=True):
         if path is None:
             print(output.text)
         else:
-            output.save(path, fps=args.fps)
-    print(_summary(engine, outputs, paths), file=sys.stderr)
+            written += output.save(path, fps=args.fps)
+    print(_summary(engine, outputs, written), file=sys.stderr)
     if engine.last_comm and engine.last_comm[0]:
         print(_comm_line(engine.last_comm[0]), file=sys.stderr)
     return 0

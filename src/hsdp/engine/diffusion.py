@@ -1,14 +1,15 @@
-"""Video diffusion on one rank: the unchanged diffusers pipeline around sharded transformers.
+"""Any diffusers pipeline on one rank: the unchanged pipeline around sharded denoisers and text encoders.
 
-The transformer(s) (and the text encoder, when it has a shard plan) are loaded sharded straight from their
-component folders with :func:`hsdp.loading.load_pretrained`; the small parts (tokenizer, VAE, scheduler) load
-normally. Generation calls the pipeline itself, so every layout runs diffusers' own denoising loop and scheduler
-and stays comparable with the single-process pipeline number for number.
+The components that :func:`hsdp.engine.model_info.inspect_model` marked shardable (every denoiser, and text
+encoders large enough to matter) load sharded straight from their component folders with
+:func:`hsdp.loading.load_pretrained`; the small parts (VAE, CLIP, tokenizers, scheduler) load normally.
+Generation calls the pipeline itself with the arguments its ``__call__`` accepts, so every layout runs
+diffusers' own denoising loop and scheduler and stays comparable with the single-process pipeline number for
+number. The step callback times each step and reports progress to the caller.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,23 +18,17 @@ import torch
 
 from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
-from hsdp.engine.model_info import TRANSFORMER_COMPONENTS
+from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses, overlap_options
-from hsdp.engine.params import Request, SamplingParams
+from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
+from hsdp.launch import emit_event
 from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
 __all__ = ["DiffusionRunner"]
-
-
-def _has_shard_plan(folder: Path) -> bool:
-    from hsdp.loading import model_class_for
-
-    cls = model_class_for(folder)
-    return bool(getattr(cls, "_hsdp_shard_conditions", None) or getattr(cls, "_no_split_modules", None))
 
 
 class DiffusionRunner:
@@ -52,33 +47,28 @@ class DiffusionRunner:
 
         self.config = config
         self.device = local_device()
-        index = json.loads((folder / "model_index.json").read_text())
-        components: dict = {}
-        self.sharded: list[str] = []
-        for name in (*TRANSFORMER_COMPONENTS, "text_encoder"):
-            if not (index.get(name) or [None])[0]:
-                continue
-            shard = config.use_hsdp and (name != "text_encoder" or _has_shard_plan(folder / name))
-            model = load_pretrained(
+        self.info = inspect_model(folder)
+        self.sharded = list(self.info.shardable) if config.use_hsdp else []
+        # Without HSDP these load whole, through the same loader (fresh memory, the same dtype conversion).
+        shard = {"meshes": meshes, **overlap_options(config, forward_prefetch=forward_prefetch)}
+        components = {
+            name: load_pretrained(
                 folder / name,
-                config if shard else ParallelConfig(),
-                meshes=meshes if shard else None,
+                config if config.use_hsdp else ParallelConfig(),
                 dtype=dtype or "auto",
-                **(overlap_options(config, forward_prefetch=forward_prefetch) if shard else {}),
+                **(shard if config.use_hsdp else {}),
             )
-            if shard:
-                self.sharded.append(name)
-            components[name] = model
-        pipeline_cls = getattr(diffusers, index["_class_name"])
-        self.pipe = pipeline_cls.from_pretrained(folder, **components)
+            for name in self.info.shardable
+        }
+        self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(folder, **components)
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 module.to(self.device)
+        self._first_denoiser_call: float | None = None
         self.cfg_wrappers: list[CFGParallelTransformer] = []
-        for name in TRANSFORMER_COMPONENTS:
-            model = components.get(name)
-            if model is None:
-                continue
+        for name in self.info.denoisers:
+            model = getattr(self.pipe, name)
+            model.register_forward_pre_hook(self._mark_denoising_start)
             if config.sequence_parallel_size > 1:
                 enable_ulysses(model, config, meshes)
             if config.cfg_parallel_size == 2:
@@ -86,58 +76,65 @@ class DiffusionRunner:
                 setattr(self.pipe, name, wrapper)
                 self.cfg_wrappers.append(wrapper)
         logger.info(
-            "Pipeline %s ready; sharded components: %s",
-            type(self.pipe).__name__,
+            "Pipeline %s (%s) ready; sharded components: %s",
+            self.info.class_name,
+            self.info.family,
             ", ".join(self.sharded) or "none",
         )
 
     def modules(self) -> list[torch.nn.Module]:
         return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
 
+    def _mark_denoising_start(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._first_denoiser_call is None:
+            self._first_denoiser_call = time.perf_counter()
+
+    def call_kwargs(self, request: Request, params: SamplingParams) -> dict:
+        """The pipeline arguments for one request: the set fields it accepts, its inputs, extra kwargs."""
+        accepted = self.info.call_params
+        kwargs = {name: getattr(params, name) for name in PIPELINE_ARGS if getattr(params, name) is not None}
+        for name in ("negative_prompt", "image", "mask_image"):
+            if getattr(request, name) is not None:
+                kwargs[name] = getattr(request, name)
+        kwargs.update(params.pipeline_kwargs)
+        return {k: v for k, v in kwargs.items() if k in accepted}
+
     def generate(self, request: Request, params: SamplingParams, *, decode: bool, progress: bool) -> dict:
         """Run one request; ``decode=False`` skips the VAE on ranks whose output is not returned."""
         pipe = self.pipe
         pipe.set_progress_bar_config(disable=not progress, desc=f"request {request.request_id} denoising")
-        started = time.perf_counter()
-        prompt_embeds, negative_embeds = pipe.encode_prompt(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=params.guidance_scale > 1.0,
-            max_sequence_length=params.max_sequence_length,
-            device=self.device,
-        )
         for wrapper in self.cfg_wrappers:
-            wrapper.set_negative_embeds(negative_embeds)
-        encoded = time.perf_counter()
-        stamps: list[float] = [encoded]
+            wrapper.reset()
+        self._first_denoiser_call = None
+        started = time.perf_counter()
+        stamps: list[float] = []
 
-        def on_step_end(pipeline, step, timestep, callback_kwargs) -> dict:
+        def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
             stamps.append(time.perf_counter())
+            if decode:  # the rank that reports this request also reports its progress
+                total = getattr(pipeline, "num_timesteps", None) or params.num_inference_steps or step + 1
+                emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
-        extra = {"guidance_scale_2": params.guidance_scale_2} if params.guidance_scale_2 is not None else {}
+        extra = {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
         # The initial noise comes from a CPU generator, so it is the same on every device type and layout.
         result = pipe(
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_embeds,
-            height=params.height,
-            width=params.width,
-            num_frames=params.num_frames,
-            num_inference_steps=params.num_inference_steps,
-            guidance_scale=params.guidance_scale,
+            prompt=request.prompt,
             generator=torch.Generator(device="cpu").manual_seed(request.seed),
-            max_sequence_length=params.max_sequence_length,
             output_type="np" if decode else "latent",
-            callback_on_step_end=on_step_end,
+            **self.call_kwargs(request, params),
             **extra,
         )
         finished = time.perf_counter()
-        steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        first = self._first_denoiser_call or started
         timings = Timings(
             total_s=finished - started,
-            encode_s=encoded - started,
-            decode_s=finished - stamps[-1],
-            step_s=steps,
+            encode_s=first - started,
+            decode_s=finished - stamps[-1] if stamps else 0.0,
+            step_s=[b - a for a, b in zip([first, *stamps], stamps, strict=False)],
         )
-        frames = result.frames[0] if decode else None
-        return {"frames": frames, "timings": timings}
+        if not decode:
+            return {"timings": timings}
+        if hasattr(result, "frames"):
+            return {"frames": result.frames[0], "timings": timings}
+        return {"images": result.images, "timings": timings}

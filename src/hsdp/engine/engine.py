@@ -28,7 +28,7 @@ from hsdp.engine import worker
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
 from hsdp.engine.params import SamplingParams, build_requests, request_slots
-from hsdp.launch import WorkerError, WorkerGroup
+from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
 
 logger = logging.getLogger("hsdp")
@@ -48,6 +48,8 @@ def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
         problems.append(
             "--ring-degree: diffusers' ring attention has no CPU kernel; use --ulysses-degree on CPU"
         )
+    if info.kind == "diffusion":
+        problems += _diffusion_layout_problems(info, config)
     if (
         info.kind == "diffusion"
         and config.ulysses_degree > 1
@@ -71,6 +73,25 @@ def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
     return problems
 
 
+def _diffusion_layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
+    """Parallel features the pipeline cannot use, read from diffusers' own code and metadata."""
+    problems = []
+    name = f"{info.family} ({info.class_name})" if info.family != info.class_name else info.class_name
+    if config.cfg_parallel_size == 2 and not info.separate_uncond_pass:
+        problems.append(
+            f"--cfg-parallel-size 2: {name} does not run guidance as a separate unconditional pass (it batches "
+            "both branches into one denoiser call, or has no classifier-free guidance), so there is nothing to "
+            "split off; use --cfg-parallel-size 1"
+        )
+    if config.sequence_parallel_size > 1 and not info.ulysses:
+        problems.append(
+            f"--ulysses-degree/--ring-degree: the denoiser of {name} has no diffusers context-parallel plan "
+            "(_cp_plan), so its attention cannot be split across ranks; use --ulysses-degree 1 and "
+            "--ring-degree 1 (HSDP and --request-parallel still apply)"
+        )
+    return problems
+
+
 class _TorchrunRanks:
     """The ranks this script already runs on (``torchrun``), with :class:`WorkerGroup`'s ``run`` interface."""
 
@@ -79,14 +100,28 @@ class _TorchrunRanks:
         self.world_size = distributed.world_size()
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
-        result = fn(*args)
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout_s: float | None = None,
+        on_event: Callable[[int, Any], None] | None = None,
+    ) -> list[Any]:
+        rank = distributed.rank()
+        with event_sink(lambda payload: on_event(rank, payload) if on_event else None):
+            result = fn(*args)
         results: list[Any] = [None] * self.world_size
         dist.all_gather_object(results, result)
         return results
 
     def close(self) -> None:
         worker.unload()
+
+
+def _progress_listener(on_progress: Callable[[int, int, int], None] | None):
+    if on_progress is None:
+        return None
+    return lambda rank, event: on_progress(event["request_id"], event["step"], event["total"])
 
 
 class Engine:
@@ -174,11 +209,13 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         measure_comm: bool = False,
+        on_progress: Callable[[int, int, int], None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
 
         ``measure_comm`` counts every collective of the call (slower: the counter sees every op) and leaves the
-        per-rank figures in :attr:`last_comm`.
+        per-rank figures in :attr:`last_comm`. ``on_progress(request_id, step, total)`` is called (in the
+        caller's thread) after each denoising step of each request, as the ranks run.
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
@@ -193,6 +230,7 @@ class Engine:
                     self.progress,
                     measure_comm,
                     timeout_s=self.call_timeout_s,
+                    on_event=_progress_listener(on_progress),
                 )
             except WorkerError:
                 self.close()  # the group is broken; its processes are already gone

@@ -1,34 +1,50 @@
-"""What a model folder is, read from its JSON files only, so bad input fails before any rank starts.
+"""What a model folder is, read from its JSON files, safetensors headers and the library classes they name, so
+bad input fails before any rank starts.
 
 A diffusers pipeline folder has ``model_index.json`` naming the pipeline class and its components; a Hugging Face
-causal LM folder has ``config.json`` whose ``architectures`` end in ``ForCausalLM``. The generation defaults come
+causal LM folder has ``config.json`` whose ``architectures`` end in ``ForCausalLM``. For a pipeline, everything
+the engine needs comes from diffusers' own metadata: the arguments its ``__call__`` accepts (and so whether it
+makes video, takes an input image, runs true CFG), which components are denoisers (diffusers models that are not
+autoencoders), whether guidance runs a separate unconditional pass (the pipeline labels it
+``cache_context("uncond")``), whether Ulysses applies (the transformer's ``_cp_plan``), and the size rules (VAE
+compression x patch size, plus a family's latent packing from :mod:`hsdp.families`). Generation defaults come
 from the folder's ``hsdp_defaults.json`` when present (the built-in tiny models ship one), otherwise from the
 pipeline's own ``__call__`` signature.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from hsdp.models.tiny_wan import DEFAULTS_FILE
+from hsdp.families import family_for
 
-__all__ = ["ModelInfo", "inspect_model", "TRANSFORMER_COMPONENTS"]
+__all__ = ["ModelInfo", "inspect_model", "DEFAULTS_FILE", "TEXT_ENCODER_SHARD_FRACTION"]
 
-TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
-"""Pipeline components that are sharded (Wan2.2 has a second, low-noise transformer)."""
+DEFAULTS_FILE = "hsdp_defaults.json"
+"""Optional generation defaults next to ``model_index.json`` (height, width, steps, ...)."""
 
-_DIFFUSION_DEFAULT_KEYS = (
+TEXT_ENCODER_SHARD_FRACTION = 0.3
+"""A non-denoiser component with a shard plan (T5, UMT5, Qwen2.5-VL, Llama text encoders) is sharded when its
+weights are at least this fraction of the largest denoiser's: T5-XXL beside FLUX (39%), UMT5-XXL beside Wan 14B
+(40%) and Qwen2.5-VL beside Qwen-Image (35%) are; CLIP-L (5%) and CLIP-G beside SDXL's UNet (27%) load whole,
+where sharding saves little memory and costs a collective per block."""
+
+_DEFAULT_KEYS = (
     "height",
     "width",
     "num_frames",
     "num_inference_steps",
     "guidance_scale",
+    "true_cfg_scale",
     "max_sequence_length",
 )
+_UNCOND_PASS = re.compile(r"""cache_context\(\s*["']uncond["']""")
 
 
 @dataclass(frozen=True)
@@ -38,14 +54,38 @@ class ModelInfo:
     class_name: str
     defaults: dict = field(default_factory=dict)
     """Generation defaults (diffusion: height, width, num_frames, num_inference_steps, guidance_scale, ...)."""
-    num_heads: int | None = None
-    """Attention heads of the (first) transformer: Ulysses splits them across ranks."""
-    spatial_multiple: int = 16
-    """Height and width must be multiples of this (VAE downsampling x transformer patch)."""
-    temporal_factor: int = 4
-    """Frame counts must be ``temporal_factor * k + 1``."""
-    patch_size: tuple[int, int, int] = (1, 2, 2)
+    family: str = ""
+    """The family's name (:mod:`hsdp.families`), or the pipeline class when no family claims it."""
+    output: Literal["video", "image", "text"] = "text"
+    call_params: frozenset[str] = frozenset()
+    """Arguments the pipeline's ``__call__`` accepts: only these are passed."""
+    required_params: frozenset[str] = frozenset()
+    """Arguments ``__call__`` has no default for (e.g. ``image`` for image-to-video)."""
     components: tuple[str, ...] = ()
+    denoisers: tuple[str, ...] = ()
+    """Diffusers models that run every denoising step (transformer, transformer_2, unet, prior, ...)."""
+    shardable: tuple[str, ...] = ()
+    """Components sharded when HSDP is on: the denoisers and the large components with a shard plan."""
+    separate_uncond_pass: bool = False
+    """Guidance runs the unconditional branch as its own denoiser call (what CFG parallel splits off)."""
+    cfg_scale_param: str = "guidance_scale"
+    """The argument that turns that pass on (``true_cfg_scale`` for FLUX / Qwen-Image, else guidance_scale)."""
+    ulysses: bool = False
+    """Every denoiser has a diffusers context-parallel plan (``_cp_plan``)."""
+    num_heads: int | None = None
+    """Attention heads of the (first) denoiser: Ulysses splits them across ranks."""
+    spatial_multiple: int = 16
+    """Height and width must be multiples of this (VAE downsampling x patch size x the family's packing)."""
+    temporal_factor: int = 1
+    """Frame counts must be ``temporal_factor * k + 1`` (video)."""
+
+    @property
+    def takes_image(self) -> bool:
+        return "image" in self.call_params
+
+    @property
+    def takes_mask(self) -> bool:
+        return "mask_image" in self.call_params
 
 
 def _read_json(path: Path) -> dict:
@@ -55,41 +95,128 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: unreadable or invalid JSON ({exc})") from exc
 
 
+def _component_class(folder: Path, name: str, spec: list) -> type | None:
+    """The class a ``model_index.json`` entry names, when it is a torch module of diffusers or transformers."""
+    import torch
+
+    library, class_name = spec[0], spec[1]
+    if library not in ("diffusers", "transformers"):
+        return None
+    cls = getattr(importlib.import_module(library), class_name, None)
+    if cls is None:
+        raise ValueError(
+            f"{folder / 'model_index.json'}: component {name!r} names {library}.{class_name}, which this "
+            f"{library} does not have; upgrade {library} or fix the folder"
+        )
+    return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
+
+
+def _is_denoiser(cls: type) -> bool:
+    from diffusers import ModelMixin
+    from diffusers.models.autoencoders.vae import AutoencoderMixin
+
+    return issubclass(cls, ModelMixin) and not issubclass(cls, AutoencoderMixin)
+
+
+def _has_shard_plan(cls: type) -> bool:
+    return bool(getattr(cls, "_hsdp_shard_conditions", None) or getattr(cls, "_no_split_modules", None))
+
+
+def _stored_bytes(folder: Path) -> int:
+    from hsdp.loading import CheckpointError, read_checkpoint_index
+
+    try:
+        index = read_checkpoint_index(folder)
+    except CheckpointError:
+        return 0  # reported by the loader, with the file, if the component is ever loaded
+    return sum(_numel(e.shape) * e.dtype.itemsize for e in index.tensors.values())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _compression(vae: dict) -> tuple[int, int]:
+    """(spatial, temporal) compression of a VAE from its config: Wan-style ``temperal_downsample``, explicit
+    ratios (HunyuanVideo, LTX), or one halving per extra ``block_out_channels`` level (AutoencoderKL)."""
+    if "temperal_downsample" in vae:
+        downsample = vae["temperal_downsample"]
+        return 2 ** len(downsample), 2 ** sum(bool(d) for d in downsample)
+    if vae.get("spatial_compression_ratio"):
+        return int(vae["spatial_compression_ratio"]), int(vae.get("temporal_compression_ratio") or 1)
+    blocks = vae.get("block_out_channels")
+    return (2 ** (len(blocks) - 1) if blocks else 8), 1
+
+
+def _spatial_patch(denoiser: dict) -> int:
+    patch = denoiser.get("patch_size") or 1
+    return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
+
+
 def _diffusion_info(folder: Path) -> ModelInfo:
     import diffusers
 
     index = _read_json(folder / "model_index.json")
     class_name = index.get("_class_name", "")
     pipeline_cls = getattr(diffusers, class_name, None)
-    if pipeline_cls is None:
-        raise ValueError(f"{folder / 'model_index.json'}: pipeline class {class_name!r} is not in diffusers")
-    components = tuple(k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0])
-    transformers = [c for c in TRANSFORMER_COMPONENTS if c in components]
-    call_params = inspect.signature(pipeline_cls.__call__).parameters
-    missing = [p for p in ("prompt", "height", "width", "num_frames") if p not in call_params]
-    if not transformers or missing:
+    if not (isinstance(pipeline_cls, type) and issubclass(pipeline_cls, diffusers.DiffusionPipeline)):
         raise ValueError(
-            f"{folder} holds a {class_name}, which is not a text-to-video transformer pipeline (needs a "
-            f"'transformer' component and prompt/height/width/num_frames arguments); hsdp generate serves "
-            "WanPipeline-style pipelines"
+            f"{folder / 'model_index.json'}: pipeline class {class_name!r} is not in diffusers "
+            f"{diffusers.__version__}; upgrade diffusers or fix _class_name"
         )
-    transformer_config = _read_json(folder / transformers[0] / "config.json")
-    vae_config = _read_json(folder / "vae" / "config.json") if "vae" in components else {}
-    downsample = vae_config.get("temperal_downsample", [False, True, True])
-    patch = tuple(transformer_config.get("patch_size", (1, 2, 2)))
-    defaults = {k: call_params[k].default for k in _DIFFUSION_DEFAULT_KEYS if k in call_params}
+    specs = {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0]}
+    classes = {name: _component_class(folder, name, spec) for name, spec in specs.items()}
+    modules = {name: cls for name, cls in classes.items() if cls is not None}
+    denoisers = tuple(name for name, cls in modules.items() if _is_denoiser(cls))
+    if not denoisers:
+        raise ValueError(f"{folder} holds a {class_name} with no denoiser (transformer or UNet) to shard")
+    sizes = {name: _stored_bytes(folder / name) for name in modules}
+    largest = max(sizes[name] for name in denoisers)
+    shardable = tuple(
+        name
+        for name, cls in modules.items()
+        if _has_shard_plan(cls)
+        and (name in denoisers or sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
+    )
+    signature = inspect.signature(pipeline_cls.__call__).parameters
+    call_params = frozenset(signature) - {"self"}
+    required = frozenset(
+        n
+        for n, p in signature.items()
+        if n != "self" and p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD
+    )
+    denoiser_config = _read_json(folder / denoisers[0] / "config.json")
+    vae = _read_json(folder / "vae" / "config.json") if (folder / "vae" / "config.json").exists() else {}
+    spatial, temporal = _compression(vae)
+    family = family_for(class_name)
+    defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():
         defaults.update(_read_json(folder / DEFAULTS_FILE))
+    try:
+        source = inspect.getsource(pipeline_cls)
+    except (OSError, TypeError):
+        source = ""
     return ModelInfo(
         path=folder,
         kind="diffusion",
         class_name=class_name,
         defaults=defaults,
-        num_heads=transformer_config.get("num_attention_heads"),
-        spatial_multiple=2 ** len(downsample) * patch[1],
-        temporal_factor=2 ** sum(bool(d) for d in downsample),
-        patch_size=patch,
-        components=components,
+        family=family.name if family.name != "generic" else class_name,
+        output="video" if "num_frames" in call_params else "image",
+        call_params=call_params,
+        required_params=required,
+        components=tuple(specs),
+        denoisers=denoisers,
+        shardable=shardable,
+        separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
+        cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
+        ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),
+        num_heads=denoiser_config.get("num_attention_heads"),
+        spatial_multiple=spatial * _spatial_patch(denoiser_config) * family.latent_packing,
+        temporal_factor=temporal,
     )
 
 
@@ -109,9 +236,10 @@ def inspect_model(folder: Path) -> ModelInfo:
             return ModelInfo(path=folder, kind="causal_lm", class_name=architectures[0])
         raise ValueError(
             f"{folder / 'config.json'} names architectures {architectures}, none of which is a causal LM "
-            "(…ForCausalLM); hsdp generate serves causal LMs and diffusers video pipelines"
+            "(…ForCausalLM); hsdp generate serves causal LMs and diffusers pipelines"
         )
     raise ValueError(
         f"{folder} is not a model folder: no model_index.json (diffusers pipeline) and no config.json "
-        "(Hugging Face model). Pass a pipeline folder such as a Wan2.x -Diffusers download, or a built-in name"
+        "(Hugging Face model). Pass a pipeline folder such as a FLUX.1 or Wan2.x -Diffusers download, or a "
+        "built-in name"
     )

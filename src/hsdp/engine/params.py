@@ -9,35 +9,71 @@ layout or on which other requests ran beside it.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from hsdp.config import ParallelConfig
+from hsdp.engine.images import load_image
 from hsdp.engine.model_info import ModelInfo
 
-__all__ = ["SamplingParams", "Request", "build_requests", "request_slots"]
+__all__ = ["SamplingParams", "Request", "build_requests", "request_slots", "PIPELINE_ARGS"]
+
+
+PER_REQUEST_INPUTS = ("negative_prompt", "image", "mask_image")
+"""Inputs given once for all prompts or as one per prompt (a list)."""
+
+PIPELINE_ARGS = (
+    "num_inference_steps",
+    "height",
+    "width",
+    "num_frames",
+    "guidance_scale",
+    "guidance_scale_2",
+    "true_cfg_scale",
+    "max_sequence_length",
+)
+"""Fields passed to the pipeline's ``__call__`` under their own name, when it accepts them."""
+
+RESERVED_ARGS = frozenset(
+    {"prompt", "negative_prompt", "image", "mask_image", "generator", "output_type", "return_dict"}
+    | {"callback_on_step_end", "callback_on_step_end_tensor_inputs", *PIPELINE_ARGS}
+)
+"""``__call__`` arguments the engine sets itself; ``pipeline_kwargs`` may not name them."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """How to generate. ``None`` means the model's default (``hsdp_defaults.json`` or the pipeline's own)."""
+    """How to generate. ``None`` means the model's default (``hsdp_defaults.json`` or the pipeline's own).
+
+    Diffusion fields are passed to the pipeline's ``__call__`` when it takes them; a field that is set but that
+    the pipeline does not take is an error, not silently dropped.
+    """
 
     seed: int | list[int] | None = None
     """Seed of the first request (the i-th prompt gets ``seed + i``), or one seed per prompt; None = random."""
-    # -- video diffusion -----------------------------------------------------------------------------------
+    # -- diffusion -------------------------------------------------------------------------------------------
     num_inference_steps: int | None = None
     height: int | None = None
-    """Pixels; a multiple of 16 for Wan (VAE downsampling x patch size)."""
+    """Pixels; a multiple of the model's ``spatial_multiple`` (16 for Wan and FLUX, 8 for SDXL)."""
     width: int | None = None
     num_frames: int | None = None
-    """``4k + 1`` for Wan (the VAE compresses time 4x after the first frame)."""
+    """Video pipelines: ``4k + 1`` for Wan (the VAE compresses time 4x after the first frame)."""
     guidance_scale: float | None = None
-    """Classifier-free guidance weight; > 1 runs a second (unconditional) branch, which CFG parallel splits off."""
+    """Classifier-free guidance weight (a distilled guidance embedding for FLUX)."""
     guidance_scale_2: float | None = None
     """Wan2.2: guidance of the low-noise transformer (``transformer_2``); None = ``guidance_scale``."""
+    true_cfg_scale: float | None = None
+    """FLUX / Qwen-Image: > 1 with a negative prompt runs a separate unconditional pass (true CFG)."""
     negative_prompt: str | list[str] | None = None
     """For the unconditional branch: one for all prompts, or one per prompt."""
     max_sequence_length: int | None = None
     """Text-encoder tokens (prompts are padded or truncated to it)."""
+    image: Any = None
+    """Input image of image-to-video / editing pipelines: a PIL image, a path or bytes; or one per prompt."""
+    mask_image: Any = None
+    """Inpainting mask (white = repaint), for pipelines that take ``mask_image``; or one per prompt."""
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Any other argument of the pipeline's ``__call__`` (checked against its signature), e.g. ``strength``."""
     # -- causal LM -------------------------------------------------------------------------------------------
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -51,12 +87,14 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to generate, as sent to the ranks."""
+    """One prompt to generate, as sent to the ranks (images already decoded)."""
 
     request_id: int
     prompt: str
     seed: int
     negative_prompt: str | None = None
+    image: Any = None
+    mask_image: Any = None
 
 
 def request_slots(config: ParallelConfig) -> int:
@@ -65,48 +103,117 @@ def request_slots(config: ParallelConfig) -> int:
 
 
 def _as_list(value, n: int, name: str, problems: list[str]) -> list:
-    if value is None or isinstance(value, (str, int)):
+    if not isinstance(value, (list, tuple)):
         return [value] * n
-    value = list(value)
     if len(value) != n:
         problems.append(
             f"{name} has {len(value)} entries but there are {n} prompts; give one per prompt or a single value"
         )
         return [None] * n
-    return value
+    return list(value)
 
 
-def _diffusion_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _argument_problems(info: ModelInfo, p: SamplingParams) -> list[str]:
+    """Arguments set that the pipeline does not take, and required ones that are missing."""
+    problems = []
+    for name in (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image"):
+        if getattr(p, name) is not None and name not in info.call_params:
+            problems.append(
+                f"{name}: {info.class_name} takes no {name} (drop {_flag(name)}); it takes "
+                f"{', '.join(sorted(a for a in info.call_params if a in (*PIPELINE_ARGS, *PER_REQUEST_INPUTS)))}"
+            )
+    for name in sorted(info.required_params - {"prompt"}):
+        if name in PER_REQUEST_INPUTS and getattr(p, name) is None:
+            problems.append(f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({_flag(name)})")
+    unknown = sorted(set(p.pipeline_kwargs) - info.call_params)
+    if unknown:
+        problems.append(
+            f"pipeline_kwargs: {info.class_name}.__call__ takes no {', '.join(unknown)}; it takes "
+            f"{', '.join(sorted(info.call_params - RESERVED_ARGS))}"
+        )
+    reserved = sorted(set(p.pipeline_kwargs) & RESERVED_ARGS)
+    if reserved:
+        problems.append(f"pipeline_kwargs: {', '.join(reserved)} are set by the engine or by their own field")
+    return problems
+
+
+def _shape_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
     problems = []
     m, k = info.spatial_multiple, info.temporal_factor
     for name in ("height", "width"):
         value = getattr(p, name)
-        if not isinstance(value, int) or value <= 0 or value % m:
+        if value is not None and (not isinstance(value, int) or value <= 0 or value % m):
             problems.append(
-                f"{name}={value} must be a positive multiple of {m} (--{name}); e.g. {max(m, (value or m) // m * m)}"
+                f"{name}={value} must be a positive multiple of {m} for {info.family} ({_flag(name)}); "
+                f"e.g. {max(m, (value if isinstance(value, int) else m) // m * m)}"
             )
-    if not isinstance(p.num_frames, int) or p.num_frames < 1 or (p.num_frames - 1) % k:
-        near = max(1, ((p.num_frames or 1) - 1) // k * k + 1)
+    frames = p.num_frames
+    if frames is not None and (not isinstance(frames, int) or frames < 1 or (frames - 1) % k):
+        near = max(1, ((frames if isinstance(frames, int) else 1) - 1) // k * k + 1)
         problems.append(
-            f"num_frames={p.num_frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...) (--num-frames); e.g. {near}"
+            f"num_frames={frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...) (--num-frames); e.g. {near}"
         )
-    if not isinstance(p.num_inference_steps, int) or p.num_inference_steps < 1:
-        problems.append(f"num_inference_steps={p.num_inference_steps} must be >= 1 (--num-inference-steps)")
-    if config.cfg_parallel_size == 2 and not (p.guidance_scale or 0) > 1:
-        problems.append(
-            f"--cfg-parallel-size 2 splits the two guidance branches, but guidance_scale={p.guidance_scale} runs only "
-            "one; set --guidance-scale > 1 or --cfg-parallel-size 1"
-        )
+    steps = p.num_inference_steps
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        problems.append(f"num_inference_steps={steps} must be >= 1 (--num-inference-steps)")
     sp = config.sequence_parallel_size
-    if sp > 1 and not problems:
-        latent_frames = (p.num_frames - 1) // k + 1
+    if sp > 1 and not problems and p.height and p.width:
+        latent_frames = (p.num_frames - 1) // k + 1 if p.num_frames else 1
         tokens = latent_frames * (p.height // m) * (p.width // m)
         if tokens % sp:
             problems.append(
-                f"--ulysses-degree {sp} splits the {tokens} video tokens ({latent_frames} latent frames x "
-                f"{p.height // m} x {p.width // m}), which is not divisible by {sp}; change --height/--width/--num-frames"
+                f"--ulysses-degree {sp} splits the {tokens} latent tokens ({latent_frames} latent frames x "
+                f"{p.height // m} x {p.width // m}), which is not divisible by {sp}; change --height/--width"
+                f"{'/--num-frames' if info.output == 'video' else ''}"
             )
     return problems
+
+
+def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
+    if config.cfg_parallel_size != 2:
+        return []
+    scale_name = info.cfg_scale_param
+    scale = getattr(p, scale_name)
+    if not (scale or 0) > 1:
+        return [
+            f"--cfg-parallel-size 2 splits the two guidance branches, but {scale_name}={scale} runs only one; "
+            f"set {_flag(scale_name)} > 1 or --cfg-parallel-size 1"
+        ]
+    if scale_name == "true_cfg_scale" and p.negative_prompt is None:
+        return [
+            f"--cfg-parallel-size 2: {info.class_name} runs its unconditional pass only with a negative prompt; "
+            "give --negative-prompt or use --cfg-parallel-size 1"
+        ]
+    return []
+
+
+def _diffusion_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
+    return _argument_problems(info, p) + _shape_problems(info, config, p) + _cfg_problems(info, config, p)
+
+
+def _fill_defaults(info: ModelInfo, params: SamplingParams) -> SamplingParams:
+    names = {f.name for f in fields(params)}
+    filled = {
+        name: value
+        for name, value in info.defaults.items()
+        if name in names and getattr(params, name) is None and name in info.call_params
+    }
+    return replace(params, **filled)
+
+
+def _images(values: list, field_name: str, problems: list[str]) -> list:
+    images = []
+    for i, value in enumerate(values):
+        try:
+            images.append(None if value is None else load_image(value, field_name))
+        except ValueError as exc:
+            problems.append(f"{exc}" if len(values) == 1 else f"{field_name}[{i}]: {exc}")
+            images.append(None)
+    return images
 
 
 def _lm_problems(p: SamplingParams) -> list[str]:
@@ -123,7 +230,8 @@ def _lm_problems(p: SamplingParams) -> list[str]:
 def build_requests(
     info: ModelInfo, config: ParallelConfig, prompts: list[str], params: SamplingParams
 ) -> tuple[list[Request], SamplingParams]:
-    """Validate everything and fill defaults; returns the requests and the concrete parameters."""
+    """Validate everything and fill defaults; returns the requests and the concrete parameters (images are
+    read and converted here, so the returned parameters hold no image: the requests do)."""
     problems: list[str] = []
     if not prompts:
         problems.append("no prompt given (--prompt); pass at least one")
@@ -139,20 +247,20 @@ def build_requests(
             f"{len(prompts)} prompt(s) were given; pass a multiple of {slots} prompts, or drop --request-parallel"
         )
     if info.kind == "diffusion":
-        filled = {
-            f.name: info.defaults[f.name]
-            for f in fields(params)
-            if getattr(params, f.name) is None and f.name in info.defaults
-        }
-        params = replace(params, **filled)
+        params = _fill_defaults(info, params)
         problems += _diffusion_problems(info, config, params)
     else:
         problems += _lm_problems(params)
     n = len(prompts)
-    negatives = _as_list(params.negative_prompt, n, "negative_prompt", problems)
+    per_request = {name: _as_list(getattr(params, name), n, name, problems) for name in PER_REQUEST_INPUTS}
+    for name in ("image", "mask_image"):
+        per_request[name] = _images(per_request[name], name, problems)
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     seeds = [seed + i for i in range(n)] if isinstance(seed, int) else _as_list(seed, n, "seed", problems)
     if problems:
         raise ValueError("invalid generation request:\n" + "\n".join(f"  - {p}" for p in problems))
-    requests = [Request(i, prompts[i], int(seeds[i]), negatives[i]) for i in range(n)]
-    return requests, replace(params, seed=seed)
+    requests = [
+        Request(i, prompts[i], int(seeds[i]), **{name: per_request[name][i] for name in PER_REQUEST_INPUTS})
+        for i in range(n)
+    ]
+    return requests, replace(params, seed=seed, image=None, mask_image=None)

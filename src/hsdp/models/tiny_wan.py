@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from hsdp.engine.model_info import DEFAULTS_FILE
 from hsdp.models.builtin import register_builtin
 from hsdp.models.tiny import TINY_SEED, build_byte_tokenizer, build_tiny_wan_transformer
 
 __all__ = ["build_tiny_wan_pipeline", "TINY_WAN_DEFAULTS", "DEFAULTS_FILE"]
 
-DEFAULTS_FILE = "hsdp_defaults.json"
 TINY_WAN_DEFAULTS = {
     "height": 32,
     "width": 32,

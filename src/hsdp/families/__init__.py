@@ -1,0 +1,46 @@
+"""Per-family knowledge of diffusers pipelines that their own metadata does not carry, one small file each.
+
+Almost everything the engine needs is read from the pipeline folder and from diffusers itself: the components
+(``model_index.json``), which of them to shard (their classes and sizes), the arguments a pipeline takes (its
+``__call__`` signature), whether guidance runs separate conditional and unconditional passes (its
+``cache_context("uncond")`` label), Ulysses support (the transformer's ``_cp_plan``) and the VAE's compression
+(its config). What remains are facts a pipeline computes in code, such as FLUX packing 2 x 2 latent patches
+before its transformer (so sizes are multiples of 16, not 8). A family file registers a :class:`Family` with
+those facts; a pipeline no family claims runs with the generic rules (:data:`GENERIC`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["Family", "register_family", "family_for", "FAMILIES", "GENERIC"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """Shown in logs and errors (a pipeline no family claims is named by its class)."""
+    pipelines: str = r"$^"
+    """Regular expression matched (in full) against the diffusers pipeline class name."""
+    latent_packing: int = 1
+    """Latent pixels per token side that the pipeline packs before its transformer (FLUX: 2), on top of the
+    transformer's own ``patch_size``; sizes must be multiples of VAE factor x patch x packing."""
+
+
+GENERIC = Family("generic")
+FAMILIES: list[Family] = []
+
+
+def register_family(family: Family) -> Family:
+    FAMILIES.append(family)
+    return family
+
+
+def family_for(pipeline_class: str) -> Family:
+    """The registered family whose pattern matches ``pipeline_class``, else :data:`GENERIC`."""
+    return next((f for f in FAMILIES if re.fullmatch(f.pipelines, pipeline_class)), GENERIC)
+
+
+# Family files register themselves on import (after register_family exists).
+from hsdp.families import flux  # noqa: E402,F401
