@@ -67,4 +67,4 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
 
 
 # Built-ins defined in their own modules register themselves on import (after register_builtin exists).
-from hsdp.models import tiny_wan  # noqa: E402,F401
+from hsdp.models import tiny_flux, tiny_sdxl, tiny_wan, tiny_wan_i2v  # noqa: E402,F401
