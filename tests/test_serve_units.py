@@ -171,10 +171,13 @@ class _FakeEngine:
     def __init__(self, error: Exception | None):
         self.error, self.closed, self.request_slots, self.pids, self.calls = error, False, 2, [101, 102], []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, on_progress=None):
         from hsdp.engine import GenerationOutput, Timings
 
         self.calls.append((list(prompts), list(params.seed)))
+        for step in range(1, 5):  # as the engine does after each denoising step of each request
+            for request_id in range(len(prompts)):
+                on_progress(request_id, step, 4)
         if self.error is not None:
             self.closed = True  # as Engine.generate does on any WorkerError
             raise self.error
@@ -187,6 +190,16 @@ class _FakeEngine:
 
     def close(self):
         self.closed = True
+
+
+class _RecordingStore(JobStore):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.progress_seen: dict[str, list[int]] = {}
+
+    def set_progress(self, job: Job, percent: int) -> None:
+        super().set_progress(job, percent)
+        self.progress_seen.setdefault(job.id, []).append(job.progress)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +222,7 @@ def test_runner_fails_the_batch_restarts_and_pads(tmp_path, error, code, reason)
         engines.append(_FakeEngine(error if not engines else None))
         return engines[-1]
 
-    store = JobStore(tmp_path, capacity=10)
+    store = _RecordingStore(tmp_path, capacity=10)
     a, b, c = (Job("text", f"p{i}", {"max_new_tokens": 4}, seed=10 + i) for i in range(3))
     runner = EngineRunner(make_engine, store, poll_s=0.05)
     runner.start()
@@ -226,6 +239,8 @@ def test_runner_fails_the_batch_restarts_and_pads(tmp_path, error, code, reason)
     finally:
         runner.stop()
     assert c.status == "completed" and c.result.text == "P2"
+    # The engine's per-step callback drives progress; 100 waits for the end (decode and encoding follow).
+    assert store.progress_seen[c.id] == [25, 50, 75, 99] and c.progress == 100
     assert engines[1].calls == [(["p2", "p2"], [12, 12])]  # padded to the 2 request-parallel slots
     assert (runner.stats.restarts, runner.stats.padded_requests, runner.stats.worker_pids) == (
         1,
@@ -261,3 +276,94 @@ def test_wait_healthy_retries_until_its_deadline(tmp_path):
     with pytest.raises(TimeoutError, match="not healthy within 1"):
         server.wait_healthy(timeout_s=1)
     assert 1 <= time.monotonic() - started < 10
+
+
+def test_progress_is_recorded_and_only_rises(tmp_path):
+    store = JobStore(tmp_path, capacity=4)
+    job = _job()
+    store.submit([job])
+    store.next_batch(1, timeout_s=0)
+    store.set_progress(job, 40)
+    store.set_progress(job, 30)  # a late callback never moves it back
+    assert job.progress == 40
+    assert json.loads((store.jobs_dir / f"{job.id}.json").read_text())["progress"] == 40
+    store.finish(job, "completed", output="x.mp4")
+    assert job.progress == 100
+
+
+def test_input_images_are_stored_beside_the_record(tmp_path):
+    store = JobStore(tmp_path, capacity=4)
+    job = Job("video", "p", VIDEO, 1, meta={"fps": 8}, inputs={"image": b"\x89PNG..."})
+    store.submit([job])
+    assert (store.jobs_dir / f"{job.id}.image").read_bytes() == b"\x89PNG..."
+    again = JobStore(tmp_path, capacity=4)
+    assert again.load() == (1, 1)
+    assert again.get(job.id).inputs == {"image": b"\x89PNG..."}
+    again.delete(again.get(job.id))
+    assert not list(again.jobs_dir.iterdir())
+
+
+def test_seconds_become_frames_of_the_model_rule():
+    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(4) == 17  # 16 frames, rounded to 4k+1
+    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(1) == 16
+    assert VideoRequest(prompt="x", seconds=2, num_frames=9).frames(4) == 9
+
+
+def _png(size: int = 8) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), (200, 10, 10)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_chat_generation_merges_extra_body_and_reads_image_parts():
+    import base64
+
+    from hsdp.serve.media import chat_generation
+    from hsdp.serve.schemas import ChatCompletionRequest
+
+    url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "default",
+            "seed": 3,
+            "messages": [
+                {"role": "system", "content": "ignored"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a fox"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                },
+                {"role": "user", "content": "in snow"},
+            ],
+            "num_inference_steps": 2,  # flattened by the openai client
+            "cfg_scale": 4.0,
+            "extra_body": {"num_inference_steps": 3, "num_outputs_per_prompt": 2, "size": "32x32"},
+        }
+    )
+    params, image = chat_generation(body)
+    assert params.prompt == "a fox in snow"
+    assert (params.num_inference_steps, params.num_outputs_per_prompt, params.size) == (3, 2, "32x32")
+    assert (params.true_cfg_scale, params.seed) == (4.0, 3)
+    assert image.field == "messages[1].content[1].image_url" and image.data == _png()
+
+
+@pytest.mark.parametrize(
+    "url, needle",
+    [
+        ("https://example.com/a.png", "fetches no http"),
+        ("data:image/png,abc", "must be base64"),
+        ("data:image/png;base64,@@@", "not valid base64"),
+    ],
+)
+def test_data_urls_name_the_field(url, needle):
+    from hsdp.serve.media import decode_data_url
+
+    with pytest.raises(ApiError, match=needle) as info:
+        decode_data_url(url, "input_reference")
+    assert info.value.param == "input_reference" and info.value.status == 400

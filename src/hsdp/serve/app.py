@@ -11,13 +11,15 @@ import base64
 import contextlib
 import json
 import time
+from typing import TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from hsdp.serve.http import GuardMiddleware, describe_validation_errors, install_error_handlers
 from hsdp.serve.jobs import Job
+from hsdp.serve.media import Upload, chat_generation, chat_media_body, data_url, reference_upload
 from hsdp.serve.metrics import CONTENT_TYPE, render_metrics
 from hsdp.serve.schemas import (
     ApiError,
@@ -27,6 +29,7 @@ from hsdp.serve.schemas import (
     ErrorBody,
     Health,
     ImageData,
+    ImageEditRequest,
     ImageRequest,
     ImagesResponse,
     ModelCard,
@@ -41,6 +44,13 @@ from hsdp.serve.text import TextChoice, apply_stop, chat_body, completion_body, 
 
 __all__ = ["create_app"]
 
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
+REFERENCE = "input_reference"
+"""The input image of ``/v1/videos`` (OpenAI's and vLLM-Omni's name)."""
+_IMAGE_FIELDS = ("image", "image[]")
+"""OpenAI's SDK sends a list of images as ``image[]``, vLLM-Omni's client repeats ``image``."""
+_MASK_FIELDS = ("mask", "mask_image")
+"""OpenAI's name and vLLM-Omni's."""
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 429)}
 _VIDEO_BODY = {
     "requestBody": {
@@ -51,39 +61,80 @@ _VIDEO_BODY = {
         },
     }
 }
+_EDIT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    **ImageEditRequest.model_json_schema(),
+                    "properties": {
+                        **ImageEditRequest.model_json_schema()["properties"],
+                        "image": {"type": "string", "format": "binary", "description": "also image[]"},
+                        "mask": {"type": "string", "format": "binary", "description": "also mask_image"},
+                    },
+                    "required": ["prompt", "image"],
+                }
+            }
+        },
+    }
+}
 _MP4 = {200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
 _TEXT_OR_SSE = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
 
 
-async def _video_request(request: Request) -> VideoRequest:
-    """The body as JSON or as form fields (``curl -F``); empty form fields count as unset."""
+def _is_form(request: Request) -> bool:
     content_type = request.headers.get("content-type", "")
-    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        data = {}
-        async with request.form() as form:
-            for key, value in form.multi_items():
-                if not isinstance(value, str):
-                    raise ApiError(
-                        400, f"form field {key!r} is a file; this server takes text fields only", param=key
-                    )
+    return content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded"))
+
+
+async def _read_form(request: Request) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """Text fields (empty ones count as unset, but an empty prompt stays, to be refused as empty) and file
+    parts by field name. File parts are read whatever their content type (vLLM-Omni's client sends
+    application/octet-stream); decoding decides whether they are images."""
+    fields: dict[str, str] = {}
+    files: dict[str, list[bytes]] = {}
+    async with request.form() as form:
+        for key, value in form.multi_items():
+            if isinstance(value, str):
                 if value != "" or key == "prompt":
-                    data[key] = value
-    else:
-        try:
-            data = json.loads(await request.body() or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(
-                400, f"the body is not valid JSON ({exc}); send JSON or multipart form fields"
-            ) from exc
-        if not isinstance(data, dict):
-            raise ApiError(
-                400, "the body must be a JSON object with at least 'prompt', or multipart form fields"
-            )
+                    fields[key] = value
+            else:
+                files.setdefault(key, []).append(await value.read())
+    return fields, files
+
+
+async def _json_object(request: Request) -> dict:
     try:
-        return VideoRequest.model_validate(data)
+        data = json.loads(await request.body() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            400, f"the body is not valid JSON ({exc}); send JSON or multipart form fields"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object with at least 'prompt', or multipart form fields")
+    return data
+
+
+def _validate(model: type[BaseModelT], data: dict) -> BaseModelT:
+    try:
+        return model.model_validate(data)
     except ValidationError as exc:
         message, param = describe_validation_errors(list(exc.errors()))
         raise ApiError(400, message, param=param, code="invalid_request") from exc
+
+
+async def _video_request(request: Request) -> tuple[VideoRequest, Upload | None]:
+    """The body as JSON or as form fields (``curl -F``), and the input image: the ``input_reference`` file part,
+    or in JSON a data URL (``"input_reference": {"image_url": "data:..."}``)."""
+    if _is_form(request):
+        fields, files = await _read_form(request)
+        image = files.get(REFERENCE) and Upload(REFERENCE, "image", files[REFERENCE][0])
+        return _validate(VideoRequest, fields), image or None
+    data = await _json_object(request)
+    reference = data.pop(REFERENCE, None)
+    image = reference_upload(reference, REFERENCE) if reference is not None else None
+    return _validate(VideoRequest, data), image
 
 
 def create_app(server: Server) -> FastAPI:
@@ -157,21 +208,30 @@ def create_app(server: Server) -> FastAPI:
         return Response(render_metrics(server.name, store, server.runner.stats), media_type=CONTENT_TYPE)
 
     # -- videos ----------------------------------------------------------------------------------------------
+    async def video_jobs(request: Request, kind: str) -> list[Job]:
+        body, image = await _video_request(request)
+        server.check_model(body.model, "diffusion")
+        server.check_video_model()
+        return server.diffusion_jobs(
+            body,
+            kind,
+            num_frames=body.frames(server.info.temporal_factor),
+            fps=body.fps,
+            image=image,
+            image_field=REFERENCE,
+        )
+
     @app.post("/v1/videos", response_model=VideoJob, openapi_extra=_VIDEO_BODY)
     async def create_video(request: Request) -> VideoJob:
         """Queue a video job; poll ``GET /v1/videos/{id}``, then download ``/content``."""
-        body = await _video_request(request)
-        server.check_model(body.model, "diffusion")
-        jobs = server.diffusion_jobs(body, "video")
+        jobs = await video_jobs(request, "video")
         server.submit(jobs)
         return server.video_view(jobs[0])
 
     @app.post("/v1/videos/sync", response_class=Response, responses=_MP4, openapi_extra=_VIDEO_BODY)
     async def create_video_sync(request: Request) -> Response:
         """Generate and answer with the mp4 bytes (not stored)."""
-        body = await _video_request(request)
-        server.check_model(body.model, "diffusion")
-        [job] = await run_jobs(server.diffusion_jobs(body, "video_sync"))
+        [job] = await run_jobs(await video_jobs(request, "video_sync"))
         return Response(job.result, media_type="video/mp4", headers={"X-Video-Seed": str(job.seed)})
 
     @app.get("/v1/videos", response_model=VideoList)
@@ -209,21 +269,74 @@ def create_app(server: Server) -> FastAPI:
         return server.video_view(job)
 
     # -- images ----------------------------------------------------------------------------------------------
-    @app.post("/v1/images/generations", response_model=ImagesResponse)
-    async def create_images(body: ImageRequest) -> ImagesResponse:
-        """OpenAI images: one frame of the video pipeline per image, as base64 PNG."""
-        server.check_model(body.model, "diffusion")
+    def one_frame() -> int | None:
+        """Image endpoints on a video pipeline ask for a single frame; image pipelines take no num_frames."""
+        return 1 if server.info.output == "video" else None
+
+    async def images_response(body: ImageRequest, jobs: list[Job]) -> ImagesResponse:
         if body.response_format == "url":
             raise ApiError(
                 400,
                 "response_format='url' is not served (nothing is hosted); use 'b64_json'",
                 param="response_format",
             )
-        jobs = await run_jobs(server.diffusion_jobs(body, "image", count=body.n))
+        jobs = await run_jobs(jobs)
         data = [
             ImageData(b64_json=base64.b64encode(j.result).decode(), revised_prompt=j.prompt) for j in jobs
         ]
-        return ImagesResponse(created=int(time.time()), data=data)
+        p = jobs[0].params
+        return ImagesResponse(
+            created=int(time.time()),
+            data=data,
+            output_format=body.output_format,
+            size=f"{p['width']}x{p['height']}",
+        )
+
+    @app.post("/v1/images/generations", response_model=ImagesResponse)
+    async def create_images(body: ImageRequest) -> ImagesResponse:
+        """OpenAI images: ``n`` images (seeds ``seed + i``); a video pipeline makes one frame per image."""
+        server.check_model(body.model, "diffusion")
+        jobs = server.diffusion_jobs(
+            body, "image", count=body.n, num_frames=one_frame(), output_format=body.output_format
+        )
+        return await images_response(body, jobs)
+
+    @app.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_EDIT_BODY)
+    async def edit_images(request: Request) -> ImagesResponse:
+        """OpenAI image edits (multipart): the first ``image`` (or ``image[]``), an optional ``mask``."""
+        if not _is_form(request):
+            raise ApiError(
+                400, "send the edit as multipart/form-data with an 'image' file part", param="image"
+            )
+        fields, files = await _read_form(request)
+        body = _validate(ImageEditRequest, fields)
+        server.check_model(body.model, "diffusion")
+        if not server.info.takes_image:
+            raise ApiError(
+                400,
+                f"image: {server.info.class_name} takes no input image, so it cannot edit; use POST "
+                "/v1/images/generations",
+                param="image",
+                code="wrong_model_kind",
+            )
+        images = [data for name in _IMAGE_FIELDS for data in files.get(name, [])]
+        if not images:
+            raise ApiError(
+                400, "image: required; send the image to edit as an 'image' file part", param="image"
+            )
+        mask_field = next((name for name in _MASK_FIELDS if name in files), None)
+        mask = Upload(mask_field, "mask_image", files[mask_field][0]) if mask_field else None
+        jobs = server.diffusion_jobs(
+            body,
+            "image",
+            count=body.n,
+            num_frames=one_frame(),
+            output_format=body.output_format,
+            image=Upload("image", "image", images[0]),
+            mask=mask,
+            pipeline_kwargs={"strength": body.strength},
+        )
+        return await images_response(body, jobs)
 
     # -- text ------------------------------------------------------------------------------------------------
     def text_response(
@@ -248,8 +361,32 @@ def create_app(server: Server) -> FastAPI:
         server.check_model(body.model, "causal_lm")
         return text_response(body, await run_jobs(server.text_jobs(body)), chat=False)
 
+    async def chat_media(body: ChatCompletionRequest) -> JSONResponse:
+        """Chat on a diffusion model, as vLLM-Omni: images (or, from a video pipeline, one mp4) as data URLs."""
+        server.check_model(body.model, "diffusion")
+        if body.stream:
+            raise ApiError(400, "stream: image and video generation answers in one response", param="stream")
+        params, image = chat_generation(body)
+        video = server.info.output == "video"
+        jobs = server.diffusion_jobs(
+            params,
+            "video_sync" if video else "image",
+            count=1 if video else params.num_outputs_per_prompt,
+            num_frames=params.num_frames,
+            fps=params.fps,
+            output_format=params.output_format,
+            image=image,
+            image_field="messages[].content image_url",
+        )
+        fmt = "mp4" if video else params.output_format
+        urls = [data_url(j.result, fmt) for j in await run_jobs(jobs)]
+        return JSONResponse(chat_media_body(server.name, params.prompt, urls))
+
     @app.post("/v1/chat/completions", response_class=Response, responses=_TEXT_OR_SSE)
     async def chat_completions(body: ChatCompletionRequest) -> Response:
+        """Text from a causal LM; on a diffusion model, images (vLLM-Omni's shape)."""
+        if server.kind == "diffusion":
+            return await chat_media(body)
         server.check_model(body.model, "causal_lm")
         return text_response(body, await run_jobs(server.text_jobs(body)), chat=True)
 

@@ -7,8 +7,9 @@ seed and negative prompt) so request-parallel HSDP runs them side by side.
 
 Asynchronous video jobs are *persistent*: their record is written to ``<output_dir>/jobs/<id>.json`` at every
 state change (atomically: temp file, then rename) and their video to ``<output_dir>/videos/<id>.mp4`` before
-the record says ``completed``. A restarted server reloads the records: finished jobs are served again, queued
-ones are queued again, and one that was running when the server stopped is marked failed with that reason.
+the record says ``completed``; an input image is written once beside its record (``<id>.image``). A restarted
+server reloads the records: finished jobs are served again, queued ones are queued again, and one that was
+running when the server stopped is marked failed with that reason.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ _PERSISTED = (
     "error",
     "output",
     "meta",
+    "progress",
 )
 
 
@@ -68,8 +70,12 @@ class Job:
     """``{"code": ..., "message": ...}`` when failed or cancelled."""
     output: str | None = None
     """File name under ``<output_dir>/videos`` of a finished persistent job."""
+    progress: int = 0
+    """0-100: denoising steps done (100 once completed)."""
+    inputs: dict[str, bytes] = field(default_factory=dict)
+    """Input images as uploaded, by pipeline argument (``image``, ``mask_image``); stored beside the record."""
     result: Any = None
-    """In memory only: frames, PNG bytes or a :class:`hsdp.engine.GenerationOutput` for the waiting request."""
+    """In memory only: image or mp4 bytes, or a :class:`hsdp.engine.GenerationOutput` for the waiting request."""
     cancel_requested: bool = False
     _waiters: list = field(default_factory=list, repr=False)
 
@@ -91,7 +97,8 @@ class Job:
         return json.dumps([self.kind.replace("_sync", ""), self.params], sort_keys=True)
 
     def record(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k in _PERSISTED}
+        record = {k: v for k, v in asdict(self).items() if k in _PERSISTED}
+        return record | {"inputs": sorted(self.inputs)}
 
 
 class QueueFull(Exception):
@@ -130,7 +137,10 @@ class JobStore:
         loaded = requeued = 0
         for path in sorted(self.jobs_dir.glob("*.json")):
             try:
-                job = Job(**json.loads(path.read_text()))
+                record = json.loads(path.read_text())
+                names = record.pop("inputs", [])
+                job = Job(**record)
+                job.inputs = {name: self._input_path(job, name).read_bytes() for name in names}
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning("skipping unreadable job record %s: %s", path, exc)
                 continue
@@ -161,6 +171,9 @@ class JobStore:
         if job.persistent:
             _write_json_atomic(self.jobs_dir / f"{job.id}.json", job.record())
 
+    def _input_path(self, job: Job, name: str) -> Path:
+        return self.jobs_dir / f"{job.id}.{name}"
+
     # -- queue -----------------------------------------------------------------------------------------------
     def submit(self, jobs: list[Job]) -> None:
         """Queue all of ``jobs`` or none (raises :class:`QueueFull` with a retry estimate)."""
@@ -171,6 +184,8 @@ class JobStore:
             for job in jobs:
                 if job.persistent:
                     self._jobs[job.id] = job
+                    for name, data in job.inputs.items():  # before the record that names them
+                        self._input_path(job, name).write_bytes(data)
                     self._save(job)
                 self._queue.append(job)
             self._cond.notify_all()
@@ -202,6 +217,8 @@ class JobStore:
             if job.status == "cancelled":
                 status, error = "cancelled", job.error
             job.status, job.error, job.completed_at = status, error, time.time()
+            if status == "completed":
+                job.progress = 100
             if output is not None:
                 job.output = output
             self._save(job)
@@ -211,6 +228,14 @@ class JobStore:
             waiters, job._waiters = job._waiters, []
         for loop, future in waiters:
             loop.call_soon_threadsafe(_resolve, future)
+
+    def set_progress(self, job: Job, percent: int) -> None:
+        """A running job's progress (from the engine's per-step callback); written to its record."""
+        with self._cond:
+            if job.finished or percent <= job.progress:
+                return
+            job.progress = percent
+            self._save(job)
 
     def cancel(self, job: Job, reason: str) -> None:
         """A queued job leaves the queue at once; a running one finishes, and its output is discarded."""
@@ -251,7 +276,8 @@ class JobStore:
     def delete(self, job: Job) -> None:
         with self._cond:
             self._jobs.pop(job.id, None)
-            for path in (self.jobs_dir / f"{job.id}.json", self.videos_dir / (job.output or "")):
+            inputs = [self._input_path(job, name) for name in job.inputs]
+            for path in (self.jobs_dir / f"{job.id}.json", self.videos_dir / (job.output or ""), *inputs):
                 if path.is_file():
                     path.unlink()
 

@@ -3,7 +3,8 @@
 The engine runs one call at a time on all its ranks, so a single thread owns it and HTTP handlers never touch
 it. A batch is up to ``request_slots`` compatible jobs (request-parallel HSDP generates them side by side, one
 per rank); a shorter batch is padded with copies of its first request, whose outputs are discarded, because
-the ranks run in lockstep. Each request has its own seed, so its output does not depend on its batch.
+the ranks run in lockstep. Each request has its own seed, so its output does not depend on its batch. The
+engine's per-step callback sets each job's ``progress`` as its ranks run.
 
 When the engine call fails because a worker died, hung past the job timeout or raised, the group is gone: the
 batch's jobs are marked failed with the reason, the engine is started again (with backoff if that fails too),
@@ -19,16 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from hsdp.engine import Engine, GenerationOutput, SamplingParams
-from hsdp.engine.outputs import save_frames
+from hsdp.engine.outputs import encode_image, save_frames
 from hsdp.launch import WorkerDiedError, WorkerError, WorkerTimeout
 from hsdp.serve.jobs import Job, JobStore
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["EngineRunner", "RunnerStats", "png_bytes"]
+__all__ = ["EngineRunner", "RunnerStats"]
 
 
 @dataclass
@@ -50,14 +49,6 @@ class RunnerStats:
     worker_pids: list[int] = field(default_factory=list)
 
 
-def png_bytes(frame: np.ndarray) -> bytes:
-    """One ``(H, W, 3)`` float frame in [0, 1] as PNG file bytes."""
-    import imageio.v3 as iio
-
-    pixels = (np.clip(frame, 0.0, 1.0) * 255).round().astype(np.uint8)
-    return iio.imwrite("<bytes>", pixels, extension=".png")
-
-
 def _failure(exc: BaseException, *, stopping: bool, restarting: bool) -> dict:
     """The ``error`` of the jobs of a failed engine call: a code clients can branch on, and the reason."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -69,6 +60,11 @@ def _failure(exc: BaseException, *, stopping: bool, restarting: bool) -> dict:
     code = next((c for cls, c in codes if isinstance(exc, cls)), "internal_error")
     then = "; the workers are being restarted, resubmit the job" if restarting else ""
     return {"code": code, "message": f"{first_line}{then}"}
+
+
+def _per_job(values: list) -> list | None:
+    """One value per request for the engine, or None when no job set one."""
+    return values if any(v is not None for v in values) else None
 
 
 class EngineRunner:
@@ -131,15 +127,22 @@ class EngineRunner:
         assert engine is not None
         slots = engine.request_slots
         padded = batch + [batch[0]] * (-len(batch) % slots)
-        negatives = [j.negative_prompt for j in padded]
         params = SamplingParams(
             **batch[0].params,
             seed=[j.seed for j in padded],
-            negative_prompt=negatives if any(n is not None for n in negatives) else None,
+            negative_prompt=_per_job([j.negative_prompt for j in padded]),
+            image=_per_job([j.inputs.get("image") for j in padded]),
+            mask_image=_per_job([j.inputs.get("mask_image") for j in padded]),
         )
+
+        def on_progress(request_id: int, step: int, total: int) -> None:
+            if request_id < len(batch):  # the rest are padding
+                # 100 means done: the VAE decode and the encoding still follow the last step.
+                self.store.set_progress(batch[request_id], min(99, 100 * step // max(1, total)))
+
         started = time.perf_counter()
         try:
-            outputs = engine.generate([j.prompt for j in padded], params)
+            outputs = engine.generate([j.prompt for j in padded], params, on_progress=on_progress)
         except Exception as exc:
             error = _failure(exc, stopping=self._stopping.is_set(), restarting=engine.closed)
             logger.warning("batch of %d job(s) failed: %s", len(batch), error["message"])
@@ -191,7 +194,9 @@ class EngineRunner:
             finally:
                 staging.unlink(missing_ok=True)
         elif job.kind == "image":
-            job.result = png_bytes(output.frames[0])
+            # An image pipeline's first image, or a video pipeline's only frame (image endpoints ask for one).
+            image = output.images[0] if output.images is not None else output.frames[0]
+            job.result = encode_image(image, "." + job.meta.get("format", "png"))
         else:
             job.result = output
         self.store.finish(job, "completed")

@@ -8,7 +8,7 @@ Field bounds here are absolute (they appear in ``/openapi.json``); the server's 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,19 +16,26 @@ from hsdp.serve.settings import ServeLimits
 
 __all__ = [
     "ApiError",
+    "DiffusionFields",
     "VideoRequest",
     "VideoJob",
     "ImageRequest",
+    "ImageEditRequest",
+    "ChatImageParams",
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
     "check_limits",
     "parse_size",
+    "DEFAULT_MODEL_ALIAS",
 ]
 
 MAX_TEXT = 100_000
 """Absolute cap on any text field; the server's --max-prompt-chars is usually far lower."""
 SEED_MAX = 2**32 - 1
+DEFAULT_FPS = 16
+DEFAULT_MODEL_ALIAS = "default"
+"""A ``model`` value always taken to mean the served model: vLLM-Omni's benchmark client sends it."""
 JobStatus = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 
 
@@ -57,25 +64,55 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
 
 
-class _DiffusionFields(_Strict):
+class DiffusionFields(_Strict):
+    """Generation fields every diffusion endpoint takes. A field the pipeline's ``__call__`` does not take
+    (``true_cfg_scale`` for Wan, ``guidance_scale_2`` for FLUX, ...) is a 400 naming it when set."""
+
     model: str | None = Field(
-        None, max_length=512, description="Served model name; omit for this server's model"
+        None, max_length=512, description="Served model name or 'default'; omit for this server's model"
     )
+    prompt: str = Field(..., min_length=1, max_length=MAX_TEXT)
     negative_prompt: str | None = Field(None, max_length=MAX_TEXT)
+    size: str | None = Field(
+        None,
+        pattern=r"^(auto|\d{1,5}x\d{1,5})$",
+        description="'WIDTHxHEIGHT', or 'auto': the input image's size (edits), else the model's default",
+    )
+    width: int | None = Field(None, ge=1, le=16384)
+    height: int | None = Field(None, ge=1, le=16384)
     num_inference_steps: int | None = Field(None, ge=1, le=1000, description="None: the model's default")
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0, allow_inf_nan=False)
+    guidance_scale_2: float | None = Field(
+        None, ge=0.0, le=100.0, allow_inf_nan=False, description="Wan2.2: the low-noise transformer's"
+    )
+    true_cfg_scale: float | None = Field(
+        None, ge=0.0, le=100.0, allow_inf_nan=False, description="FLUX / Qwen-Image true CFG"
+    )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
 
 
-class VideoRequest(_DiffusionFields):
-    """``POST /v1/videos`` and ``/v1/videos/sync``, as JSON or multipart form fields."""
+class VideoRequest(DiffusionFields):
+    """``POST /v1/videos`` and ``/v1/videos/sync``, as JSON or multipart form fields (the input image is the
+    ``input_reference`` file part, or a data URL in JSON)."""
 
-    prompt: str = Field(..., min_length=1, max_length=MAX_TEXT)
-    size: str | None = Field(None, pattern=r"^\d{1,5}x\d{1,5}$", description="'WIDTHxHEIGHT', e.g. '832x480'")
-    width: int | None = Field(None, ge=1, le=16384)
-    height: int | None = Field(None, ge=1, le=16384)
-    num_frames: int | None = Field(None, ge=1, le=4096, description="4k+1 for Wan; None: the model's default")
-    fps: int = Field(16, ge=1, le=240, description="Frames per second of the mp4")
+    num_frames: int | None = Field(
+        None, ge=1, le=4096, description="4k+1 for Wan; None: from seconds, else the model's default"
+    )
+    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Frames per second of the mp4")
+    seconds: int | None = Field(
+        None,
+        ge=1,
+        le=3600,
+        description="OpenAI: the length; num_frames = seconds x fps (to the model's rule)",
+    )
+    user: str | None = Field(None, max_length=512)
+
+    def frames(self, temporal_factor: int) -> int | None:
+        """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``."""
+        if self.num_frames is not None or self.seconds is None:
+            return self.num_frames
+        frames = self.seconds * self.fps
+        return frames // temporal_factor * temporal_factor + 1 if temporal_factor > 1 else frames
 
 
 class VideoError(BaseModel):
@@ -113,18 +150,41 @@ class DeletedVideo(BaseModel):
     deleted: bool
 
 
-class ImageRequest(_DiffusionFields):
-    """OpenAI ``POST /v1/images/generations``: one frame of the video pipeline per image."""
+OutputFormat = Literal["png", "jpeg", "jpg", "webp"]
 
-    prompt: str = Field(..., min_length=1, max_length=MAX_TEXT)
+
+class ImageRequest(DiffusionFields):
+    """OpenAI ``POST /v1/images/generations`` (``n`` images, seeds ``seed + i``) plus vLLM-Omni's fields."""
+
     n: int = Field(1, ge=1, le=64)
-    size: str | None = Field(
-        None, pattern=r"^(auto|\d{1,5}x\d{1,5})$", description="'WIDTHxHEIGHT' or 'auto'"
-    )
     response_format: Literal["b64_json", "url"] | None = Field(None, description="Only b64_json is served")
+    output_format: OutputFormat = Field("png", description="Encoding of b64_json")
     quality: str | None = Field(None, max_length=64, description="Accepted and ignored")
     style: str | None = Field(None, max_length=64, description="Accepted and ignored")
+    background: str | None = Field(None, max_length=64, description="Accepted and ignored")
     user: str | None = Field(None, max_length=512)
+
+
+class ImageEditRequest(ImageRequest):
+    """OpenAI ``POST /v1/images/edits`` form fields (the ``image`` / ``image[]`` and ``mask`` / ``mask_image``
+    files are read beside them)."""
+
+    size: str | None = Field(
+        "auto", pattern=r"^(auto|\d{1,5}x\d{1,5})$", description="'WIDTHxHEIGHT' or 'auto' (the image's size)"
+    )
+    strength: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False, description="Pipelines that take it (img2img, inpainting)"
+    )
+
+
+class ChatImageParams(DiffusionFields):
+    """Generation parameters of a chat completion on a diffusion model, as vLLM-Omni reads them from
+    ``extra_body`` (nested in the JSON, or flattened to the top level by the ``openai`` client)."""
+
+    num_outputs_per_prompt: int = Field(1, ge=1, le=64, description="Images to generate")
+    num_frames: int | None = Field(None, ge=1, le=4096, description="Video pipelines")
+    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Video pipelines: frames per second of the mp4")
+    output_format: OutputFormat = "png"
 
 
 class ImageData(BaseModel):
@@ -135,6 +195,8 @@ class ImageData(BaseModel):
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+    output_format: str = "png"
+    size: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -166,17 +228,37 @@ class TextPart(BaseModel):
     text: str = Field(..., max_length=MAX_TEXT)
 
 
+class ImageUrl(BaseModel):
+    url: str = Field(..., description="A data URL (data:image/png;base64,...); nothing is fetched")
+    detail: str | None = Field(None, max_length=64)
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(..., description="Text, or a list of text parts")
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] = Field(
+        ..., description="Text, or a list of text and (diffusion models) image_url parts"
+    )
     name: str | None = Field(None, max_length=256)
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def text(self, sep: str = "") -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return sep.join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        return [] if isinstance(self.content, str) else [p for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """OpenAI ``POST /v1/chat/completions``."""
+    """OpenAI ``POST /v1/chat/completions``. Unknown fields are kept (not validated here): on a diffusion model
+    they are the generation parameters (:class:`ChatImageParams`), also when nested under ``extra_body``."""
+
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
     max_tokens: int | None = Field(
@@ -278,11 +360,14 @@ def check_limits(
             "num_inference_steps",
             f"num_inference_steps={steps} exceeds {limits.max_steps} (hsdp serve --max-steps)",
         )
-    if isinstance(request, ImageRequest) and request.n > limits.max_images:
-        check(
-            "n",
-            f"n={request.n} exceeds this server's {limits.max_images} images per request (hsdp serve --max-images)",
-        )
+    for name in ("n", "num_outputs_per_prompt"):
+        count = getattr(request, name, None)
+        if count is not None and count > limits.max_images:
+            check(
+                name,
+                f"{name}={count} exceeds this server's {limits.max_images} images per request "
+                "(hsdp serve --max-images)",
+            )
     if isinstance(request, (CompletionRequest, ChatCompletionRequest)):
         budget = request.max_tokens if isinstance(request, CompletionRequest) else request.token_budget()
         if budget > limits.max_new_tokens:

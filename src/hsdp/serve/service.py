@@ -11,31 +11,41 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.params import build_requests
+from hsdp.engine.images import load_image
+from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
 from hsdp.serve.jobs import Job, JobStore, QueueFull
+from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
 from hsdp.serve.schemas import (
+    DEFAULT_FPS,
+    DEFAULT_MODEL_ALIAS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    ImageRequest,
+    DiffusionFields,
     VideoJob,
-    VideoRequest,
     check_limits,
     parse_size,
 )
 from hsdp.serve.settings import ServeSettings
 from hsdp.serve.text import chat_prompt
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
 logger = logging.getLogger("hsdp")
 
 __all__ = ["Server"]
 
-_PER_REQUEST = ("seed", "negative_prompt")
+_PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
+"""Per-job values (the Job holds them), not part of the parameters a batch shares."""
+_PROBLEM_PARAM = re.compile(r"^-?\s*([a-z_0-9]+)\s*[:=]")
 
 
 class Server:
@@ -98,6 +108,7 @@ class Server:
     # -- checks ----------------------------------------------------------------------------------------------
     def check_model(self, requested: str | None, needs: str) -> None:
         if requested is not None and requested not in (
+            DEFAULT_MODEL_ALIAS,
             self.name,
             str(self.settings.model),
             str(self.info.path),
@@ -112,7 +123,7 @@ class Server:
             hint = (
                 "POST /v1/completions or /v1/chat/completions"
                 if self.kind == "causal_lm"
-                else "POST /v1/videos or /v1/images/generations"
+                else f"POST {'/v1/videos or ' if self.info.output == 'video' else ''}/v1/images/generations"
             )
             raise ApiError(
                 400,
@@ -120,14 +131,22 @@ class Server:
                 code="wrong_model_kind",
             )
 
-    def _engine_params(self, params: SamplingParams) -> SamplingParams:
-        """The engine's own validation (shape rules, defaults) on the caller side; returns concrete params."""
+    def _engine_params(
+        self, params: SamplingParams, fields_named: dict[str, str] | None = None
+    ) -> SamplingParams:
+        """The engine's own validation (shape rules, arguments the pipeline takes, defaults) on the caller side;
+        returns concrete params. ``fields_named`` maps engine names to the client's (``image`` ->
+        ``input_reference``) for the error's ``param``."""
         config = self.runner.engine.config if self.runner.engine else self.settings.parallel_config.resolved()
         try:
             _, resolved = build_requests(self.info, config, ["x"] * max(1, self.store.slots), params)
         except ValueError as exc:
+            message = str(exc).replace("invalid generation request:\n", "").strip()
+            # Each problem starts with the parameter it is about ("  - width=40 must ...", "  - image: ...").
+            first = _PROBLEM_PARAM.match(message)
+            param = first.group(1) if first else None
             raise ApiError(
-                400, str(exc).replace("invalid generation request:\n", "").strip(), code="invalid_parameters"
+                400, message, param=(fields_named or {}).get(param, param), code="invalid_parameters"
             ) from exc
         return resolved
 
@@ -148,12 +167,88 @@ class Server:
             ) from exc
 
     # -- diffusion -------------------------------------------------------------------------------------------
-    def diffusion_jobs(self, request: VideoRequest | ImageRequest, kind: str, count: int = 1) -> list[Job]:
-        width, height = parse_size(
-            request.size, getattr(request, "width", None), getattr(request, "height", None)
-        )
+    def check_video_model(self) -> None:
+        """The ``/v1/videos`` routes need a pipeline that makes video."""
+        if self.info.output != "video":
+            raise ApiError(
+                400,
+                f"this server runs {self.name!r}, an image pipeline ({self.info.class_name}); use POST "
+                "/v1/images/generations (or /v1/images/edits, /v1/chat/completions)",
+                code="wrong_model_kind",
+            )
+
+    def _decode(self, upload: Upload) -> Image:
+        """The upload as the PIL image the pipeline gets; 400 naming the client's field when it is not one."""
+        try:
+            return load_image(upload.data, upload.engine_field, max_side=self.settings.limits.max_side)
+        except ValueError as exc:
+            message = str(exc).removeprefix(f"{upload.engine_field}: ")
+            raise ApiError(
+                400,
+                f"{upload.field}: {message}; send a PNG, JPEG or WebP image (sides up to "
+                f"{self.settings.limits.max_side} pixels, hsdp serve --max-side)",
+                param=upload.field,
+                code="invalid_image",
+            ) from exc
+
+    def _check_inputs(self, image: Upload | None, mask: Upload | None, image_field: str) -> None:
+        """Input images against what the pipeline's ``__call__`` takes, naming the client's fields."""
+        info = self.info
+        if image is not None and not info.takes_image:
+            raise ApiError(
+                400,
+                f"{image.field}: {info.class_name} takes no input image; drop {image.field} "
+                f"(text-to-{info.output} only)",
+                param=image.field,
+            )
+        if image is None and "image" in info.required_params:
+            raise ApiError(
+                400,
+                f"{image_field}: {info.class_name} generates from an input image; send one as {image_field}",
+                param=image_field,
+            )
+        if mask is not None and not info.takes_mask:
+            raise ApiError(
+                400,
+                f"{mask.field}: {info.class_name} takes no mask (it is not an inpainting pipeline); drop {mask.field}",
+                param=mask.field,
+            )
+
+    def _size(self, request: DiffusionFields, image: Image | None) -> tuple[int | None, int | None]:
+        """``size``/``width``/``height``; ``size='auto'`` with an input image is its size, rounded down to the
+        model's spatial multiple (the pipeline refuses other sizes)."""
+        if request.size == "auto" and image is not None:
+            m = self.info.spatial_multiple
+            return max(m, image.width // m * m), max(m, image.height // m * m)
+        return parse_size(request.size, request.width, request.height)
+
+    def diffusion_jobs(
+        self,
+        request: DiffusionFields,
+        kind: str,
+        *,
+        count: int = 1,
+        num_frames: int | None = None,
+        fps: int = DEFAULT_FPS,
+        output_format: str = "png",
+        image: Upload | None = None,
+        mask: Upload | None = None,
+        image_field: str = "image",
+        pipeline_kwargs: dict | None = None,
+    ) -> list[Job]:
+        """``count`` jobs (seeds ``seed + i``) for one request, after every check the engine would make.
+
+        Only what the client set is passed (plus ``num_frames`` where the endpoint fixes it), so a field the
+        pipeline does not take is a 400 naming it. ``image_field`` names the endpoint's image field in the error
+        when the pipeline needs an image and none came."""
+        self._check_inputs(image, mask, image_field)
+        kwargs = {k: v for k, v in (pipeline_kwargs or {}).items() if v is not None}
+        for name in kwargs:
+            if name not in self.info.call_params:
+                raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
+        decoded = {u.engine_field: self._decode(u) for u in (image, mask) if u is not None}
+        width, height = self._size(request, decoded.get("image"))
         check_limits(request, self.settings.limits, width, height)
-        num_frames = request.num_frames if isinstance(request, VideoRequest) else 1
         params = self._engine_params(
             SamplingParams(
                 height=height,
@@ -161,38 +256,52 @@ class Server:
                 num_frames=num_frames,
                 num_inference_steps=request.num_inference_steps,
                 guidance_scale=request.guidance_scale,
-            )
+                guidance_scale_2=request.guidance_scale_2,
+                true_cfg_scale=request.true_cfg_scale,
+                negative_prompt=request.negative_prompt,
+                pipeline_kwargs=kwargs,
+                **decoded,
+            ),
+            fields_named={"image": image_field, **{u.engine_field: u.field for u in (image, mask) if u}},
         )
         check_limits(request, self.settings.limits, params.width, params.height)  # the model's defaults too
-        if params.num_frames > self.settings.limits.max_frames:
+        if (params.num_frames or 1) > self.settings.limits.max_frames:
             raise ApiError(
                 400,
-                f"the model's default num_frames={params.num_frames} exceeds --max-frames",
+                f"num_frames={params.num_frames} (the model's default, or from seconds) exceeds this server's "
+                f"{self.settings.limits.max_frames} (hsdp serve --max-frames); set num_frames",
                 param="num_frames",
             )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
-        fps = getattr(request, "fps", 16)
-        meta = {"fps": fps, "model": self.name}
+        meta = {"fps": fps, "model": self.name, "format": output_format}
+        inputs = {u.engine_field: u.data for u in (image, mask) if u is not None}
         return [
             Job(
-                kind, request.prompt, self._shared(params), seed + i, request.negative_prompt, meta=dict(meta)
+                kind,
+                request.prompt,
+                self._shared(params),
+                seed + i,
+                request.negative_prompt,
+                meta=dict(meta),
+                inputs=inputs,
             )
             for i in range(count)
         ]
 
     def video_view(self, job: Job) -> VideoJob:
         p = job.params
+        frames = p.get("num_frames") or 1
         return VideoJob(
             id=job.id,
             model=job.meta.get("model", self.name),
             status=job.status,
-            progress=100 if job.status == "completed" else 0,
+            progress=job.progress,
             created_at=int(job.created_at),
             completed_at=int(job.completed_at) if job.completed_at else None,
             prompt=job.prompt,
             size=f"{p['width']}x{p['height']}",
-            seconds=f"{p['num_frames'] / job.meta['fps']:.2f}",
-            num_frames=p["num_frames"],
+            seconds=f"{frames / job.meta['fps']:.2f}",
+            num_frames=frames,
             fps=job.meta["fps"],
             seed=job.seed,
             error=job.error,
@@ -202,6 +311,14 @@ class Server:
     def text_jobs(self, request: CompletionRequest | ChatCompletionRequest) -> list[Job]:
         check_limits(request, self.settings.limits)
         if isinstance(request, ChatCompletionRequest):
+            with_image = next((i for i, m in enumerate(request.messages) if m.images()), None)
+            if with_image is not None:
+                raise ApiError(
+                    400,
+                    f"messages[{with_image}].content: image_url parts need a diffusion model; this server runs "
+                    f"the causal LM {self.name!r}, which reads text only",
+                    param="messages",
+                )
             prompts, max_tokens = [chat_prompt(self.tokenizer, request.messages)], request.token_budget()
         else:
             prompts = [request.prompt] if isinstance(request.prompt, str) else list(request.prompt)
