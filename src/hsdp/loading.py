@@ -5,7 +5,9 @@ since non-persistent ones such as rotary ``inv_freq`` are computed in ``__init__
 FSDP2 shards the empty model, ``to_empty`` allocates only this rank's shards, and each shard is read with
 ``safe_open(...).get_slice`` so only this rank's rows leave the file. Every problem with the checkpoint
 (missing file, corrupt header, missing or unexpected key, wrong shape) is found from the file headers before
-anything is allocated, on every rank alike, so no rank waits for another that failed.
+anything is allocated, on every rank alike, so no rank waits for another that failed. Checkpoints that transformers
+converts while loading (legacy key names, mixture-of-experts tensors stored per expert) are mapped with transformers'
+own conversions (:mod:`hsdp.conversions`), and a rank reads only the experts of its rows of a fused parameter.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +32,9 @@ from hsdp.config import DTYPES, ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes
 from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
+
+if TYPE_CHECKING:
+    from hsdp.conversions import FusedParam, KeyPlan
 
 logger = logging.getLogger("hsdp")
 
@@ -207,39 +213,81 @@ def _resolve_dtype(dtype: torch.dtype | str | None, index: CheckpointIndex) -> t
     return dtype
 
 
-def _targets(model: nn.Module, index: CheckpointIndex) -> dict[str, torch.Tensor]:
-    """Map checkpoint keys to this rank's tensors; raise naming every missing, unexpected or misshapen key."""
+def _plan(model: nn.Module, index: CheckpointIndex) -> KeyPlan:
+    """Map checkpoint keys to model keys through transformers' load-time conversions (renamed and fused keys);
+    raise naming every missing, unexpected or misshapen key, and the file it is in."""
+    from hsdp.conversions import plan_keys
+
+    plan = plan_keys(model, index.tensors)
     state = model.state_dict(keep_vars=True)
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    targets: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
-    for key, tensor in state.items():
-        if key in index.tensors:
-            targets[key] = tensor
-        elif not any(alias in index.tensors for alias in aliases.get(id(tensor), ())):
-            missing.append(key)  # a tied alias present under another name is fine
-    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    unexpected = [k for k in index.tensors if k not in state and not any(p.search(k) for p in ignore)]
+    # A conversion that failed is reported as such, not also as its parameter missing.
+    produced = set(plan.direct).union(*(p.shapes for p in plan.fused), (p.first_target for p in plan.fused))
+    missing = _missing(model, state, produced)
+    unexpected = _unexpected(model, plan, state)
     wrong = [
-        f"{k} in {index.tensors[k].file.name}: checkpoint {list(index.tensors[k].shape)}, model {list(t.shape)}"
-        for k, t in targets.items()
-        if tuple(t.shape) != index.tensors[k].shape
+        f"{key} in {index.tensors[stored].file.name}: checkpoint {list(index.tensors[stored].shape)}, "
+        f"model {list(state[key].shape)}"
+        for key, stored in plan.direct.items()
+        if tuple(state[key].shape) != index.tensors[stored].shape
     ]
+    failed = [
+        f"{_fused_origin(f.first_target, f, index)}: {f.error}" for f in plan.fused if f.error is not None
+    ]
+    for fused in plan.fused:
+        wrong.extend(
+            f"{_fused_origin(key, fused, index)}: checkpoint {list(shape)}, model {list(state[key].shape)}"
+            for key, shape in fused.shapes.items()
+            if key in state and shape != state[key].shape
+        )
     problems = []
     if missing:
         problems.append(f"missing keys (in the model, not in the checkpoint): {', '.join(missing[:10])}")
     if unexpected:
         files = sorted({index.tensors[k].file.name for k in unexpected})
-        problems.append(f"unexpected keys in {', '.join(files)}: {', '.join(unexpected[:10])}")
+        named = [k if r == k else f"{k} (renamed {r})" for k, r in list(unexpected.items())[:10]]
+        problems.append(f"unexpected keys in {', '.join(files)}: {', '.join(named)}")
     if wrong:
         problems.append("shape mismatch: " + "; ".join(wrong[:10]))
+    if failed:
+        problems.append("transformers' load-time conversion failed: " + "; ".join(failed[:10]))
     if problems:
         raise CheckpointError(
             f"checkpoint {index.folder} does not match {type(model).__name__}:\n  " + "\n  ".join(problems)
         )
-    return targets
+    return plan
+
+
+def _missing(model: nn.Module, state: dict[str, torch.Tensor], produced: set[str]) -> list[str]:
+    """Model keys the checkpoint does not produce; a tied alias produced under another name is fine."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return [
+        key
+        for key, tensor in state.items()
+        if key not in produced and not any(alias in produced for alias in aliases.get(id(tensor), ()))
+    ]
+
+
+def _unexpected(model: nn.Module, plan: KeyPlan, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Stored keys that fill nothing in the model -> the name they were renamed to, less those the model ignores."""
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = {
+        key: renamed
+        for key, renamed in plan.unexpected.items()
+        if not any(p.search(key) or p.search(renamed) for p in ignore)
+    }
+    for fused in plan.fused:  # a conversion with several outputs may make some the model does not have
+        if extra := [key for key in fused.shapes if key not in state]:
+            unexpected[fused.stored_keys[0]] = ", ".join(extra)
+    return unexpected
+
+
+def _fused_origin(key: str, fused: FusedParam, index: CheckpointIndex) -> str:
+    """A model key one transformers conversion builds, with the stored keys and files it is built from."""
+    keys = fused.stored_keys
+    files = ", ".join(sorted({index.tensors[k].file.name for k in keys}))
+    return f"{key} (fused from {len(keys)} keys such as {keys[0]} in {files})"
 
 
 def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
@@ -252,22 +300,89 @@ def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]
     return tensor, tuple(slice(0, n) for n in tensor.shape)
 
 
-@torch.no_grad()
-def _fill(targets: dict[str, torch.Tensor], index: CheckpointIndex) -> int:
+def _read_slice(handle: Any, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+    """Read ``region`` of one stored tensor; every read of tensor data goes through here (tests count them)."""
+    return handle.get_slice(key)[region] if region else handle.get_tensor(key)
+
+
+class _Reader:
+    """Reads stored tensors by key and counts the bytes read. Files stay open until :meth:`close`, which the
+    callers do after each group of reads so that no more of the checkpoint than that group stays mapped."""
+
+    def __init__(self, index: CheckpointIndex) -> None:
+        self.index = index
+        self.bytes_read = 0
+        self._files = contextlib.ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """``region`` of ``key`` (the whole tensor when None)."""
+        entry = self.index.tensors[key]
+        if entry.file not in self._handles:
+            self._handles[entry.file] = self._files.enter_context(safe_open(entry.file, framework="pt"))
+        if region is None:
+            region = tuple(slice(0, n) for n in entry.shape)
+        chunk = _read_slice(self._handles[entry.file], key, region)
+        self.bytes_read += chunk.numel() * chunk.element_size()
+        return chunk
+
+    def close(self) -> None:
+        self._files.close()
+        self._handles.clear()
+
+
+def _fill_direct(targets: dict[str, torch.Tensor], plan: KeyPlan, reader: _Reader) -> None:
+    """Read each model key stored as is (or only renamed), one file at a time, only this rank's region."""
     by_file: dict[Path, list[str]] = {}
-    for key in targets:
-        by_file.setdefault(index.tensors[key].file, []).append(key)
-    read = 0
-    for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as handle:
-            for key in keys:
-                local, region = _local_slices(targets[key])
-                if local.numel() == 0:
-                    continue
-                chunk = handle.get_slice(key)[region] if region else handle.get_tensor(key)
-                local.copy_(chunk.reshape(local.shape))
-                read += chunk.numel() * chunk.element_size()
-    return read
+    for key, stored in plan.direct.items():
+        by_file.setdefault(reader.index.tensors[stored].file, []).append(key)
+    for keys in by_file.values():
+        for key in keys:
+            local, region = _local_slices(targets[key])
+            if local.numel() == 0:
+                continue
+            local.copy_(reader.read(plan.direct[key], region).reshape(local.shape))
+        reader.close()
+
+
+def _fill_fused(
+    model: nn.Module, fused: FusedParam, targets: dict[str, torch.Tensor], reader: _Reader
+) -> None:
+    """Convert stored tensors into this rank's shards of the parameters one transformers conversion builds.
+
+    When row ``i`` of the parameter comes from the ``i``-th stored tensor (experts stacked along dim 0, which is
+    the dim FSDP2 shards), only the stored tensors of this rank's rows are read. Any other conversion reads all
+    its stored tensors, converts them, and keeps this rank's region.
+    """
+    if fused.stacks_rows():
+        (key,) = fused.shapes
+        local, region = _local_slices(targets[key])
+        if local.numel() == 0:
+            return
+        rows, inner = region[0], (slice(None), *region[1:])
+        tensors = {p: [reader.read(k) for k in keys[rows]] for p, keys in fused.sources.items()}
+        local.copy_(fused.convert(model, tensors)[key][inner].reshape(local.shape))
+        return
+    tensors = {p: [reader.read(k) for k in keys] for p, keys in fused.sources.items()}
+    for key, full in fused.convert(model, tensors).items():
+        local, region = _local_slices(targets[key])
+        if local.numel():
+            local.copy_(full[region].reshape(local.shape))
+
+
+@torch.no_grad()
+def _fill(model: nn.Module, plan: KeyPlan, index: CheckpointIndex) -> int:
+    """Fill this rank's shards from the checkpoint; returns the bytes read."""
+    targets = model.state_dict(keep_vars=True)
+    reader = _Reader(index)
+    try:
+        _fill_direct(targets, plan, reader)
+        for fused in plan.fused:
+            _fill_fused(model, fused, targets, reader)
+            reader.close()
+    finally:
+        reader.close()
+    return reader.bytes_read
 
 
 def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
@@ -310,7 +425,14 @@ def load_pretrained(
     target_dtype = _resolve_dtype(dtype, index)
     if target_dtype is not None:
         _cast(model, target_dtype)
-    _targets(model, index)  # validate before any allocation
+    plan = _plan(model, index)  # validate before any allocation
+    if plan.converted:
+        logger.info(
+            "%s: transformers' load-time conversions rename %d keys and build %d parameters from several keys",
+            folder,
+            sum(model_key != stored for model_key, stored in plan.direct.items()),
+            len(plan.fused),
+        )
     device = local_device()
     computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
     report = None
@@ -333,7 +455,7 @@ def load_pretrained(
         for name, buffer in model.named_buffers():
             if name in computed_buffers:
                 buffer.copy_(computed_buffers[name])
-    read = _fill(_targets(model, index), index)
+    read = _fill(model, plan, index)
     if offload:
         _move_unsharded_state(model, device)
     model.eval()
