@@ -86,3 +86,21 @@ def reference_tokens(path: Path, prompt: str, seed: int, params: SamplingParams)
 
 def builtin(name: str, cache_dir: Path) -> Path:
     return resolve_model(name, cache_dir=cache_dir)
+
+
+def reference_pipeline(path: Path, prompt: str, seed: int, **call_kwargs) -> np.ndarray:
+    """Frames (video pipelines) or images of the pipeline's own ``__call__`` in this process, given every
+    argument explicitly."""
+    with one_thread(), torch.no_grad():
+        result = _pipeline(path)(
+            prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **call_kwargs
+        )
+    return result.frames[0] if hasattr(result, "frames") else result.images
+
+
+def input_image(size: int, seed: int = 0):
+    """A deterministic RGB input image (noise, so every pixel matters)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

@@ -129,6 +129,21 @@ def _guard_inference_mode(model: nn.Module) -> None:
     model.register_forward_pre_hook(pre_hook)
 
 
+def _keep_output_capture(model: nn.Module) -> None:
+    """transformers 5 records hidden states / attentions only for classes registered by name at init; FSDP2
+    swaps each wrapped module's class for a ``FSDP<Name>`` subclass, so ``output_hidden_states=True`` would
+    silently return None (diffusers' Wan image encoder and Qwen-Image / HunyuanVideo text encoders read them).
+    Register the swapped classes too."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # no transformers, or a version that records outputs differently
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and getattr(module, "_can_record_outputs", None):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
 def apply_hsdp_to_model(
     model: nn.Module,
     config: ParallelConfig,
@@ -227,6 +242,7 @@ def apply_hsdp_to_model(
         if not param.is_meta and param.device != device:
             param.data = param.data.to(device)
     _guard_inference_mode(model)
+    _keep_output_capture(model)
     logger.info("Sharded %d modules + root", len(targets))
     if keep:
         logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))

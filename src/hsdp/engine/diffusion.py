@@ -116,7 +116,9 @@ class DiffusionRunner:
                 emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
-        extra = {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
+        extra = (
+            {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
+        )
         # The initial noise comes from a CPU generator, so it is the same on every device type and layout.
         result = pipe(
             prompt=request.prompt,

@@ -83,7 +83,9 @@ def output_suffix_problem(path: Path, output: str) -> str | None:
     if allowed is None or suffix in allowed:
         return None
     if output == "image" and suffix in VIDEO_SUFFIXES:
-        return f"{path}: this pipeline makes images, not video; name the output {path.stem}.png (or .jpg, .webp)"
+        return (
+            f"{path}: this pipeline makes images, not video; name the output {path.stem}.png (or .jpg, .webp)"
+        )
     if output == "video" and suffix in IMAGE_SUFFIXES:
         return f"{path}: this pipeline makes video; name the output {path.stem}.mp4 (or .gif)"
     return f"{path}: a {output} needs one of {', '.join(allowed)}"

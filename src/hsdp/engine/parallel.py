@@ -149,10 +149,14 @@ class CFGParallelTransformer(nn.Module):
         if cond is None:
             raise RuntimeError("CFG parallel: an unconditional call came without a conditional one before it")
         if self._uncond_overrides is None:  # first step: learn which arguments carry the unconditional inputs
-            self._uncond_overrides = {k: v for k, v in kwargs.items() if k not in cond or not _same(v, cond[k])}
+            self._uncond_overrides = {
+                k: v for k, v in kwargs.items() if k not in cond or not _same(v, cond[k])
+            }
             return self._call(kwargs)
         expected = {**cond, **self._uncond_overrides}
-        changed = sorted(k for k in expected.keys() | kwargs.keys() if not _same(kwargs.get(k), expected.get(k)))
+        changed = sorted(
+            k for k in expected.keys() | kwargs.keys() if not _same(kwargs.get(k), expected.get(k))
+        )
         if changed or self._pending_uncond is None:
             raise RuntimeError(
                 f"CFG parallel: the unconditional pass's {', '.join(changed) or 'call'} did not match what the "
@@ -163,7 +167,9 @@ class CFGParallelTransformer(nn.Module):
         return self._wrap(out, kwargs)
 
     def _call(self, kwargs: dict[str, Any], **override: Any) -> Any:
-        args = [kwargs[k] for k in sorted((k for k in kwargs if k.startswith("__arg")), key=lambda k: int(k[5:]))]
+        args = [
+            kwargs[k] for k in sorted((k for k in kwargs if k.startswith("__arg")), key=lambda k: int(k[5:]))
+        ]
         named = {k: v for k, v in kwargs.items() if not k.startswith("__arg")}
         return self.transformer(*args, **{**named, **override})
 

@@ -128,7 +128,9 @@ def _argument_problems(info: ModelInfo, p: SamplingParams) -> list[str]:
             )
     for name in sorted(info.required_params - {"prompt"}):
         if name in PER_REQUEST_INPUTS and getattr(p, name) is None:
-            problems.append(f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({_flag(name)})")
+            problems.append(
+                f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({_flag(name)})"
+            )
     unknown = sorted(set(p.pipeline_kwargs) - info.call_params)
     if unknown:
         problems.append(
@@ -196,13 +198,13 @@ def _diffusion_problems(info: ModelInfo, config: ParallelConfig, p: SamplingPara
 
 
 def _fill_defaults(info: ModelInfo, params: SamplingParams) -> SamplingParams:
+    """The model's defaults for what ``params`` leaves unset; defaults for other ``__call__`` arguments (e.g.
+    Kontext's ``max_area``) go to ``pipeline_kwargs`` unless the caller set them there."""
     names = {f.name for f in fields(params)}
-    filled = {
-        name: value
-        for name, value in info.defaults.items()
-        if name in names and getattr(params, name) is None and name in info.call_params
-    }
-    return replace(params, **filled)
+    usable = {k: v for k, v in info.defaults.items() if k in info.call_params}
+    filled = {k: v for k, v in usable.items() if k in names and getattr(params, k) is None}
+    extra = {k: v for k, v in usable.items() if k not in names and k not in RESERVED_ARGS}
+    return replace(params, **filled, pipeline_kwargs={**extra, **params.pipeline_kwargs})
 
 
 def _images(values: list, field_name: str, problems: list[str]) -> list:

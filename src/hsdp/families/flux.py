@@ -6,5 +6,7 @@ separate unconditional pass that CFG parallel splits off."""
 from hsdp.families import Family, register_family
 
 FLUX = register_family(
-    Family("FLUX.1", pipelines=r"Flux(Kontext|Fill|Img2Img|Inpaint|KontextInpaint)?Pipeline", latent_packing=2)
+    Family(
+        "FLUX.1", pipelines=r"Flux(Kontext|Fill|Img2Img|Inpaint|KontextInpaint)?Pipeline", latent_packing=2
+    )
 )

@@ -1,0 +1,174 @@
+"""Every built-in diffusers family through the engine, against the single-process diffusers pipeline: exact.
+
+For each family, HSDP 2 and the parallel features the family supports (HSDP 2x2, CFG parallel, Ulysses) give
+outputs exactly equal to the unchanged pipeline in one process with the same seed and inputs; the features a
+family cannot use are refused before any rank starts, naming the family and the flag. The reference passes
+every argument explicitly, so a parameter the engine forgot or invented shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.engine import layout_problems
+from hsdp.engine.model_info import inspect_model
+from tests import engine_rank_fns
+from tests.engine_refs import builtin, input_image, reference_pipeline
+
+pytestmark = pytest.mark.slow
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+HSDP2X2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)
+CFG2 = ParallelConfig(use_hsdp=True, cfg_parallel_size=2)
+ULYSSES2 = ParallelConfig(use_hsdp=True, ulysses_degree=2)
+PROMPT = "A red fox in the snow"
+
+FLUX = {"height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 3.5, "max_sequence_length": 32}
+WAN = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 4.0}
+WAN_I2V = {**WAN, "max_sequence_length": 32}
+SDXL = {"height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 5.0}
+TRUE_CFG = {"true_cfg_scale": 4.0, "negative_prompt": "blurry"}
+
+# (built-in, layout, engine params, the reference's explicit __call__ arguments)
+CASES = {
+    "flux-hsdp2": ("tiny-flux", HSDP2, SamplingParams(num_inference_steps=2), FLUX),
+    "flux-hsdp2x2": ("tiny-flux", HSDP2X2, SamplingParams(num_inference_steps=2), FLUX),
+    "flux-cfg2": ("tiny-flux", CFG2, SamplingParams(num_inference_steps=2, **TRUE_CFG), {**FLUX, **TRUE_CFG}),
+    "flux-ulysses2": ("tiny-flux", ULYSSES2, SamplingParams(num_inference_steps=2), FLUX),
+    "flux-kontext-hsdp2": (
+        "tiny-flux-kontext",
+        HSDP2,
+        SamplingParams(num_inference_steps=2, image=input_image(64)),
+        {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
+    ),
+    "sdxl-hsdp2": ("tiny-sdxl", HSDP2, SamplingParams(num_inference_steps=2), SDXL),
+    "sdxl-hsdp2x2": ("tiny-sdxl", HSDP2X2, SamplingParams(num_inference_steps=2), SDXL),
+    "wan-i2v-hsdp2": (
+        "tiny-wan-i2v",
+        HSDP2,
+        SamplingParams(num_inference_steps=2, image=input_image(32)),
+        {**WAN_I2V, "image": input_image(32)},
+    ),
+    "wan-i2v-cfg2": (
+        "tiny-wan-i2v",
+        CFG2,
+        SamplingParams(num_inference_steps=2, image=input_image(32), negative_prompt="blurry"),
+        {**WAN_I2V, "image": input_image(32), "negative_prompt": "blurry"},
+    ),
+    "wan-i2v-ulysses2": (
+        "tiny-wan-i2v",
+        ULYSSES2,
+        SamplingParams(num_inference_steps=2, image=input_image(32)),
+        {**WAN_I2V, "image": input_image(32)},
+    ),
+}
+
+
+NOT_BITWISE = {"flux-ulysses2": 1e-5}
+"""Layouts whose math differs in rounding only, with the bound on pixels in [0, 1] (measured: 1.3e-6). FLUX's
+context-parallel plan splits the text and the image tokens, and its joint attention concatenates them per rank,
+so after Ulysses' all-to-all the keys come in another order ([text0, image0, text1, image1]) and the softmax
+sums round differently. Wan's plan splits only the video tokens, in order, and stays bit-exact."""
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "hsdp-cache"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_layout_equals_single_process(case, model_cache, dist_run):
+    name, layout, params, reference_args = CASES[case]
+    path = builtin(name, model_cache)
+    config = layout.resolved()
+    group = dist_run.group(config.world_size)
+    with Engine(path, config, workers=group) as engine:
+        [out] = engine.generate(PROMPT, SamplingParams(seed=5, **_fields(params)))
+        if config.cfg_parallel_size == 2:  # the branches really ran apart after the first (learning) step
+            steps = group.run(engine_rank_fns.cfg_parallel_steps)
+            assert all(s == [reference_args["num_inference_steps"] - 1] for s in steps), steps
+    expected = reference_pipeline(path, PROMPT, 5, **reference_args)
+    produced = out.frames if engine.info.output == "video" else out.images
+    assert produced is not None and produced.shape == expected.shape
+    assert np.isfinite(expected).all() and expected.std() > 0
+    if case in NOT_BITWISE:
+        np.testing.assert_allclose(produced, expected, rtol=0, atol=NOT_BITWISE[case])
+        assert not np.array_equal(produced, np.zeros_like(produced))
+    else:
+        np.testing.assert_array_equal(produced, expected)
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {k: v for k, v in vars(params).items() if v is not None and k != "seed"}
+
+
+@pytest.mark.parametrize(
+    "name, layout, needle",
+    [
+        (
+            "tiny-sdxl",
+            CFG2,
+            "--cfg-parallel-size 2: StableDiffusionXLPipeline does not run guidance as a separate",
+        ),
+        (
+            "tiny-sdxl",
+            ULYSSES2,
+            "the denoiser of StableDiffusionXLPipeline has no diffusers context-parallel plan",
+        ),
+        ("tiny-flux-kontext", CFG2, "FLUX.1 (FluxKontextPipeline) does not run guidance as a separate"),
+    ],
+)
+def test_unsupported_parallel_feature_refused_before_start(name, layout, needle, model_cache):
+    info = inspect_model(builtin(name, model_cache))
+    assert any(needle in p for p in layout_problems(info, layout.resolved()))
+    with pytest.raises(ValueError, match="cannot run this model with this layout"):
+        Engine(info.path, layout)
+
+
+def test_family_metadata_read_from_diffusers(model_cache):
+    flux = inspect_model(builtin("tiny-flux", model_cache))
+    assert (flux.output, flux.spatial_multiple, flux.cfg_scale_param) == ("image", 16, "true_cfg_scale")
+    assert flux.separate_uncond_pass and flux.ulysses and flux.denoisers == ("transformer",)
+    assert "transformer" in flux.shardable and "text_encoder" not in flux.shardable  # CLIP loads whole
+    assert "text_encoder_2" in flux.shardable  # T5 is large beside the transformer
+    sdxl = inspect_model(builtin("tiny-sdxl", model_cache))
+    assert (sdxl.output, sdxl.spatial_multiple, sdxl.denoisers) == ("image", 8, ("unet",))
+    assert not sdxl.separate_uncond_pass and not sdxl.ulysses
+    assert sdxl.shardable == ("unet",)
+    i2v = inspect_model(builtin("tiny-wan-i2v", model_cache))
+    assert i2v.output == "video" and "image" in i2v.required_params and i2v.temporal_factor == 4
+
+
+@pytest.mark.parametrize(
+    "name, params, needle",
+    [
+        (
+            "tiny-flux",
+            SamplingParams(image=input_image(64)),
+            "image: FluxPipeline takes no image (drop --image)",
+        ),
+        ("tiny-wan-i2v", SamplingParams(), "image: WanImageToVideoPipeline needs an input image (--image)"),
+        ("tiny-flux", SamplingParams(num_frames=5), "num_frames: FluxPipeline takes no num_frames"),
+        ("tiny-flux", SamplingParams(height=72), "height=72 must be a positive multiple of 16 for FLUX.1"),
+        ("tiny-sdxl", SamplingParams(pipeline_kwargs={"strenght": 0.5}), "takes no strenght"),
+        ("tiny-flux-kontext", SamplingParams(image=b"not an image"), "image: not a readable image"),
+    ],
+)
+def test_bad_inputs_refused_before_start(name, params, needle, model_cache):
+    from hsdp.engine.params import build_requests
+
+    info = inspect_model(builtin(name, model_cache))
+    with pytest.raises(ValueError) as error:
+        build_requests(info, HSDP2.resolved(), [PROMPT], params)
+    assert needle in str(error.value)
+
+
+def test_unknown_pipeline_class_is_a_clear_error(tmp_path):
+    (tmp_path / "model_index.json").write_text(
+        '{"_class_name": "NoSuchPipeline", "transformer": ["diffusers", "X"]}'
+    )
+    with pytest.raises(ValueError, match="pipeline class 'NoSuchPipeline' is not in diffusers"):
+        inspect_model(tmp_path)
