@@ -284,12 +284,8 @@ def create_app(server: Server) -> FastAPI:
         data = [
             ImageData(b64_json=base64.b64encode(j.result).decode(), revised_prompt=j.prompt) for j in jobs
         ]
-        p = jobs[0].params
         return ImagesResponse(
-            created=int(time.time()),
-            data=data,
-            output_format=body.output_format,
-            size=f"{p['width']}x{p['height']}",
+            created=int(time.time()), data=data, output_format=body.output_format, size=jobs[0].meta["size"]
         )
 
     @app.post("/v1/images/generations", response_model=ImagesResponse)

@@ -197,6 +197,9 @@ class EngineRunner:
             # An image pipeline's first image, or a video pipeline's only frame (image endpoints ask for one).
             image = output.images[0] if output.images is not None else output.frames[0]
             job.result = encode_image(image, "." + job.meta.get("format", "png"))
+            job.meta["size"] = (
+                f"{image.shape[1]}x{image.shape[0]}"  # pipelines may resize (Kontext's max_area)
+            )
         else:
             job.result = output
         self.store.finish(job, "completed")

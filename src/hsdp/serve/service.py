@@ -45,7 +45,7 @@ __all__ = ["Server"]
 
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
 """Per-job values (the Job holds them), not part of the parameters a batch shares."""
-_PROBLEM_PARAM = re.compile(r"^-?\s*([a-z_0-9]+)\s*[:=]")
+_PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
 
 
 class Server:
@@ -141,8 +141,10 @@ class Server:
         try:
             _, resolved = build_requests(self.info, config, ["x"] * max(1, self.store.slots), params)
         except ValueError as exc:
-            message = str(exc).replace("invalid generation request:\n", "").strip()
-            # Each problem starts with the parameter it is about ("  - width=40 must ...", "  - image: ...").
+            # One problem per "  - " line, each starting with its parameter ("width=40 must ...", "image: ...").
+            lines = str(exc).replace("invalid generation request:", "").strip().splitlines()
+            problems = [line.strip().removeprefix("- ") for line in lines if line.strip()]
+            message = "; ".join(problems)
             first = _PROBLEM_PARAM.match(message)
             param = first.group(1) if first else None
             raise ApiError(
