@@ -44,6 +44,12 @@ CASES = {
         SamplingParams(num_inference_steps=2, image=input_image(64)),
         {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
     ),
+    "flux-kontext-ulysses2": (
+        "tiny-flux-kontext",
+        ULYSSES2,
+        SamplingParams(num_inference_steps=2, image=input_image(64)),
+        {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
+    ),
     "sdxl-hsdp2": ("tiny-sdxl", HSDP2, SamplingParams(num_inference_steps=2), SDXL),
     "sdxl-hsdp2x2": ("tiny-sdxl", HSDP2X2, SamplingParams(num_inference_steps=2), SDXL),
     "wan-i2v-hsdp2": (
@@ -67,7 +73,7 @@ CASES = {
 }
 
 
-NOT_BITWISE = {"flux-ulysses2": 1e-5}
+NOT_BITWISE = {"flux-ulysses2": 1e-5, "flux-kontext-ulysses2": 1e-5}
 """Layouts whose math differs in rounding only, with the bound on pixels in [0, 1] (measured: 1.3e-6). FLUX's
 context-parallel plan splits the text and the image tokens, and its joint attention concatenates them per rank,
 so after Ulysses' all-to-all the keys come in another order ([text0, image0, text1, image1]) and the softmax
@@ -86,7 +92,14 @@ def test_family_layout_equals_single_process(case, model_cache, dist_run):
     config = layout.resolved()
     group = dist_run.group(config.world_size)
     with Engine(path, config, workers=group) as engine:
-        [out] = engine.generate(PROMPT, SamplingParams(seed=5, **_fields(params)))
+        progress: list[tuple[int, int, int]] = []
+        [out] = engine.generate(
+            PROMPT,
+            SamplingParams(seed=5, **_fields(params)),
+            on_progress=lambda *event: progress.append(event),
+        )
+        steps = reference_args["num_inference_steps"]
+        assert progress == [(0, step, steps) for step in range(1, steps + 1)]  # live, from the step callback
         if config.cfg_parallel_size == 2:  # the branches really ran apart after the first (learning) step
             steps = group.run(engine_rank_fns.cfg_parallel_steps)
             assert all(s == [reference_args["num_inference_steps"] - 1] for s in steps), steps
@@ -99,6 +112,31 @@ def test_family_layout_equals_single_process(case, model_cache, dist_run):
         assert not np.array_equal(produced, np.zeros_like(produced))
     else:
         np.testing.assert_array_equal(produced, expected)
+
+
+REQUEST_PARALLEL = {
+    "tiny-flux": ({}, FLUX),
+    "tiny-flux-kontext": (
+        {"image": input_image(64)},
+        {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
+    ),
+    "tiny-sdxl": ({}, SDXL),
+    "tiny-wan-i2v": ({"image": input_image(32)}, {**WAN_I2V, "image": input_image(32)}),
+}
+
+
+@pytest.mark.parametrize("name", list(REQUEST_PARALLEL))
+def test_request_parallel_each_request_equals_one_process(name, model_cache, dist_run):
+    inputs, reference_args = REQUEST_PARALLEL[name]
+    path = builtin(name, model_cache)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True)
+    prompts = [PROMPT, "A cat playing piano"]
+    with Engine(path, config, workers=dist_run.group(2)) as engine:
+        outputs = engine.generate(prompts, SamplingParams(seed=5, num_inference_steps=2, **inputs))
+    assert [o.rank for o in outputs] == [0, 1] and [o.seed for o in outputs] == [5, 6]
+    for out in outputs:
+        expected = reference_pipeline(path, out.prompt, out.seed, **reference_args)
+        np.testing.assert_array_equal(out.frames if out.frames is not None else out.images, expected)
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -172,3 +210,70 @@ def test_unknown_pipeline_class_is_a_clear_error(tmp_path):
     )
     with pytest.raises(ValueError, match="pipeline class 'NoSuchPipeline' is not in diffusers"):
         inspect_model(tmp_path)
+
+
+def test_cli_writes_images_and_image_to_video(model_cache, tmp_path, monkeypatch, capsys):
+    """``hsdp generate`` end to end: the png holds exactly the pipeline's image; an input image drives i2v."""
+    import imageio.v3 as iio
+
+    from hsdp.cli import main
+
+    monkeypatch.setenv("HSDP_CACHE", str(model_cache))
+    base = ["generate", "--use-hsdp", "--hsdp-shard-size", "2", "--prompt", PROMPT, "--seed", "5"]
+    assert (
+        main(
+            [
+                *base,
+                "--model",
+                "tiny-flux",
+                "--num-inference-steps",
+                "2",
+                "--output",
+                str(tmp_path / "fox.png"),
+            ]
+        )
+        == 0
+    )
+    expected = reference_pipeline(builtin("tiny-flux", model_cache), PROMPT, 5, **FLUX)[0]
+    np.testing.assert_array_equal(iio.imread(tmp_path / "fox.png"), (np.clip(expected, 0, 1) * 255).round())
+    input_image(32).save(tmp_path / "start.png")
+    args = [
+        "--model",
+        "tiny-wan-i2v",
+        "--image",
+        str(tmp_path / "start.png"),
+        "--output",
+        str(tmp_path / "fox.mp4"),
+    ]
+    assert main([*base, *args, "--num-inference-steps", "2"]) == 0
+    assert iio.imread(tmp_path / "fox.mp4").shape[:3] == (5, 32, 32)
+    assert f"wrote {tmp_path / 'fox.mp4'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model", "tiny-flux", "--hsdp-shard-size", "2", "--output", "fox.mp4"],
+            "this pipeline makes images, not video; name the output fox.png",
+        ),
+        (
+            ["--model", "tiny-wan-i2v", "--hsdp-shard-size", "2"],
+            "image: WanImageToVideoPipeline needs an input image (--image)",
+        ),
+        (
+            ["--model", "tiny-sdxl", "--cfg-parallel-size", "2"],
+            "StableDiffusionXLPipeline does not run guidance",
+        ),
+        (
+            ["--model", "tiny-sdxl", "--hsdp-shard-size", "2", "--image", "nope.png"],
+            "image: StableDiffusionXLPipeline takes no image",
+        ),
+    ],
+)
+def test_cli_refuses_before_starting(args, message, model_cache, monkeypatch, capsys):
+    from hsdp.cli import main
+
+    monkeypatch.setenv("HSDP_CACHE", str(model_cache))
+    assert main(["generate", "--use-hsdp", "--prompt", PROMPT, *args]) == 2
+    assert message in capsys.readouterr().err
