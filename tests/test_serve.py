@@ -101,7 +101,9 @@ def test_health_models_metrics_openapi(wan, wan_client):
 
 
 def test_video_job_json_form_and_sync_agree(wan_client, wan_dir):
-    created = wan_client.post("/v1/videos", json={"prompt": "a red fox", "seed": 11, **SMALL})
+    created = wan_client.post(
+        "/v1/videos", json={"prompt": "a red fox", "seed": 11, "model": "default", **SMALL}
+    )
     assert created.status_code == 200, created.text
     job = created.json()
     assert job["status"] == "queued" and job["size"] == "32x32" and job["seed"] == 11
@@ -154,6 +156,7 @@ def test_images_openai_client_equal_one_process_pipeline(wan):
         ({"size": "32x32"}, 400, "prompt: Field required"),
         ({"prompt": "x", "seed": -1}, 400, "seed"),
         ({"prompt": "x", "model": "other"}, 404, "not served here"),
+        ({"prompt": "x", "true_cfg_scale": 2.0}, 400, "WanPipeline takes no true_cfg_scale"),
     ],
 )
 def test_video_validation_is_a_clear_4xx(wan_client, body, status, needle):
@@ -169,14 +172,24 @@ def test_other_bad_requests(wan_client):
         ).status_code
         == 400
     )
+    # Text-to-video takes no input image: an input_reference is refused, naming the field.
     upload = wan_client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", b"png")})
-    assert upload.status_code == 400 and "file" in upload.json()["error"]["message"]
+    assert upload.status_code == 400 and upload.json()["error"]["param"] == "input_reference"
+    assert "takes no input image" in upload.json()["error"]["message"]
     big = wan_client.post("/v1/videos", json={"prompt": "x" * (2 << 20)})
     assert big.status_code == 413 and "--max-body-bytes" in big.json()["error"]["message"]
-    wrong_kind = wan_client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    # Chat on a diffusion model generates (vLLM-Omni's shape); a video pipeline answers with an mp4 data URL.
+    chat = wan_client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "extra_body": SMALL | {"seed": 4}},
     )
-    assert wrong_kind.status_code == 400 and wrong_kind.json()["error"]["code"] == "wrong_model_kind"
+    assert chat.status_code == 200, chat.text
+    [part] = chat.json()["choices"][0]["message"]["content"]
+    assert part["image_url"]["url"].startswith("data:video/mp4;base64,")
+    streamed = wan_client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
     assert wan_client.get("/v1/videos/video_" + "0" * 32).status_code == 404
     assert wan_client.get("/v1/videos/../../etc/passwd").status_code == 404
     url = wan_client.post("/v1/images/generations", json={"prompt": "x", "response_format": "url"})
@@ -347,3 +360,8 @@ def test_text_validation(llama_client):
     )
     assert bad_role.status_code == 400 and "messages.0.role" in bad_role.json()["error"]["message"]
     assert llama_client.post("/v1/videos", json={"prompt": "x"}).json()["error"]["code"] == "wrong_model_kind"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = llama_client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": [image]}]}
+    )
+    assert with_image.status_code == 400 and "need a diffusion model" in with_image.json()["error"]["message"]
