@@ -172,10 +172,11 @@ class Server:
     def check_video_model(self) -> None:
         """The ``/v1/videos`` routes need a pipeline that makes video."""
         if self.info.output != "video":
+            edits = ", /v1/images/edits" if self.info.takes_image else ""
             raise ApiError(
                 400,
                 f"this server runs {self.name!r}, an image pipeline ({self.info.class_name}); use POST "
-                "/v1/images/generations (or /v1/images/edits, /v1/chat/completions)",
+                f"/v1/images/generations{edits} or /v1/chat/completions",
                 code="wrong_model_kind",
             )
 
