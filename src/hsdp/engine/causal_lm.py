@@ -20,6 +20,7 @@ from hsdp.distributed import world_size as current_world_size
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import overlap_options
 from hsdp.engine.params import Request, SamplingParams
+from hsdp.launch import emit_event
 from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
 
@@ -39,9 +40,13 @@ def generation_kwargs(params: SamplingParams) -> dict:
 
 
 class _TokenClock:
-    """A ``generate`` streamer that timestamps each new token (the first ``put`` is the prompt)."""
+    """A ``generate`` streamer: timestamps each new token (the first ``put`` is the prompt) and, on the rank that
+    reports the request, hands each token to the caller as it is produced (progress and streaming)."""
 
-    def __init__(self, progress: bool, total: int):
+    def __init__(self, request_id: int, total: int, *, progress: bool, report: bool):
+        self.request_id = request_id
+        self.total = total
+        self.report = report
         self.stamps: list[float] = []
         self._bar = None
         if progress:
@@ -51,8 +56,16 @@ class _TokenClock:
 
     def put(self, value: torch.Tensor) -> None:
         self.stamps.append(time.perf_counter())
-        if self._bar is not None and len(self.stamps) > 1:
+        if len(self.stamps) == 1:  # the prompt
+            return
+        if self._bar is not None:
             self._bar.update()
+        if self.report:
+            step = len(self.stamps) - 1
+            for token in value.reshape(-1).tolist():
+                emit_event(
+                    {"request_id": self.request_id, "step": step, "total": self.total, "token_id": token}
+                )
 
     def end(self) -> None:
         if self._bar is not None:
@@ -88,10 +101,14 @@ class CausalLMRunner:
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]
 
+    def watched_modules(self) -> list[torch.nn.Module]:
+        """A cancellation is checked before every forward (one per token)."""
+        return [self.model]
+
     def generate(self, request: Request, params: SamplingParams, *, decode: bool, progress: bool) -> dict:
         started = time.perf_counter()
         inputs = self.tokenizer(request.prompt, return_tensors="pt").to(self.device)
-        clock = _TokenClock(progress, params.max_new_tokens)
+        clock = _TokenClock(request.request_id, params.max_new_tokens, progress=progress, report=decode)
         torch.manual_seed(request.seed)
         pad = (
             self.tokenizer.pad_token_id

@@ -66,8 +66,8 @@ class DiffusionRunner:
                 module.to(self.device)
         self._first_denoiser_call: float | None = None
         self.cfg_wrappers: list[CFGParallelTransformer] = []
-        for name in self.info.denoisers:
-            model = getattr(self.pipe, name)
+        self.denoisers = [getattr(self.pipe, name) for name in self.info.denoisers]
+        for name, model in zip(self.info.denoisers, self.denoisers, strict=True):
             model.register_forward_pre_hook(self._mark_denoising_start)
             if config.sequence_parallel_size > 1:
                 enable_ulysses(model, config, meshes)
@@ -84,6 +84,10 @@ class DiffusionRunner:
 
     def modules(self) -> list[torch.nn.Module]:
         return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+
+    def watched_modules(self) -> list[torch.nn.Module]:
+        """The modules a cancellation is checked before: the denoisers, once per denoising forward."""
+        return list(self.denoisers)
 
     def _mark_denoising_start(self, module: torch.nn.Module, args: tuple) -> None:
         if self._first_denoiser_call is None:

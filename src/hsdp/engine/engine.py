@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hsdp import distributed
 from hsdp.config import ParallelConfig
 from hsdp.engine import worker
+from hsdp.engine.control import CancelBoard
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
 from hsdp.engine.params import SamplingParams, build_requests, request_slots
@@ -118,10 +119,19 @@ class _TorchrunRanks:
         worker.unload()
 
 
-def _progress_listener(on_progress: Callable[[int, int, int], None] | None):
-    if on_progress is None:
+def _event_listener(
+    on_progress: Callable[[int, int, int], None] | None, on_token: Callable[[int, int], None] | None
+) -> Callable[[int, dict], None] | None:
+    if on_progress is None and on_token is None:
         return None
-    return lambda rank, event: on_progress(event["request_id"], event["step"], event["total"])
+
+    def listen(rank: int, event: dict) -> None:
+        if on_token is not None and "token_id" in event:
+            on_token(event["request_id"], event["token_id"])
+        if on_progress is not None:
+            on_progress(event["request_id"], event["step"], event["total"])
+
+    return listen
 
 
 class Engine:
@@ -138,6 +148,7 @@ class Engine:
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
         workers: WorkerGroup | None = None,
+        cancellable: bool = False,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -145,7 +156,8 @@ class Engine:
         over denoising steps (rank 0). ``call_timeout_s`` bounds each ``generate`` call (None: no limit; a
         dead worker is still noticed at once). ``workers``: an existing group of ``world_size`` ranks to load
         into instead of starting processes (e.g. to swap models without a restart); it is left running on
-        :meth:`close`, with the model unloaded."""
+        :meth:`close`, with the model unloaded. ``cancellable`` lets :meth:`cancel` stop a running request at
+        its next forward (the ranks then agree once per forward: a tiny all-reduce; engine-spawned ranks only)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config)
@@ -159,6 +171,14 @@ class Engine:
         self._closed = False
         self.last_comm: list[dict | None] | None = None
         self._owns_group = workers is None
+        self._call_id = 0
+        self._board: CancelBoard | None = None
+        if cancellable:
+            if distributed.launched_by_torchrun():
+                raise ValueError(
+                    "cancellable=True needs engine-spawned ranks; under torchrun there is no caller"
+                )
+            self._board = CancelBoard()
         started = time.perf_counter()
         if workers is not None:
             if workers.world_size != self.config.world_size or workers.broken:
@@ -171,7 +191,14 @@ class Engine:
             self._group: WorkerGroup | _TorchrunRanks = _TorchrunRanks()
         else:
             self._group = WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
-        spec = worker.LoadSpec(self.info.path, self.info.kind, self.config, dtype, forward_prefetch)
+        spec = worker.LoadSpec(
+            self.info.path,
+            self.info.kind,
+            self.config,
+            dtype,
+            forward_prefetch,
+            cancel_address=self._board.address if self._board else None,
+        )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
         except BaseException:
@@ -210,18 +237,21 @@ class Engine:
         *,
         measure_comm: bool = False,
         on_progress: Callable[[int, int, int], None] | None = None,
+        on_token: Callable[[int, int], None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
 
         ``measure_comm`` counts every collective of the call (slower: the counter sees every op) and leaves the
         per-rank figures in :attr:`last_comm`. ``on_progress(request_id, step, total)`` is called (in the
-        caller's thread) after each denoising step of each request, as the ranks run.
+        caller's thread) after each denoising step or generated token of each request, as the ranks run;
+        ``on_token(request_id, token_id)`` after each generated token (causal LMs), for streaming.
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
         with self._lock:
+            self._call_id += 1
             try:
                 results = self._group.run(
                     worker.generate,
@@ -229,8 +259,9 @@ class Engine:
                     resolved,
                     self.progress,
                     measure_comm,
+                    self._call_id,
                     timeout_s=self.call_timeout_s,
-                    on_event=_progress_listener(on_progress),
+                    on_event=_event_listener(on_progress, on_token),
                 )
             except WorkerError:
                 self.close()  # the group is broken; its processes are already gone
@@ -253,6 +284,15 @@ class Engine:
                     )
                 )
         return sorted(outputs, key=lambda o: o.request_id)
+
+    def cancel(self, request_id: int) -> None:
+        """Stop request ``request_id`` (its index in the running :meth:`generate` call's prompts) at its next
+        forward; its output comes back with ``cancelled=True``. Callable from any thread; needs
+        ``cancellable=True``. In request-parallel layouts a request stops once every request running beside it
+        in lockstep is cancelled too; until then it runs to its end and the caller drops its output."""
+        if self._board is None:
+            raise RuntimeError("this Engine was started without cancellable=True")
+        self._board.cancel(self._call_id, request_id)
 
     def memory_report(self) -> list[dict]:
         """Per rank, now: ``param_bytes`` held (weights kept gathered count in full), resident and peak memory."""

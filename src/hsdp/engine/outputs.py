@@ -63,6 +63,8 @@ class GenerationOutput:
     """``(num_images, height, width, 3)`` float32 in [0, 1]."""
     text: str | None = None
     token_ids: list[int] | None = None
+    cancelled: bool = False
+    """Stopped by :meth:`hsdp.Engine.cancel` before it finished; it carries no output."""
 
     def save(self, path: str | Path, fps: int = 8) -> list[Path]:
         """Write the frames (``.mp4``, ``.gif``), the images (``.png``, ``.jpg``, ``.webp``; several images get

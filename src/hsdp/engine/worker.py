@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import gc
 import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 from hsdp.comm import CommAccounting
 from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device, rank
+from hsdp.engine.control import CancelWatch, RequestCancelled
+from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, request_slots
 from hsdp.launch import worker_state
 from hsdp.mesh import build_meshes
@@ -44,6 +47,8 @@ class LoadSpec:
     config: ParallelConfig
     dtype: str | None = None
     forward_prefetch: bool = True
+    cancel_address: tuple[str, int] | None = None
+    """The caller's :class:`hsdp.engine.control.CancelBoard`, when requests can be cancelled."""
 
 
 @dataclass
@@ -111,7 +116,8 @@ def load(spec: LoadSpec) -> dict:
     config = spec.config.resolved()
     meshes = build_meshes(config)
     runner = runner_cls(spec.path, config, meshes, dtype=spec.dtype, forward_prefetch=spec.forward_prefetch)
-    worker_state()[_KEY] = (runner, config, meshes)
+    watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
+    worker_state()[_KEY] = (runner, config, meshes, watch)
     return {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
 
 
@@ -138,14 +144,20 @@ def _loaded() -> tuple:
 
 
 def generate(
-    requests: list[Request], params: SamplingParams, progress: bool, measure_comm: bool = False
+    requests: list[Request],
+    params: SamplingParams,
+    progress: bool,
+    measure_comm: bool = False,
+    call_id: int = 0,
 ) -> RankResult:
     """Generate this rank's share of ``requests``, one at a time, in lockstep with the other ranks.
 
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
     request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
+    A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
+    ``cancelled``.
     """
-    runner, config, meshes = _loaded()
+    runner, config, meshes, watch = _loaded()
     slots = request_slots(config)
     mine = requests[meshes.data_parallel_rank :: slots] if slots > 1 else requests
     reports = slots > 1 or rank() == 0
@@ -154,12 +166,29 @@ def generate(
     accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
     with torch.no_grad(), accounting:
         for request in mine:
-            payload = runner.generate(request, params, decode=reports, progress=progress and rank() == 0)
+            payload = _generate_one(
+                runner, watch, call_id, request, params, reports, progress and rank() == 0
+            )
             if reports:
                 outputs.append((request.request_id, payload))
     memory, kind = peak_memory()
     comm = {**accounting.report().to_dict(), "forwards": sum(accounting.forwards)} if measure_comm else None
     return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind, comm=comm)
+
+
+def _generate_one(
+    runner, watch, call_id: int, request: Request, params, reports: bool, progress: bool
+) -> dict:
+    if watch is None:
+        return runner.generate(request, params, decode=reports, progress=progress)
+    watch.active = (call_id, request.request_id)
+    started = time.perf_counter()
+    try:
+        return runner.generate(request, params, decode=reports, progress=progress)
+    except RequestCancelled:
+        return {"cancelled": True, "timings": Timings(total_s=time.perf_counter() - started)}
+    finally:
+        watch.active = None
 
 
 def unload() -> None:

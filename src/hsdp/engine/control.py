@@ -1,0 +1,67 @@
+"""Cancelling a request while the ranks generate it, without leaving any rank waiting in a collective.
+
+The caller marks a request cancelled in a small key-value store that the :class:`hsdp.Engine` hosts
+(:class:`CancelBoard`, a ``TCPStore`` on a free port). Every rank checks before each forward of a sharded model
+(:class:`CancelWatch`, a forward pre-hook placed ahead of FSDP's own, so nothing is gathered yet), and the ranks
+agree with one all-reduce (MIN over "my request is cancelled") so they all stop at the same forward. In
+same-request layouts every rank runs the one request, so agreement delays the stop by at most one forward. In
+request-parallel lockstep a round stops when all its requests are cancelled; a cancelled request that shares
+its round with a live one runs on and its output is dropped by the caller.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hsdp.distributed import local_device
+
+__all__ = ["RequestCancelled", "CancelBoard", "CancelWatch"]
+
+_HOST = "127.0.0.1"  # engine-spawned ranks live on the caller's host
+
+
+class RequestCancelled(Exception):
+    """Raised on every rank at the same forward once the request(s) it runs are cancelled."""
+
+
+def _key(call_id: int, request_id: int) -> str:
+    return f"cancel/{call_id}/{request_id}"
+
+
+class CancelBoard:
+    """Caller side: where cancellations are written."""
+
+    def __init__(self) -> None:
+        self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
+        self.address = (_HOST, self._store.port)
+
+    def cancel(self, call_id: int, request_id: int) -> None:
+        self._store.set(_key(call_id, request_id), "1")
+
+
+class CancelWatch:
+    """Rank side: checks the board before every forward of the watched modules while a request is active."""
+
+    def __init__(self, address: tuple[str, int], modules: list[nn.Module]):
+        host, port = address
+        self._store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+        )
+        self._device = local_device()
+        self.active: tuple[int, int] | None = None
+        """(call id, request id) this rank is generating, or None between requests."""
+        for module in modules:
+            module.register_forward_pre_hook(self._check, prepend=True)
+
+    def _check(self, module: nn.Module, args: tuple) -> None:
+        if self.active is None:
+            return
+        mine = 1 if self._store.check([_key(*self.active)]) else 0
+        flag = torch.tensor([mine], dtype=torch.int32, device=self._device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item():
+            raise RequestCancelled(f"request {self.active[1]} cancelled")

@@ -1,0 +1,85 @@
+"""Live control of a running ``generate`` call: progress and tokens as they happen, and cancellation.
+
+Everything is asserted by the order of events and by step counters, never by wall time: a request cancelled
+from the progress callback at step k must stop at step k + 1 at the latest, and the engine must then generate
+the next request exactly as one process does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS
+from tests.engine_refs import builtin, reference_tokens, reference_video
+
+pytestmark = pytest.mark.slow
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "hsdp-cache"
+
+
+def test_cancel_diffusion_stops_within_one_step_then_next_request_is_exact(model_cache, dist_run):
+    path = builtin("tiny-wan", model_cache)
+    steps: list[int] = []
+    with Engine(path, HSDP2, workers=dist_run.group(2), cancellable=True) as engine:
+
+        def on_progress(request_id: int, step: int, total: int) -> None:
+            steps.append(step)
+            if step == 2:
+                engine.cancel(request_id)
+
+        [cancelled] = engine.generate(
+            "A cat", SamplingParams(seed=1, num_inference_steps=20), on_progress=on_progress
+        )
+        assert cancelled.cancelled and cancelled.frames is None
+        assert steps[:2] == [1, 2] and max(steps) <= 3  # stopped at the next step at the latest
+        params = SamplingParams(seed=3, num_inference_steps=2)
+        [after] = engine.generate("A cat", params)
+    assert not after.cancelled
+    np.testing.assert_array_equal(after.frames, reference_video(path, "A cat", 3, params, TINY_WAN_DEFAULTS))
+
+
+def test_tokens_stream_live_and_cancel_stops_generation(model_cache, dist_run):
+    path = builtin("tiny-llama", model_cache)
+    streamed: list[int] = []
+    params = SamplingParams(seed=4, max_new_tokens=24, stop_token_ids=[10**6])  # never stops early by itself
+    with Engine(path, HSDP2, workers=dist_run.group(2), cancellable=True) as engine:
+
+        def on_token(request_id: int, token_id: int) -> None:
+            streamed.append(token_id)
+            if len(streamed) == 3:  # the caller sees tokens while the ranks still generate
+                engine.cancel(request_id)
+
+        [out] = engine.generate("Hello", params, on_token=on_token)
+        assert out.cancelled and 3 <= len(streamed) <= 4
+        full = reference_tokens(path, "Hello", 4, params)
+        assert streamed == full[: len(streamed)]  # the tokens streamed are the real ones, in order
+        progress: list[tuple[int, int, int]] = []
+        [done] = engine.generate("Hello", params, on_progress=lambda *e: progress.append(e))
+    assert done.token_ids == full and len(full) == 24
+    assert [p[1] for p in progress] == list(range(1, 25)) and {p[2] for p in progress} == {24}
+
+
+def test_request_parallel_round_stops_when_all_its_requests_are_cancelled(model_cache, dist_run):
+    path = builtin("tiny-wan", model_cache)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    with Engine(path, config, workers=dist_run.group(2), cancellable=True) as engine:
+
+        def on_progress(request_id: int, step: int, total: int) -> None:
+            seen[request_id].append(step)
+            if step == 2:
+                engine.cancel(request_id)
+
+        outputs = engine.generate(
+            ["a", "b"], SamplingParams(seed=1, num_inference_steps=20), on_progress=on_progress
+        )
+    assert all(o.cancelled for o in outputs)
+    assert all(max(steps) <= 3 for steps in seen.values())
