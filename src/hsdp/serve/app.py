@@ -52,12 +52,25 @@ _IMAGE_FIELDS = ("image", "image[]")
 _MASK_FIELDS = ("mask", "mask_image")
 """OpenAI's name and vLLM-Omni's."""
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 429)}
+
+
+def _form_schema(model: type[BaseModel], files: dict[str, str], required: tuple[str, ...]) -> dict:
+    """``model``'s fields plus file parts (name -> description), for the OpenAPI multipart body."""
+    schema = model.model_json_schema()
+    binary = {name: {"type": "string", "format": "binary", "description": d} for name, d in files.items()}
+    return {**schema, "properties": {**schema["properties"], **binary}, "required": list(required)}
+
+
 _VIDEO_BODY = {
     "requestBody": {
         "required": True,
         "content": {
             "application/json": {"schema": VideoRequest.model_json_schema()},
-            "multipart/form-data": {"schema": VideoRequest.model_json_schema()},
+            "multipart/form-data": {
+                "schema": _form_schema(
+                    VideoRequest, {REFERENCE: "input image (image-to-video pipelines)"}, ("prompt",)
+                )
+            },
         },
     }
 }
@@ -66,15 +79,14 @@ _EDIT_BODY = {
         "required": True,
         "content": {
             "multipart/form-data": {
-                "schema": {
-                    **ImageEditRequest.model_json_schema(),
-                    "properties": {
-                        **ImageEditRequest.model_json_schema()["properties"],
-                        "image": {"type": "string", "format": "binary", "description": "also image[]"},
-                        "mask": {"type": "string", "format": "binary", "description": "also mask_image"},
+                "schema": _form_schema(
+                    ImageEditRequest,
+                    {
+                        "image": "the image to edit (also image[])",
+                        "mask": "white = repaint (also mask_image)",
                     },
-                    "required": ["prompt", "image"],
-                }
+                    ("prompt", "image"),
+                )
             }
         },
     }
