@@ -92,3 +92,32 @@ def train_and_die(cfg: TrainConfig, victim: int, at_step: int) -> None:
             os._exit(17)
 
     Trainer(cfg).fit(on_step=on_step)
+
+
+def train_lora(configs: list[TrainConfig]) -> list[dict]:
+    """Train each LoRA config; return losses, rank 0's adapter (peft keys) and this rank's trainable, optimizer and
+    base parameter bytes."""
+    from hsdp.train.lora import adapter_state
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for cfg in configs:
+        trainer = Trainer(cfg)
+        result = trainer.fit()
+        params = list(trainer.model.parameters())
+        adapters = adapter_state(trainer.model)
+        out.append(
+            {
+                "losses": result.losses,
+                "adapter": adapters if rank == 0 else None,
+                "trainable_bytes": _local_bytes(p for p in params if p.requires_grad),
+                "base_bytes": _local_bytes(p for p in params if not p.requires_grad),
+                "optimizer_bytes": _local_bytes(
+                    v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"
+                ),
+                "checkpoint": result.checkpoint,
+            }
+        )
+        del trainer
+        gc.collect()
+    return out

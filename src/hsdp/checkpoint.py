@@ -33,7 +33,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from hsdp.loading import CheckpointError
 
@@ -115,13 +120,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and loads model + optimizer + trainer state under one output folder (see the module docstring)."""
 
-    def __init__(self, root: str | Path, *, keep_last: int = 2, async_save: bool = False):
+    def __init__(
+        self, root: str | Path, *, keep_last: int = 2, async_save: bool = False, trainable_only: bool = False
+    ):
+        """``trainable_only``: save and load only parameters that require grad (LoRA adapters; the frozen base
+        is read from the model folder again on resume)."""
         if keep_last < 1:
             raise ValueError(f"--keep-last={keep_last} must be >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
         self._pending: tuple[Any, int, Path, dict] | None = None
+        self._options = StateDictOptions(ignore_frozen_params=trainable_only)
+        # DCP already fails on a key the checkpoint lacks; the frozen keys are absent on purpose.
+        self._load_options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
         # A CPU group of its own: the background writer must not interleave collectives with training.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
@@ -138,14 +150,21 @@ class Checkpointer:
         _barrier(self._group)
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        app_state = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
+        app_state = {"model": self._saved_part(model, model_sd), "optim": optim_sd}
         if self.async_save:
             future = dcp.async_save(app_state, checkpoint_id=str(tmp), process_group=self._group)
             self._pending = (future, step, tmp, state)
         else:
             dcp.save(app_state, checkpoint_id=str(tmp), process_group=self._group)
             self._commit(step, tmp, state)
+
+    def _saved_part(self, model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+        """With ``trainable_only``, drop what ``ignore_frozen_params`` keeps: a frozen tied alias (``lm_head``)."""
+        if not self._options.ignore_frozen_params:
+            return model_sd
+        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k in trainable}
 
     def wait(self) -> Path | None:
         """Finish and commit a pending asynchronous save; returns its folder."""
@@ -176,8 +195,8 @@ class Checkpointer:
         """Load a complete checkpoint into the (already sharded) model and optimizer, at any world size."""
         path = Path(path)
         state = read_trainer_state(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        app_state = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
+        app_state = {"model": self._saved_part(model, model_sd), "optim": optim_sd}
         try:
             dcp.load(app_state, checkpoint_id=str(path), process_group=self._group)
         except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -185,7 +204,11 @@ class Checkpointer:
                 f"checkpoint {path} could not be loaded (corrupt or from another model): {exc}"
             ) from exc
         set_state_dict(
-            model, optimizer, model_state_dict=app_state["model"], optim_state_dict=app_state["optim"]
+            model,
+            optimizer,
+            model_state_dict=app_state["model"],
+            optim_state_dict=app_state["optim"],
+            options=self._load_options,
         )
         rng_file = path / "rng" / f"rank{_rank()}.pt"
         if rng_file.exists():  # a resharded resume has ranks the checkpoint did not have
@@ -210,13 +233,15 @@ def export_safetensors(
     *,
     dtype: torch.dtype | None = None,
     source_dir: str | Path | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a ``from_pretrained``-loadable folder from a (sharded) model; collective.
 
     Each rank writes its own slices, then rank 0 consolidates them into full tensors. Tied aliases are left
     out (``from_pretrained`` re-ties them); ``dtype`` casts floating tensors (default: as trained).
-    ``config.json`` records the dtype; tokenizer files are copied from ``source_dir``. Written into a temporary
-    sibling and renamed, so a failed export leaves nothing behind.
+    ``config.json`` records the dtype; tokenizer files are copied from ``source_dir``. ``state_dict`` (sharded or
+    plain tensors under the model's keys, e.g. a LoRA-merged state) is written instead of the model's own.
+    Written into a temporary sibling and renamed, so a failed export leaves nothing behind.
     """
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
@@ -229,7 +254,7 @@ def export_safetensors(
     skip = _tied_aliases(model)
     state = {
         k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach())
-        for k, v in get_model_state_dict(model).items()
+        for k, v in (get_model_state_dict(model) if state_dict is None else state_dict).items()
         if k not in skip
     }
     writer = HuggingFaceStorageWriter(

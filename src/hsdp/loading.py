@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -371,9 +371,11 @@ def _fill_fused(
 
 
 @torch.no_grad()
-def _fill(model: nn.Module, plan: KeyPlan, index: CheckpointIndex) -> int:
-    """Fill this rank's shards from the checkpoint; returns the bytes read."""
+def _fill(model: nn.Module, plan: KeyPlan, index: CheckpointIndex, moved: dict[str, str]) -> int:
+    """Fill this rank's shards from the checkpoint; returns the bytes read. ``moved`` maps the keys the plan
+    knows to the keys a ``prepare`` hook moved them to."""
     targets = model.state_dict(keep_vars=True)
+    targets.update({old: targets[new] for old, new in moved.items()})
     reader = _Reader(index)
     try:
         _fill_direct(targets, plan, reader)
@@ -397,6 +399,27 @@ def _move_unsharded_state(model: nn.Module, device: torch.device) -> None:
                     param.data = param.data.to(device)
 
 
+def _run_prepare(model: nn.Module, prepare: Callable[[nn.Module], None]) -> dict[str, str]:
+    """Run ``prepare`` on the empty model; return old -> new state-dict key of every tensor it moved (LoRA
+    injection puts each adapted layer's weight under ``<layer>.base_layer``)."""
+
+    def keys_by_tensor() -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            out.setdefault(id(tensor), []).append(key)
+        return out
+
+    before = keys_by_tensor()
+    prepare(model)
+    after = keys_by_tensor()
+    return {
+        old: new
+        for tensor_id, olds in before.items()
+        for old, new in zip(olds, after.get(tensor_id, olds), strict=False)
+        if old != new
+    }
+
+
 def load_pretrained(
     path: str | Path,
     parallel_config: ParallelConfig | None = None,
@@ -407,13 +430,16 @@ def load_pretrained(
     training: bool = False,
     resident_modules: Collection[str] = (),
     forward_prefetch: int = 0,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
     ``dtype="auto"`` keeps the checkpoint's floating dtype; pass ``torch.float32`` (or ``"bf16"``) to convert.
     The model is returned in eval mode (call ``.train()`` for training) and carries the :class:`ShardReport` as
     ``model.hsdp_report`` when sharded. ``resident_modules`` and ``forward_prefetch`` are passed to
-    :func:`~hsdp.sharding.apply_hsdp_to_model`. Needs the process group to be initialised when the layout has more than
+    :func:`~hsdp.sharding.apply_hsdp_to_model`. ``prepare(model)`` runs on the empty (meta) model after the
+    checkpoint is validated and before sharding, e.g. to inject LoRA adapters; parameters it adds are left
+    uninitialised for the caller to fill. Needs the process group to be initialised when the layout has more than
     one rank.
     """
     started = time.perf_counter()
@@ -426,6 +452,7 @@ def load_pretrained(
     if target_dtype is not None:
         _cast(model, target_dtype)
     plan = _plan(model, index)  # validate before any allocation
+    moved = _run_prepare(model, prepare) if prepare is not None else {}
     if plan.converted:
         logger.info(
             "%s: transformers' load-time conversions rename %d keys and build %d parameters from several keys",
@@ -455,7 +482,7 @@ def load_pretrained(
         for name, buffer in model.named_buffers():
             if name in computed_buffers:
                 buffer.copy_(computed_buffers[name])
-    read = _fill(model, plan, index)
+    read = _fill(model, plan, index, moved)
     if offload:
         _move_unsharded_state(model, device)
     model.eval()

@@ -74,10 +74,10 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, FSDPModule)]
 
 
-def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
+def _dominant_dtype(model: nn.Module, trainable_only: bool = False) -> torch.dtype | None:
     counts: dict[torch.dtype, int] = {}
     for param in model.parameters():
-        if param.is_floating_point():
+        if param.is_floating_point() and (param.requires_grad or not trainable_only):
             counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
     return max(counts, key=counts.__getitem__) if counts else None
 
@@ -85,16 +85,20 @@ def _dominant_dtype(model: nn.Module) -> torch.dtype | None:
 def _unshardable_params(model: nn.Module, plan: ShardPlan, training: bool) -> dict[str, nn.Parameter]:
     """Parameters kept whole on every rank: those of ignored modules, those FSDP2 cannot shard (integer, 0-d),
     and, for inference, those the model keeps in another dtype (diffusers keeps norms and time embedders in fp32
-    inside bf16 models; one FSDP unit needs one dtype, and these are small)."""
+    inside bf16 models; one FSDP unit needs one dtype, and these are small). For training, FSDP2 needs one dtype
+    only among the trainable parameters of a unit: a frozen bf16 base with fp32 LoRA adapters is sharded as is."""
     keep: dict[str, nn.Parameter] = {}
     ignored_prefixes = [name for name, mod in model.named_modules() if name and plan.is_ignored(name, mod)]
     dominant = _dominant_dtype(model)
+    trainable = _dominant_dtype(model, trainable_only=True) if training else None
     for name, param in model.named_parameters():
         in_ignored = any(name.startswith(prefix + ".") for prefix in ignored_prefixes)
         floating = param.is_floating_point() or param.is_complex()
         if in_ignored or param.dim() == 0 or not floating:
             keep[name] = param
-        elif param.dtype != dominant:
+        elif training and trainable is not None and not param.requires_grad:
+            continue
+        elif param.dtype != (trainable or dominant):
             if training:
                 raise ValueError(
                     f"parameter {name} is {param.dtype} but most of the model is {dominant}: FSDP2 needs one dtype "

@@ -42,6 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-checkpointing", action="store_true", help="recompute blocks in backward"
     )
     parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
+    parser.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="train peft LoRA adapters of this rank on a frozen base (0: off)",
+    )
+    parser.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / r)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="layers to adapt (default: every linear layer but the output head)",
+    )
+    parser.add_argument(
+        "--lora-adapter",
+        default=None,
+        metavar="DIR",
+        help="continue from a peft adapter folder (implies LoRA)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None, help="checkpoint folder")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)")
@@ -55,7 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="resume from the latest checkpoint (or PATH)",
     )
     parser.add_argument(
-        "--export", default=None, metavar="DIR", help="write a safetensors model folder at the end"
+        "--export",
+        default=None,
+        metavar="DIR",
+        help="write a safetensors model folder at the end (with LoRA: a peft adapter folder)",
+    )
+    parser.add_argument(
+        "--export-merged", default=None, metavar="DIR", help="with LoRA: write the merged model folder"
     )
     parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
     parser.add_argument("--log-every", type=int, default=1)
@@ -81,6 +108,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mixed_precision=args.mixed_precision,
         activation_checkpointing=args.activation_checkpointing,
         freeze=tuple(args.freeze),
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_target_modules=tuple(args.lora_target_modules),
+        lora_adapter=args.lora_adapter,
+        export_merged=args.export_merged,
         seed=args.seed,
         text_key=args.text_key,
         output_dir=args.output_dir,
@@ -123,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if result.checkpoint:
         print(f"checkpoint: {result.checkpoint}")
     if result.export:
-        print(f"exported model: {result.export}")
+        print(f"exported {'adapter' if cfg.use_lora else 'model'}: {result.export}")
+    if result.export_merged:
+        print(f"exported merged model: {result.export_merged}")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps([vars(s) for s in steps], indent=1))
     return 0

@@ -65,6 +65,17 @@ class TrainConfig:
     """Recompute each decoder block's activations in backward instead of keeping them."""
     freeze: tuple[str, ...] = ()
     """Regular expressions; matching parameters are frozen (LoRA-style partial fine-tuning)."""
+    lora_r: int = 0
+    """LoRA rank; > 0 trains peft LoRA adapters (fp32) on a frozen base kept in its checkpoint dtype."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is ``lora_alpha / lora_r * B @ A``."""
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ()
+    """Module names (or suffixes) to adapt; empty: every linear layer but the output head (peft's all-linear)."""
+    lora_adapter: str | None = None
+    """Start from this peft adapter folder (its r, alpha and targets) instead of a fresh adapter."""
+    export_merged: str | None = None
+    """With LoRA: write the base model with the adapters merged in, as a safetensors model folder."""
     replicated_modules: tuple[str, ...] = ()
     """Module names kept whole on every rank (FSDP ignored modules); their gradients are all-reduced."""
     seed: int = 0
@@ -77,13 +88,28 @@ class TrainConfig:
     resume: str | None = None
     """``latest`` (the newest complete checkpoint in ``output_dir``) or a checkpoint folder."""
     export: str | None = None
-    """Write a consolidated safetensors model folder here at the end."""
+    """Write a consolidated safetensors model folder here at the end (with LoRA: a peft adapter folder)."""
     export_dtype: str | None = None
     """dtype of the export (default: fp32, as trained)."""
     log_every: int = 1
     progress: bool = True
     comm_stats: bool = False
     """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
+
+    @property
+    def use_lora(self) -> bool:
+        return self.lora_r > 0 or self.lora_adapter is not None
+
+    def lora_fingerprint(self) -> dict[str, Any] | None:
+        """The LoRA settings a checkpoint resumes only into (None without LoRA)."""
+        if not self.use_lora:
+            return None
+        return {
+            "r": self.lora_r,
+            "alpha": self.lora_alpha,
+            "targets": sorted(self.lora_target_modules),
+            "adapter": self.lora_adapter,
+        }
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -114,6 +140,7 @@ class TrainConfig:
             )
         if self.export_dtype is not None and self.export_dtype not in DTYPES:
             out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+        out.extend(self._lora_problems())
         if (self.save_every or self.resume) and not self.output_dir:
             out.append("--save-every / --resume need --output-dir (where checkpoints live)")
         for pattern in self.freeze:
@@ -130,6 +157,33 @@ class TrainConfig:
             out.append(
                 f"--batch-size={self.batch_size} must be a multiple of the data-parallel size {dp} "
                 f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
+            )
+        return out
+
+    def _lora_problems(self) -> list[str]:
+        out = []
+        if self.lora_r < 0:
+            out.append(f"--lora-r={self.lora_r} must be >= 0 (0: full fine-tuning)")
+        if not 0 <= self.lora_dropout < 1:
+            out.append(f"--lora-dropout={self.lora_dropout} must be in [0, 1)")
+        if self.export_merged and not self.use_lora:
+            out.append(
+                "--export-merged needs LoRA (--lora-r N or --lora-adapter); use --export for a full model"
+            )
+        if not self.use_lora:
+            if self.lora_target_modules:
+                out.append(
+                    "--lora-target-modules has no effect without --lora-r; set --lora-r 8 (for example)"
+                )
+            return out
+        if self.freeze:
+            out.append(
+                "--freeze with LoRA: the base is frozen already and only adapters train; drop --freeze"
+            )
+        if self.parallel.tensor_parallel_size > 1:
+            out.append(
+                f"--tensor-parallel-size={self.parallel.tensor_parallel_size} with LoRA is not supported (the TP "
+                "plans shard nn.Linear layers, which LoRA wraps); use --tensor-parallel-size 1"
             )
         return out
 
@@ -175,6 +229,11 @@ def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None
             f"--resume {target} was saved from another model (differs in: {', '.join(diff)}); resume with the "
             f"--model it was trained from, or start in a new --output-dir"
         )
+    if state.get("lora") != cfg.lora_fingerprint():
+        raise TrainConfigError(
+            f"--resume {target} was saved with LoRA settings {state.get('lora')}, this run has "
+            f"{cfg.lora_fingerprint()}; resume with the same --lora-* flags, or start in a new --output-dir"
+        )
     if state["step"] >= cfg.steps:
         raise TrainConfigError(
             f"--resume {target} is already at step {state['step']}; raise --steps above it"
@@ -195,9 +254,14 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(f"--model: {exc}") from exc
     if not Path(cfg.data).is_file():
         raise TrainConfigError(f"--data {cfg.data}: no such file")
-    if cfg.export and Path(cfg.export).exists() and any(Path(cfg.export).iterdir()):
-        raise TrainConfigError(
-            f"--export {cfg.export} exists and is not empty; remove it or choose another folder"
-        )
+    for flag, folder in (("--export", cfg.export), ("--export-merged", cfg.export_merged)):
+        if folder and Path(folder).exists() and any(Path(folder).iterdir()):
+            raise TrainConfigError(
+                f"{flag} {folder} exists and is not empty; remove it or choose another folder"
+            )
     fingerprint = model_fingerprint(model_dir)
+    if cfg.use_lora:
+        from hsdp.train.lora import check_lora
+
+        check_lora(cfg, model_dir)
     return Preflight(model_dir, fingerprint, _resume_target(cfg, fingerprint))

@@ -33,6 +33,7 @@ from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device
 from hsdp.loading import load_pretrained, model_class_for
 from hsdp.memory import peak_memory_bytes
 from hsdp.mesh import build_meshes
+from hsdp.train import lora
 from hsdp.train.config import TrainConfig, TrainConfigError, preflight
 from hsdp.train.data import PackedDataset
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
@@ -59,6 +60,7 @@ class TrainResult:
     steps: list[StepResult] = field(default_factory=list)
     checkpoint: str | None = None
     export: str | None = None
+    export_merged: str | None = None
     comm: dict | None = None
     """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
 
@@ -101,15 +103,21 @@ class Trainer:
         self.dp_rank = self.meshes.data_parallel_rank
 
         torch.manual_seed(cfg.seed)
+        self.lora = lora.lora_config(cfg, str(self.model_dir)) if cfg.use_lora else None
         self.model = load_pretrained(
             self.model_dir,
             self.parallel,
             model_class=self._model_class(),
-            dtype=torch.float32,
+            # LoRA keeps the frozen base in its checkpoint dtype; full fine-tuning keeps fp32 masters.
+            dtype="auto" if self.lora else torch.float32,
             meshes=self.meshes,
             training=True,
+            prepare=lora.injector(self.lora) if self.lora else None,
         )
         self.model.train()
+        if self.lora:
+            count = lora.init_adapters(self.model, cfg.seed, cfg.lora_adapter)
+            logger.info("LoRA r=%d alpha=%g: %d adapter parameters", self.lora.r, self.lora.lora_alpha, count)
         self._freeze()
         if cfg.activation_checkpointing:
             if not getattr(self.model, "supports_gradient_checkpointing", False):
@@ -126,7 +134,12 @@ class Trainer:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.checkpointer = (
-            Checkpointer(cfg.output_dir, keep_last=cfg.keep_last, async_save=cfg.async_save)
+            Checkpointer(
+                cfg.output_dir,
+                keep_last=cfg.keep_last,
+                async_save=cfg.async_save,
+                trainable_only=self.lora is not None,
+            )
             if cfg.output_dir
             else None
         )
@@ -236,6 +249,7 @@ class Trainer:
             "world_size": self.world_size,
             "layout": self.parallel.describe() if self.parallel.use_hsdp else "single process",
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
+            "lora": cfg.lora_fingerprint(),
         }
 
     def save(self) -> None:
@@ -286,12 +300,25 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.wait()
             result.checkpoint = str(latest_checkpoint(self.checkpointer.root))
-        if cfg.export:
-            dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+        self._export(result)
+        return result
+
+    def _export(self, result: TrainResult) -> None:
+        cfg = self.cfg
+        dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+        if cfg.export and self.lora:
+            result.export = str(lora.save_adapter(self.model, self.lora, cfg.export))
+        elif cfg.export:
             result.export = str(
                 export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir)
             )
-        return result
+        if cfg.export_merged:
+            merged = lora.merged_state(self.model, dtype)
+            result.export_merged = str(
+                export_safetensors(
+                    self.model, cfg.export_merged, dtype=dtype, source_dir=self.model_dir, state_dict=merged
+                )
+            )
 
     def _guarded_step(self) -> StepResult:
         try:

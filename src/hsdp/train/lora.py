@@ -1,0 +1,236 @@
+"""LoRA with ``peft`` on a sharded base model: inject, initialise, check, export.
+
+The adapters are injected with ``peft.inject_adapter_in_model`` into the empty (meta) model before FSDP2 shards
+it, so each adapter lives in the FSDP unit of the layer it adapts. The base stays frozen in its checkpoint dtype;
+adapters are fp32 (only trainable parameters must share a dtype in an FSDP2 unit, and peft casts a layer's input
+to the adapter's dtype, so the update is computed in fp32 as ``get_peft_model`` does with
+``autocast_adapter_dtype``).
+
+Initialisation is peft's (``lora_A`` Kaiming-uniform with ``a=sqrt(5)``, ``lora_B`` zero) drawn on the full tensor
+from one CPU generator seeded with ``--seed``, in parameter order; each rank keeps its own slice, so the start is
+the same at every world size (:func:`init_adapters`; the parity tests give a one-process peft model the same start).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hsdp.train.config import TrainConfig, TrainConfigError
+
+__all__ = [
+    "ADAPTER_WEIGHTS",
+    "lora_config",
+    "injector",
+    "check_lora",
+    "init_adapters",
+    "adapter_state",
+    "save_adapter",
+    "merged_state",
+    "peft_key",
+]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER = "default"  # peft's adapter name inside the model; dropped from the keys of a saved adapter
+_LORA_KEY = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
+
+
+def lora_config(cfg: TrainConfig, base: str = ""):
+    """The ``peft.LoraConfig`` of a run: from ``--lora-adapter``'s folder when given, else from the flags."""
+    from peft import LoraConfig
+
+    if cfg.lora_adapter:
+        config = LoraConfig.from_pretrained(cfg.lora_adapter)
+        config.inference_mode = False
+        config.base_model_name_or_path = base or config.base_model_name_or_path
+        return config
+    targets = list(cfg.lora_target_modules) or "all-linear"  # every linear layer but the output head
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        base_model_name_or_path=base or None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def injector(config) -> Callable[[nn.Module], None]:
+    """A ``load_pretrained(prepare=...)`` hook: inject the adapters on meta, fp32, trainable; freeze the rest."""
+
+    def inject(model: nn.Module) -> None:
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        for name, param in model.named_parameters():
+            is_adapter = _LORA_KEY.search(name) is not None
+            param.requires_grad_(is_adapter)
+            if is_adapter and param.dtype != torch.float32:
+                param.data = param.data.float()
+
+    return inject
+
+
+def peft_key(name: str) -> str:
+    """The key of an adapter tensor in a saved peft adapter (``PeftModel.save_pretrained``)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def _meta_model(model_dir: Path) -> nn.Module:
+    from transformers import AutoConfig
+
+    from hsdp.loading import model_class_for
+
+    with torch.device("meta"):
+        return model_class_for(model_dir)._from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def _target_error(cfg: TrainConfig, model: nn.Module, exc: Exception) -> TrainConfigError:
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
+    flag = f"--lora-adapter {cfg.lora_adapter}" if cfg.lora_adapter else "--lora-target-modules"
+    return TrainConfigError(
+        f"{flag}: {' '.join(cfg.lora_target_modules) or 'all-linear'} matched no layer of "
+        f"{type(model).__name__} ({exc}); its linear layers are named {', '.join(linear)}"
+    )
+
+
+def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
+    """Inject the adapters into a meta copy of the model: the targets must match, and a ``--lora-adapter`` must
+    hold exactly the adapter tensors of this base model, in the same shapes. Reads only small files."""
+    config = lora_config(cfg, str(model_dir))
+    model = _meta_model(model_dir)
+    try:
+        injector(config)(model)
+    except ValueError as exc:
+        raise _target_error(cfg, model, exc) from exc
+    if cfg.lora_adapter:
+        _check_adapter_file(cfg.lora_adapter, model, model_dir, config.base_model_name_or_path)
+
+
+def _check_adapter_file(folder: str, model: nn.Module, model_dir: Path, trained_on: str | None) -> None:
+    from safetensors import safe_open
+
+    path = Path(folder) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise TrainConfigError(f"--lora-adapter {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)")
+    with safe_open(path, framework="pt") as handle:
+        stored = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+    expected = {peft_key(n): tuple(p.shape) for n, p in model.named_parameters() if _LORA_KEY.search(n)}
+    problems = [f"missing {k}" for k in sorted(expected.keys() - stored.keys())][:3]
+    problems += [f"unexpected {k}" for k in sorted(stored.keys() - expected.keys())][:3]
+    problems += [
+        f"{k}: adapter {list(stored[k])}, model {list(v)}"
+        for k, v in expected.items()
+        if k in stored and stored[k] != v
+    ][:3]
+    if problems:
+        raise TrainConfigError(
+            f"--lora-adapter {folder} does not fit --model {model_dir} (the adapter was trained on "
+            f"{trained_on or 'an unknown base'}): {'; '.join(problems)}. Pass the base model it was trained on"
+        )
+
+
+def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return param, tuple(slice(0, n) for n in param.shape)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -> int:
+    """Fill this rank's slice of every adapter tensor (peft's init from ``seed``, or ``adapter_dir``'s weights);
+    returns the number of adapter parameters. No communication: every rank draws the same full tensors."""
+    stored: dict[str, torch.Tensor] = {}
+    if adapter_dir:
+        from safetensors.torch import load_file
+
+        stored = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+    generator = torch.Generator().manual_seed(seed)
+    count = 0
+    for name, param in model.named_parameters():
+        if not _LORA_KEY.search(name):
+            continue
+        full = torch.empty(param.shape, dtype=torch.float32)
+        if stored:
+            full.copy_(stored[peft_key(name)])
+        elif ".lora_A." in name:
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+        else:
+            full.zero_()
+        local, region = _local_region(param)
+        local.copy_(full[region].reshape(local.shape))
+        count += param.numel()
+    return count
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter tensor gathered whole, on the CPU, under its peft key; collective."""
+    return {
+        peft_key(name): _full(param).detach().cpu().clone()
+        for name, param in model.named_parameters()
+        if _LORA_KEY.search(name)
+    }
+
+
+def save_adapter(model: nn.Module, config, out_dir: str | Path) -> Path:
+    """Write a peft adapter folder (``PeftModel.from_pretrained`` loads it); collective, rank 0 writes."""
+    from safetensors.torch import save_file
+
+    state = adapter_state(model)
+    out_dir = Path(out_dir)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        saved = copy.copy(config)
+        saved.inference_mode = True  # as PeftModel.save_pretrained writes it
+        saved.save_pretrained(out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+@torch.no_grad()
+def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The base model's state with every adapter merged in (``W + alpha / r * B @ A``), under the base model's keys,
+    sharded as the base is (each rank adds the slice of the update that matches its shard); collective only to
+    gather the small adapter tensors."""
+    modules = dict(model.named_modules())
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if _LORA_KEY.search(name):
+            continue
+        key = name.replace(".base_layer.", ".")
+        owner = name.rsplit(".base_layer.", 1)[0]
+        if name.endswith(".base_layer.weight") and hasattr(modules[owner], "lora_A"):
+            layer = modules[owner]
+            a = _full(layer.lora_A[ADAPTER].weight).float()
+            b = _full(layer.lora_B[ADAPTER].weight).float()
+            local, region = _local_region(tensor)
+            scaling = layer.scaling[ADAPTER]
+            merged = (local.float() + scaling * (b @ a)[region].reshape(local.shape)).to(local.dtype)
+            if isinstance(tensor, DTensor):
+                merged = DTensor.from_local(
+                    merged, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+                )
+            tensor = merged
+        out[key] = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+    return out
