@@ -65,6 +65,12 @@ def test_mixed_precision_reduces_in_fp32_by_default():
         (dict(use_hsdp=True, ulysses_degree=2, tensor_parallel_size=2), "not supported"),
         (dict(use_hsdp=True, ulysses_degree=2, request_parallel=True), "--request-parallel needs standalone"),
         (dict(sharding_strategy="ZERO_4"), "is unknown"),
+        (dict(tensor_parallel_size=2), "--tensor-parallel-size=2 is applied only with sharding on"),
+        (dict(cpu_offload=True), "--cpu-offload=True has no effect without --use-hsdp"),
+        (dict(param_dtype="bf16"), "--param-dtype=bf16 has no effect without --use-hsdp"),
+        (dict(reduce_dtype="fp32"), "--reduce-dtype=fp32 has no effect without --use-hsdp"),
+        (dict(reshard_after_forward=False), "--reshard-after-forward=False has no effect"),
+        (dict(ulysses_degree=2, param_dtype="bf16"), "add --use-hsdp (HSDP then overlays the 2"),
     ],
 )
 def test_bad_configs_name_the_flag_and_fix(kwargs, fragment):
@@ -77,6 +83,17 @@ def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
         ParallelConfig(ulysses_degree=0, ring_degree=-2, param_dtype="x").resolved()
     assert len(info.value.problems) == 3
+
+
+def test_sharding_only_settings_are_refused_together_without_hsdp():
+    """Tensor parallel, offload and mixed precision are applied only when sharding: never ignored silently."""
+    settings = dict(tensor_parallel_size=2, cpu_offload=True, param_dtype="bf16")
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**settings).resolved()
+    assert len(info.value.problems) == 3
+    assert all("--use-hsdp" in problem for problem in info.value.problems)
+    config = resolved(use_hsdp=True, hsdp_shard_size=1, **settings)
+    assert config.world_size == 2 and config.cpu_offload and config.param_dtype == "bf16"
 
 
 def test_world_size_needs_resolution():

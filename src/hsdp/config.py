@@ -169,6 +169,7 @@ class ParallelConfig:
             return out
         out += self._hsdp_problems()
         out += self._strategy_problems()
+        out += self._needs_hsdp_problems()
         if self.tensor_parallel_size > 1 and self.compute_parallel_size > 1:
             out.append(
                 f"--tensor-parallel-size={self.tensor_parallel_size} with sequence/CFG parallel "
@@ -213,6 +214,34 @@ class ParallelConfig:
                 "(or -1 for auto)"
             ]
         return []
+
+    def _needs_hsdp_problems(self) -> list[str]:
+        """Settings that only the sharding step (``apply_hsdp_to_model``) applies; without ``--use-hsdp`` every
+        consumer (engine, training, ``load_pretrained``) loads the model whole and would silently ignore them."""
+        if self.use_hsdp:
+            return []
+        if self.compute_parallel_size > 1:
+            fix = f"add --use-hsdp (HSDP then overlays the {self.compute_parallel_size} sequence/CFG-parallel ranks)"
+        else:
+            fix = "add --use-hsdp --hsdp-shard-size N (the weights sharded over N ranks; 1 keeps them whole)"
+        out = []
+        if self.tensor_parallel_size > 1:
+            out.append(
+                f"--tensor-parallel-size={self.tensor_parallel_size} is applied only with sharding on, so the run "
+                f"would use {self.tensor_parallel_size} ranks without splitting any weight; {fix}, or drop it"
+            )
+        given = {
+            "--cpu-offload": self.cpu_offload or None,
+            "--param-dtype": self.param_dtype,
+            "--reduce-dtype": self.reduce_dtype,
+            "--reshard-after-forward": self.reshard_after_forward,
+        }
+        out += [
+            f"{flag}={value} has no effect without --use-hsdp; {fix}, or drop it"
+            for flag, value in given.items()
+            if value is not None
+        ]
+        return out
 
     def _strategy_problems(self) -> list[str]:
         if self.sharding_strategy is None:
