@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointIndex",
     "read_checkpoint_index",
     "model_class_for",
+    "build_empty_model",
 ]
 
 _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
@@ -184,6 +185,15 @@ def _build_empty(cls: type[nn.Module], folder: Path) -> nn.Module:
         from transformers import AutoConfig
 
         return cls._from_config(AutoConfig.from_pretrained(folder))
+
+
+def build_empty_model(cls: type[nn.Module], folder: Path, dtype: torch.dtype | None) -> nn.Module:
+    """``cls`` as ``folder``'s config describes it, parameters on meta in ``dtype`` (None: as built), tied weights
+    still tied. The one build both loading and ``hsdp plan`` use, so the planner counts what loading makes."""
+    model = _build_empty(cls, folder)
+    if dtype is not None:
+        _cast(model, dtype)
+    return model
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:
@@ -447,10 +457,7 @@ def load_pretrained(
     config = (parallel_config or ParallelConfig()).resolved()
     cls = model_class or model_class_for(folder)
     index = read_checkpoint_index(folder)
-    model = _build_empty(cls, folder)
-    target_dtype = _resolve_dtype(dtype, index)
-    if target_dtype is not None:
-        _cast(model, target_dtype)
+    model = build_empty_model(cls, folder, _resolve_dtype(dtype, index))
     plan = _plan(model, index)  # validate before any allocation
     moved = _run_prepare(model, prepare) if prepare is not None else {}
     if plan.converted:
