@@ -91,13 +91,21 @@ def test_keep_gathered_inference_moves_nothing_after_the_first_step():
     )
 
 
-def test_tied_weights_counted_once():
+@pytest.mark.parametrize("tied", [True, False])
+def test_profile_counts_what_loading_builds(tied, tmp_path):
+    """``hsdp plan``'s meta build of a saved folder counts the real model's parameters and bytes (tied weights
+    once; the meta build used to untie them: tiny-llama 221,760 planned against 197,184 real)."""
     from hsdp.models.tiny import build_tiny_llama
+    from hsdp.planner import profile_model
 
-    with torch.device("meta"):
-        model = build_tiny_llama()
-    profile = profile_module(model)
-    assert profile.num_params == sum(p.numel() for p in model.parameters())
+    real = build_tiny_llama(tie_word_embeddings=tied)
+    real.save_pretrained(tmp_path)
+    (profile,) = profile_model(str(tmp_path))
+    unique = list(real.parameters())  # each tied parameter once
+    assert profile.num_params == sum(p.numel() for p in unique) == (197_184 if tied else 221_760)
+    sharded = sum(u.nbytes for u in profile.units)
+    whole_params = profile.replicated_bytes - sum(b.numel() * b.element_size() for b in real.buffers())
+    assert sharded + whole_params == sum(p.numel() * p.element_size() for p in unique)
     assert profile.kind == "causal_lm" and profile.layers == 4 and profile.vocab == 384
     assert len(profile.blocks) == 4
 

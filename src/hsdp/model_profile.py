@@ -180,16 +180,6 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
     )
 
 
-def _cast_meta(model: nn.Module, dtype: torch.dtype) -> None:
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for mname, module in model.named_modules():
-        if any(k in mname.split(".") for k in keep):
-            continue
-        for pname, param in module.named_parameters(recurse=False):
-            if param.is_floating_point():
-                setattr(module, pname, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
-
-
 def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
     from hsdp.loading import CheckpointError, read_checkpoint_index
 
@@ -197,12 +187,14 @@ def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
         dtype = read_checkpoint_index(folder).floating_dtype
     except CheckpointError:  # a config-only folder still plans, at the config's dtype
         dtype = None
-    return dtype or DTYPES.get(str(config.get("torch_dtype", "")).removeprefix("torch."), torch.float32)
+    named = str(config.get("torch_dtype") or config.get("dtype") or "")  # transformers 5 writes "dtype"
+    return dtype or DTYPES.get(named.removeprefix("torch."), torch.float32)
 
 
 def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
-    """The model a folder's ``config.json`` describes, on the meta device at its stored dtype, and that config."""
-    from hsdp.loading import CheckpointError, model_class_for
+    """The model a folder's ``config.json`` describes, parameters on the meta device at the stored dtype (built as
+    :func:`hsdp.loading.load_pretrained` builds it), and that config."""
+    from hsdp.loading import CheckpointError, build_empty_model, model_class_for
 
     try:
         cls = model_class_for(folder)
@@ -210,18 +202,12 @@ def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn
     except (CheckpointError, OSError, json.JSONDecodeError) as exc:
         raise PlanError(f"cannot read model folder {folder}: {exc}") from exc
     try:
-        with torch.device("meta"):
-            if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):  # diffusers
-                model = cls.from_config(cls.load_config(folder))
-            else:
-                from transformers import AutoConfig
-
-                hf_config = AutoConfig.from_pretrained(folder)
-                model = cls._from_config(hf_config)
-                config = hf_config.to_dict()
+        # Loading's own build, so tied weights stay tied and fp32-kept modules stay fp32 exactly as loaded.
+        model = build_empty_model(cls, folder, dtype or _stored_dtype(folder, config))
     except Exception as exc:  # a config the library rejects: say which file, keep the library's reason
         raise PlanError(f"cannot build {cls.__name__} from {folder / 'config.json'}: {exc}") from exc
-    _cast_meta(model, dtype or _stored_dtype(folder, config))
+    if not isinstance(model.config, dict):  # transformers' config, with every default filled in
+        config = model.config.to_dict()
     return model, config
 
 
