@@ -1,10 +1,13 @@
 """FSDP2 sharding by shard plan: exact parity with one process at world 2 (1-D) and 4 (2 x 2 HSDP)."""
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
-import torch
 from torch import nn
 
 from hsdp.config import ParallelConfig
+from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.plans import resolve_plan
 from tests import core_fns
 
@@ -58,11 +61,21 @@ def test_plan_matching_nothing_lists_candidates():
             self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
 
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=1)
-    with pytest.raises(ValueError, match="matched no module of Blocks.*Sequential"):
-        apply_hsdp_to_model(Blocks(), config, meshes=_single_rank_meshes(config))
+    with (
+        _single_rank_meshes(config) as meshes,
+        pytest.raises(ValueError, match="matched no module of Blocks.*Sequential"),
+    ):
+        apply_hsdp_to_model(Blocks(), config, meshes=meshes)
 
 
-def _single_rank_meshes(config):
-    from hsdp.mesh import ParallelMeshes
+@contextlib.contextmanager
+def _single_rank_meshes(config: ParallelConfig) -> Iterator[ParallelMeshes]:
+    """Real one-rank meshes over torch's fake process group (no peers, no threads), torn down afterwards."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    return ParallelMeshes(config.resolved(), fsdp=torch.zeros(0), compute=None, tp=None)  # never reached
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        yield build_meshes(config)
+    finally:
+        dist.destroy_process_group()
