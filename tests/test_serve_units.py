@@ -22,7 +22,7 @@ from hsdp.serve.schemas import (
     parse_size,
 )
 from hsdp.serve.settings import ServeLimits, ServeSettings
-from hsdp.serve.text import apply_stop, chat_prompt, text_deltas
+from hsdp.serve.text import TextStream, apply_stop, chat_prompt
 
 VIDEO = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 1}
 
@@ -85,13 +85,21 @@ def test_records_survive_a_restart(tmp_path):
     }
     (store.jobs_dir / f"{lost.id}.json").write_text(json.dumps(lost_record))
 
-    again = JobStore(tmp_path, capacity=10)
-    assert again.load() == (4, 1)
+    spent = _job(seed=5)  # ran its last attempt when the server stopped
+    (store.jobs_dir / f"{spent.id}.json").write_text(
+        json.dumps(spent.record() | {"status": "in_progress", "attempts": 3})
+    )
+
+    again = JobStore(tmp_path, capacity=10, max_attempts=3)
+    assert again.load() == (5, 2)
     assert again.get(done.id).status == "completed" and again.get(done.id).output == f"{done.id}.mp4"
-    assert again.get(running.id).status == "failed"
-    assert again.get(running.id).error["code"] == "server_restarted"
+    # The job that was running runs again (its seed is in the record), before the one that waited behind it.
+    assert again.get(running.id).status == "queued" and again.get(running.id).attempts == 1
+    assert again.get(spent.id).status == "failed" and again.get(spent.id).error["code"] == "server_restarted"
+    assert "(attempt 3 of 3)" in again.get(spent.id).error["message"]
     assert again.get(lost.id).error["code"] == "output_missing"
-    assert [j.id for j in again.next_batch(4, timeout_s=0)] == [waiting.id]
+    assert [j.id for j in again.next_batch(4, timeout_s=0)] == [running.id, waiting.id]
+    assert again.get(running.id).attempts == 2
 
 
 def test_ephemeral_jobs_leave_no_record(tmp_path):
@@ -138,11 +146,17 @@ def test_stop_strings_and_streamed_pieces():
     tokenizer = build_byte_tokenizer()
     text = "héllo ✓"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    pieces = list(text_deltas(tokenizer, ids, tokenizer.decode(ids, skip_special_tokens=True)))
-    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
-    assert all("\ufffd" not in p for p in pieces)
-    cut = list(text_deltas(tokenizer, ids, "hé"))  # a stop string cut the text: stream stops there
-    assert "".join(cut) == "hé"
+
+    def stream(stop):
+        live = TextStream(tokenizer, stop)
+        pieces = [live.update(ids[:n], final=False) for n in range(1, len(ids) + 1)]
+        return pieces + [live.update(ids, final=True)], live.stopped
+
+    pieces, stopped = stream(None)  # one token at a time, as the ranks produce them
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) and not stopped
+    assert all("\ufffd" not in p for p in pieces) and sum(bool(p) for p in pieces) > 3
+    pieces, stopped = stream(["llo"])  # held back while it may be a stop string, then cut before it
+    assert "".join(pieces) == "hé" and stopped
     messages = [
         ChatMessage(role="system", content="be brief"),
         ChatMessage(role="user", content=[{"type": "text", "text": "hi"}]),
@@ -168,17 +182,22 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
 class _FakeEngine:
     """Engine stand-in: the runner's contract (request_slots, pids, closed, generate, close) without workers."""
 
-    def __init__(self, error: Exception | None):
+    def __init__(self, error: Exception | None, poison: str | None = None):
         self.error, self.closed, self.request_slots, self.pids, self.calls = error, False, 2, [101, 102], []
+        self.poison = poison
+        """Only a batch holding this prompt fails (a job that breaks the workers every time)."""
 
-    def generate(self, prompts, params, on_progress=None):
+    def ping(self, timeout_s):
+        pass
+
+    def generate(self, prompts, params, on_progress=None, on_token=None):
         from hsdp.engine import GenerationOutput, Timings
 
         self.calls.append((list(prompts), list(params.seed)))
         for step in range(1, 5):  # as the engine does after each denoising step of each request
             for request_id in range(len(prompts)):
                 on_progress(request_id, step, 4)
-        if self.error is not None:
+        if self.error is not None and (self.poison is None or self.poison in prompts):
             self.closed = True  # as Engine.generate does on any WorkerError
             raise self.error
         return [
@@ -213,7 +232,7 @@ class _RecordingStore(JobStore):
         (WorkerTimeout("generate did not finish within 600s on ranks [0, 1]"), "timeout", "within 600s"),
     ],
 )
-def test_runner_fails_the_batch_restarts_and_pads(tmp_path, error, code, reason):
+def test_runner_runs_an_interrupted_batch_again_alone_after_a_restart(tmp_path, error, code, reason):
     from hsdp.serve.runner import EngineRunner
 
     engines = []
@@ -223,31 +242,56 @@ def test_runner_fails_the_batch_restarts_and_pads(tmp_path, error, code, reason)
         return engines[-1]
 
     store = _RecordingStore(tmp_path, capacity=10)
-    a, b, c = (Job("text", f"p{i}", {"max_new_tokens": 4}, seed=10 + i) for i in range(3))
+    a, b = (Job("text", f"p{i}", {"max_new_tokens": 4}, seed=10 + i) for i in range(2))
     runner = EngineRunner(make_engine, store, poll_s=0.05)
     runner.start()
     try:
         store.submit([a, b])
-        deadline = time.monotonic() + 10
-        while not (a.finished and b.finished) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert a.status == b.status == "failed" and a.error["code"] == code
-        assert reason in a.error["message"] and "restarted" in a.error["message"]
-        store.submit([c])
-        while not c.finished and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_finished([a, b])
     finally:
         runner.stop()
-    assert c.status == "completed" and c.result.text == "P2"
+    assert a.status == b.status == "completed" and (a.result.text, b.result.text) == ("P0", "P1")
+    assert a.attempts == b.attempts == 2 and store.requeued == 2
+    # The failed batch ran side by side; after the restart each job runs alone (padded), with its own seed.
+    assert engines[0].calls == [(["p0", "p1"], [10, 11])]
+    assert engines[1].calls == [(["p0", "p0"], [10, 10]), (["p1", "p1"], [11, 11])]
     # The engine's per-step callback drives progress; 100 waits for the end (decode and encoding follow).
-    assert store.progress_seen[c.id] == [25, 50, 75, 99] and c.progress == 100
-    assert engines[1].calls == [(["p2", "p2"], [12, 12])]  # padded to the 2 request-parallel slots
-    assert (runner.stats.restarts, runner.stats.padded_requests, runner.stats.worker_pids) == (
-        1,
-        1,
-        [101, 102],
-    )
+    assert store.progress_seen[b.id][-4:] == [25, 50, 75, 99] and b.progress == 100
+    assert (runner.stats.restarts, runner.stats.worker_failures, runner.stats.padded_requests) == (1, 1, 2)
     assert engines[1].closed and runner.stats.state == "stopped"
+
+
+def test_a_job_that_breaks_the_workers_every_time_fails_alone(tmp_path):
+    from hsdp.serve.runner import EngineRunner
+
+    engines = []
+
+    def make_engine():
+        engines.append(_FakeEngine(WorkerDiedError("generate: worker rank 0 died", rank=0), poison="bad"))
+        return engines[-1]
+
+    store = JobStore(tmp_path, capacity=10, max_attempts=3)
+    bad, good, later = (
+        Job("text", p, {"max_new_tokens": 4}, seed=i) for i, p in enumerate(["bad", "ok", "z"])
+    )
+    runner = EngineRunner(make_engine, store, poll_s=0.05)
+    runner.start()
+    try:
+        store.submit([bad, good])
+        store.submit([later])
+        _wait_finished([bad, good, later])
+    finally:
+        runner.stop()
+    assert bad.status == "failed" and bad.attempts == 3
+    assert bad.error["code"] == "worker_died" and "(attempt 3 of 3)" in bad.error["message"]
+    assert good.status == later.status == "completed" and good.attempts == 2 and later.attempts == 1
+
+
+def _wait_finished(jobs: list[Job], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(j.finished for j in jobs):
+        assert time.monotonic() < deadline, [(j.prompt, j.status) for j in jobs]
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,10 @@ files and the arguments is checked before a process starts. A worker that dies o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -293,6 +295,25 @@ class Engine:
         if self._board is None:
             raise RuntimeError("this Engine was started without cancellable=True")
         self._board.cancel(self._call_id, request_id)
+
+    def ping(self, timeout_s: float = 2.0) -> None:
+        """Check that every rank answers within ``timeout_s`` (between calls); a dead or hung worker raises
+        :class:`hsdp.launch.WorkerError` and closes the engine, as a failed ``generate`` does."""
+        if self._closed:
+            raise RuntimeError("this Engine is closed; start a new one")
+        with self._lock:
+            try:
+                self._group.run(worker.ping, timeout_s=timeout_s)
+            except WorkerError:
+                self.close()
+                raise
+
+    def kill_workers(self) -> None:
+        """SIGKILL every worker process (from any thread), e.g. when a call shows no progress: the running
+        call, if any, then fails with :class:`hsdp.launch.WorkerDiedError` and the engine closes."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def memory_report(self) -> list[dict]:
         """Per rank, now: ``param_bytes`` held (weights kept gathered count in full), resident and peak memory."""

@@ -32,6 +32,7 @@ __all__ = [
     "generate",
     "memory_report",
     "unload",
+    "ping",
     "peak_memory",
     "reset_peak_memory",
 ]
@@ -189,6 +190,11 @@ def _generate_one(
         return {"cancelled": True, "timings": Timings(total_s=time.perf_counter() - started)}
     finally:
         watch.active = None
+
+
+def ping() -> int:
+    """A round trip: proves this rank's command loop answers (the engine's liveness check)."""
+    return rank()
 
 
 def unload() -> None:

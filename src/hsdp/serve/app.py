@@ -7,10 +7,12 @@ resolved by the engine thread).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from fastapi import FastAPI, Query, Request
@@ -40,7 +42,15 @@ from hsdp.serve.schemas import (
     valid_job_id,
 )
 from hsdp.serve.service import Server
-from hsdp.serve.text import TextChoice, apply_stop, chat_body, completion_body, finish_reason, sse_events
+from hsdp.serve.text import (
+    SseChunks,
+    TextChoice,
+    TextStream,
+    apply_stop,
+    chat_body,
+    completion_body,
+    finish_reason,
+)
 
 __all__ = ["create_app"]
 
@@ -52,6 +62,8 @@ _IMAGE_FIELDS = ("image", "image[]")
 _MASK_FIELDS = ("mask", "mask_image")
 """OpenAI's name and vLLM-Omni's."""
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 429)}
+_DISCONNECT_POLL_S = 0.25
+"""How often a waiting request checks that its client is still there (a gone client cancels its jobs)."""
 
 
 def _form_schema(model: type[BaseModel], files: dict[str, str], required: tuple[str, ...]) -> dict:
@@ -182,24 +194,37 @@ def create_app(server: Server) -> FastAPI:
             )
         return job
 
-    async def run_jobs(jobs: list[Job]) -> list[Job]:
-        server.submit(jobs)
-        for job in jobs:
-            await store.wait(job)
+    async def finished_or_cancelled(jobs: list[Job], request: Request) -> None:
+        """Wait for ``jobs``; a client that goes away cancels them, so the workers stop at their next step."""
+        waiting = asyncio.ensure_future(asyncio.gather(*(store.wait(job) for job in jobs)))
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
+            if not waiting.done() and await request.is_disconnected():
+                for job in jobs:
+                    store.cancel(job, "the client disconnected")
+                await waiting
+
+    def raise_failure(jobs: list[Job]) -> None:
         failed = [j for j in jobs if j.status != "completed"]
-        if failed:
-            error = failed[0].error or {"code": "failed", "message": "generation failed"}
-            if error["code"] == "invalid_request":
-                raise ApiError(400, error["message"], code=error["code"])
-            # The workers died, hung or are restarting: the request itself may succeed again shortly.
-            unavailable = error["code"] in ("worker_died", "timeout", "worker_error", "server_stopped")
-            raise ApiError(
-                503 if unavailable else 500,
-                error["message"],
-                code=error["code"],
-                kind="server_error",
-                headers={"Retry-After": "5"} if unavailable else None,
-            )
+        if not failed:
+            return
+        error = failed[0].error or {"code": "failed", "message": "generation failed"}
+        if error["code"] == "invalid_request":
+            raise ApiError(400, error["message"], code=error["code"])
+        # Worker failures were already run again (--max-attempts); only a stopping server is worth a retry.
+        stopping = error["code"] == "server_stopped"
+        raise ApiError(
+            503 if stopping else 500,
+            error["message"],
+            code=error["code"],
+            kind="server_error",
+            headers={"Retry-After": "5"} if stopping else None,
+        )
+
+    async def run_jobs(jobs: list[Job], request: Request) -> list[Job]:
+        server.submit(jobs)
+        await finished_or_cancelled(jobs, request)
+        raise_failure(jobs)
         return jobs
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
@@ -243,7 +268,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/videos/sync", response_class=Response, responses=_MP4, openapi_extra=_VIDEO_BODY)
     async def create_video_sync(request: Request) -> Response:
         """Generate and answer with the mp4 bytes (not stored)."""
-        [job] = await run_jobs(await video_jobs(request, "video_sync"))
+        [job] = await run_jobs(await video_jobs(request, "video_sync"), request)
         return Response(job.result, media_type="video/mp4", headers={"X-Video-Seed": str(job.seed)})
 
     @app.get("/v1/videos", response_model=VideoList)
@@ -285,14 +310,14 @@ def create_app(server: Server) -> FastAPI:
         """Image endpoints on a video pipeline ask for a single frame; image pipelines take no num_frames."""
         return 1 if server.info.output == "video" else None
 
-    async def images_response(body: ImageRequest, jobs: list[Job]) -> ImagesResponse:
+    async def images_response(body: ImageRequest, jobs: list[Job], request: Request) -> ImagesResponse:
         if body.response_format == "url":
             raise ApiError(
                 400,
                 "response_format='url' is not served (nothing is hosted); use 'b64_json'",
                 param="response_format",
             )
-        jobs = await run_jobs(jobs)
+        jobs = await run_jobs(jobs, request)
         data = [
             ImageData(b64_json=base64.b64encode(j.result).decode(), revised_prompt=j.prompt) for j in jobs
         ]
@@ -301,13 +326,13 @@ def create_app(server: Server) -> FastAPI:
         )
 
     @app.post("/v1/images/generations", response_model=ImagesResponse)
-    async def create_images(body: ImageRequest) -> ImagesResponse:
+    async def create_images(body: ImageRequest, request: Request) -> ImagesResponse:
         """OpenAI images: ``n`` images (seeds ``seed + i``); a video pipeline makes one frame per image."""
         server.check_model(body.model, "diffusion")
         jobs = server.diffusion_jobs(
             body, "image", count=body.n, num_frames=one_frame(), output_format=body.output_format
         )
-        return await images_response(body, jobs)
+        return await images_response(body, jobs, request)
 
     @app.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_EDIT_BODY)
     async def edit_images(request: Request) -> ImagesResponse:
@@ -344,32 +369,78 @@ def create_app(server: Server) -> FastAPI:
             mask=mask,
             pipeline_kwargs={"strength": body.strength},
         )
-        return await images_response(body, jobs)
+        return await images_response(body, jobs, request)
 
     # -- text ------------------------------------------------------------------------------------------------
-    def text_response(
-        body: CompletionRequest | ChatCompletionRequest, jobs: list[Job], chat: bool
-    ) -> Response:
-        budget = body.token_budget() if chat else body.max_tokens
+    def text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Job]) -> list[TextChoice]:
+        budget = body.token_budget() if isinstance(body, ChatCompletionRequest) else body.max_tokens
         choices = []
         for i, job in enumerate(jobs):
             text, stopped = apply_stop(job.result.text or "", body.stop)
             reason = finish_reason(len(job.result.token_ids), budget, stopped)
             choices.append(TextChoice(i, text, reason, job.result.token_ids, job.meta["prompt_tokens"]))
+        return choices
+
+    async def stream_text(
+        body: CompletionRequest | ChatCompletionRequest, jobs: list[Job], chat: bool
+    ) -> AsyncIterator[str]:
+        """Each choice's text as its tokens arrive; a client that goes away cancels what still runs."""
+        chunks = SseChunks(server.name, chat=chat)
+        budget = body.token_budget() if chat else body.max_tokens
+        choices = []
+        try:
+            for index, job in enumerate(jobs):
+                if (opening := chunks.start(index)) is not None:
+                    yield opening
+                stream, count, finished = TextStream(server.tokenizer, body.stop), 0, False
+                while not (finished or stream.stopped):
+                    new, finished = await store.tokens_after(job, count)
+                    count += len(new)
+                    if piece := stream.update(job.tokens[:count], final=finished):
+                        yield chunks.piece(index, piece)
+                if stream.stopped:
+                    store.cancel(job, "a stop string ended the answer")  # the workers need not go on
+                elif job.status != "completed":
+                    yield chunks.error(job.error or {"code": "failed", "message": "generation failed"})
+                    yield chunks.done()
+                    return
+                tokens = job.tokens[:count]
+                choices.append(
+                    TextChoice(
+                        index,
+                        "",
+                        finish_reason(len(tokens), budget, stream.stopped),
+                        tokens,
+                        job.meta["prompt_tokens"],
+                    )
+                )
+                yield chunks.finish(index, choices[-1].finish_reason)
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunks.usage(choices)
+            yield chunks.done()
+        finally:
+            for job in jobs:
+                if not job.finished:
+                    store.cancel(job, "the client disconnected")
+
+    async def text_response(
+        body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
+    ) -> Response:
+        jobs = server.text_jobs(body)
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = sse_events(server.name, server.tokenizer, choices, chat=chat, include_usage=usage)
-            return StreamingResponse(events, media_type="text/event-stream")
+            server.submit(jobs)
+            return StreamingResponse(stream_text(body, jobs, chat), media_type="text/event-stream")
+        choices = text_choices(body, await run_jobs(jobs, request))
         return JSONResponse(
             chat_body(server.name, choices[0]) if chat else completion_body(server.name, choices)
         )
 
     @app.post("/v1/completions", response_class=Response, responses=_TEXT_OR_SSE)
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model, "causal_lm")
-        return text_response(body, await run_jobs(server.text_jobs(body)), chat=False)
+        return await text_response(body, request, chat=False)
 
-    async def chat_media(body: ChatCompletionRequest) -> JSONResponse:
+    async def chat_media(body: ChatCompletionRequest, request: Request) -> JSONResponse:
         """Chat on a diffusion model, as vLLM-Omni: images (or, from a video pipeline, one mp4) as data URLs."""
         server.check_model(body.model, "diffusion")
         if body.stream:
@@ -387,15 +458,15 @@ def create_app(server: Server) -> FastAPI:
             image_field="messages[].content image_url",
         )
         fmt = "mp4" if video else params.output_format
-        urls = [data_url(j.result, fmt) for j in await run_jobs(jobs)]
+        urls = [data_url(j.result, fmt) for j in await run_jobs(jobs, request)]
         return JSONResponse(chat_media_body(server.name, params.prompt, urls))
 
     @app.post("/v1/chat/completions", response_class=Response, responses=_TEXT_OR_SSE)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Text from a causal LM; on a diffusion model, images (vLLM-Omni's shape)."""
         if server.kind == "diffusion":
-            return await chat_media(body)
+            return await chat_media(body, request)
         server.check_model(body.model, "causal_lm")
-        return text_response(body, await run_jobs(server.text_jobs(body)), chat=True)
+        return await text_response(body, request, chat=True)
 
     return app

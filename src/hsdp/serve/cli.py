@@ -45,6 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--job-timeout", type=float, default=600.0, help="seconds per engine call before the workers restart"
     )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without a denoising step or token before running workers count as hung (default 120)",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="engine runs of a job interrupted by worker failures or restarts before it fails (default 3)",
+    )
     limits = parser.add_argument_group("request limits (each violation is a 400 naming the flag)")
     defaults = ServeLimits()
     for name in (
@@ -78,6 +90,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         api_key=args.api_key,
         dtype=args.dtype,
         forward_prefetch=args.forward_prefetch,
+        step_timeout_s=args.step_timeout,
+        max_attempts=args.max_attempts,
         max_queue=args.max_queue,
         job_timeout_s=args.job_timeout,
         limits=ServeLimits(**{name: getattr(args, name) for name in limit_names}),

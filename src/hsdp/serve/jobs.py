@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ _PERSISTED = (
     "output",
     "meta",
     "progress",
+    "attempts",
 )
 
 
@@ -77,7 +79,15 @@ class Job:
     result: Any = None
     """In memory only: image or mp4 bytes, or a :class:`hsdp.engine.GenerationOutput` for the waiting request."""
     cancel_requested: bool = False
+    attempts: int = 0
+    """Engine runs started for this job; a run interrupted by a worker failure or a restart is run again."""
+    solo: bool = False
+    """Run alone: set after a failed batch, so a job that breaks the workers cannot take its neighbours down."""
+    tokens: list[int] = field(default_factory=list)
+    """Causal LM: the tokens produced so far, as the ranks produce them (streaming)."""
+    first_token_at: float | None = None
     _waiters: list = field(default_factory=list, repr=False)
+    _token_waiters: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -94,6 +104,8 @@ class Job:
         return self.completed_at is not None
 
     def batch_key(self) -> str:
+        if self.solo:
+            return self.id
         return json.dumps([self.kind.replace("_sync", ""), self.params], sort_keys=True)
 
     def record(self) -> dict:
@@ -116,8 +128,9 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 class JobStore:
     """Thread-safe: HTTP handlers (event loop) submit and read; the engine thread takes and finishes jobs."""
 
-    def __init__(self, output_dir: Path, capacity: int):
+    def __init__(self, output_dir: Path, capacity: int, max_attempts: int = 3):
         self.capacity = capacity
+        self.max_attempts = max_attempts
         self.jobs_dir = Path(output_dir) / "jobs"
         self.videos_dir = Path(output_dir) / "videos"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +143,9 @@ class JobStore:
         self.batch_seconds = 0.0
         """Moving average of an engine call, for ``Retry-After``."""
         self.slots = 1
+        self.on_cancel_running: Callable[[Job], None] | None = None
+        """Called (outside the lock) when a running job is cancelled, so the engine can stop it."""
+        self.requeued = 0
 
     # -- persistence -----------------------------------------------------------------------------------------
     def load(self) -> tuple[int, int]:
@@ -146,13 +162,10 @@ class JobStore:
                 continue
             if job.status in FINISHED and job.completed_at is None:  # cancelled while it ran
                 job.completed_at = time.time()
-            if job.status == "in_progress":
-                job.status, job.completed_at = "failed", time.time()
-                job.error = {
-                    "code": "server_restarted",
-                    "message": "the server stopped while this job ran; resubmit it",
-                }
-                self._save(job)
+            if job.status == "in_progress":  # the server stopped while it ran: run it again
+                self._retry_or_fail(
+                    job, {"code": "server_restarted", "message": "the server stopped while it ran"}
+                )
             elif job.status == "completed" and not (job.output and (self.videos_dir / job.output).exists()):
                 job.status = "failed"
                 job.error = {
@@ -207,9 +220,57 @@ class JobStore:
             now = time.time()
             for job in batch:
                 job.status, job.started_at = "in_progress", now
+                job.attempts += 1
                 self._save(job)
             self._running = list(batch)
             return batch
+
+    def _retry_or_fail(self, job: Job, error: dict) -> bool:
+        """Back to ``queued`` for another attempt, or ``failed`` with the reason once its attempts are spent.
+        Caller holds the lock (or owns the job); returns whether it was queued again."""
+        if job.cancel_requested or job.attempts >= self.max_attempts:
+            if job.cancel_requested:
+                error = job.error or {"code": "cancelled", "message": "cancelled"}
+            else:
+                error = {
+                    **error,
+                    "message": f"{error['message']} (attempt {job.attempts} of {self.max_attempts})",
+                }
+            job.status, job.error, job.completed_at = (
+                ("cancelled" if job.cancel_requested else "failed"),
+                error,
+                time.time(),
+            )
+            self.finished_counts[job.status] += 1
+            self._save(job)
+            return False
+        job.status, job.started_at, job.progress = "queued", None, 0
+        self._save(job)
+        self.requeued += 1
+        return True
+
+    def retry(self, jobs: list[Job], error: dict) -> None:
+        """Jobs whose run was interrupted (a worker died or hung, the server stopped): back to the front of the
+        queue, in order, each to run alone; a job out of attempts fails with ``error`` and its attempt count."""
+        with self._cond:
+            again = []
+            for job in jobs:
+                if job in self._running:
+                    self._running.remove(job)
+                job.solo = job.solo or len(jobs) > 1
+                if self._retry_or_fail(job, error):
+                    again.append(job)
+            self._queue.extendleft(reversed(again))
+            done = [j for j in jobs if j not in again]
+            self._cond.notify_all()
+        for job in done:
+            self._wake(job)
+
+    def _wake(self, job: Job) -> None:
+        waiters, job._waiters = job._waiters, []
+        token_waiters, job._token_waiters = job._token_waiters, []
+        for loop, future in waiters + token_waiters:
+            loop.call_soon_threadsafe(_resolve, future)
 
     def finish(self, job: Job, status: str, *, error: dict | None = None, output: str | None = None) -> None:
         """Record the end of a job (a cancelled job stays cancelled) and wake whoever waits on it."""
@@ -225,9 +286,7 @@ class JobStore:
             self.finished_counts[status] += 1
             if job in self._running:
                 self._running.remove(job)
-            waiters, job._waiters = job._waiters, []
-        for loop, future in waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+        self._wake(job)
 
     def set_progress(self, job: Job, percent: int) -> None:
         """A running job's progress (from the engine's per-step callback); written to its record."""
@@ -238,11 +297,13 @@ class JobStore:
             self._save(job)
 
     def cancel(self, job: Job, reason: str) -> None:
-        """A queued job leaves the queue at once; a running one finishes, and its output is discarded."""
+        """A queued job leaves the queue at once; a running one is stopped by the engine at its next denoising
+        step or token (through ``on_cancel_running``) and finishes ``cancelled``."""
         with self._cond:
             if job.finished or job.cancel_requested:
                 return
             error = {"code": "cancelled", "message": reason}
+            running = False
             if job in self._queue:
                 self._queue.remove(job)
                 job.status = "cancelled"
@@ -251,8 +312,37 @@ class JobStore:
                 job.cancel_requested = True
                 job.status, job.error = "cancelled", error
                 self._save(job)
-                return  # the engine thread calls finish() when the batch ends
+                running = True
+        if running:  # the engine thread calls finish() when the batch ends
+            if self.on_cancel_running is not None:
+                self.on_cancel_running(job)
+            return
         self.finish(job, "cancelled", error=error)
+
+    def push_token(self, job: Job, index: int, token_id: int) -> None:
+        """The ``index``-th token of the job's current run. A run repeated after a failure produces the same
+        tokens (same seed): those already streamed are not added twice."""
+        with self._cond:
+            if index < len(job.tokens):
+                return
+            job.tokens.append(token_id)
+            if job.first_token_at is None:
+                job.first_token_at = time.time()
+            waiters, job._token_waiters = job._token_waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+
+    async def tokens_after(self, job: Job, count: int) -> tuple[list[int], bool]:
+        """The job's tokens past the first ``count`` once there are any (or it finished), and whether it has."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if len(job.tokens) > count or job.finished:
+                return job.tokens[count:], job.finished
+            job._token_waiters.append((loop, future))
+        await future
+        with self._cond:
+            return job.tokens[count:], job.finished
 
     async def wait(self, job: Job) -> None:
         """Return when ``job`` is finished (without blocking the event loop or a thread)."""

@@ -86,6 +86,31 @@ def render_metrics(model: str, store: JobStore, stats: RunnerStats) -> str:
         [(m, stats.restarts)],
     )
     w.metric(
+        "hsdp_worker_failures_total",
+        "counter",
+        "Dead or hung workers noticed, while idle (heartbeat) or during a call (sentinel, step timeout).",
+        [(m, stats.worker_failures)],
+    )
+    w.metric(
+        "hsdp_job_retries_total",
+        "counter",
+        "Jobs queued again after their run was interrupted (worker failure or server restart).",
+        [(m, store.requeued)],
+    )
+    w.metric(
+        "hsdp_generated_tokens_total",
+        "counter",
+        "Tokens produced by the engine.",
+        [(m, stats.generated_tokens)],
+    )
+    w.metric(
+        "hsdp_time_to_first_token_seconds",
+        "summary",
+        "From a text request's arrival to its first token.",
+        [(m, stats.ttft_seconds_sum), (m, stats.ttft_count)],
+        suffixes=("_sum", "_count"),
+    )
+    w.metric(
         "hsdp_engine_state",
         "gauge",
         "1 for the engine's current state.",

@@ -6,9 +6,14 @@ per rank); a shorter batch is padded with copies of its first request, whose out
 the ranks run in lockstep. Each request has its own seed, so its output does not depend on its batch. The
 engine's per-step callback sets each job's ``progress`` as its ranks run.
 
-When the engine call fails because a worker died, hung past the job timeout or raised, the group is gone: the
-batch's jobs are marked failed with the reason, the engine is started again (with backoff if that fails too),
-and the queue carries on. Jobs queued meanwhile simply wait.
+Supervision: while idle, the thread pings the ranks every ``poll_s`` (a dead or hung worker is noticed within
+``poll_s + ping_timeout_s``); while a batch runs, a dead worker is noticed by its process sentinel within a
+fraction of a second and a hung one when no denoising step or token arrives for ``step_timeout_s`` (its
+workers are then killed). Either way the engine is restarted at once, before any request asks, and ``/health``
+says ``restarting`` meanwhile. The interrupted batch's jobs go back to the front of the queue, each to run
+alone, with the same seed, so their results equal an undisturbed run; a job whose attempts are spent
+(``--max-attempts``) fails with the reason and the count, and the jobs behind it run. A running job cancelled
+by a client is stopped by the engine at its next step or token.
 """
 
 from __future__ import annotations
@@ -47,19 +52,20 @@ class RunnerStats:
     peak_memory_bytes: list[int] = field(default_factory=list)
     memory_kind: str = ""
     worker_pids: list[int] = field(default_factory=list)
+    worker_failures: int = 0
+    """Dead or hung workers noticed (idle or busy)."""
+    generated_tokens: int = 0
+    ttft_seconds_sum: float = 0.0
+    """Time to first token, from the request's arrival, summed over streamed or not text jobs."""
+    ttft_count: int = 0
 
 
-def _failure(exc: BaseException, *, stopping: bool, restarting: bool) -> dict:
+def _failure(exc: BaseException) -> dict:
     """The ``error`` of the jobs of a failed engine call: a code clients can branch on, and the reason."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if stopping:
-        return {"code": "server_stopped", "message": f"the server stopped while this job ran ({first_line})"}
-    if isinstance(exc, ValueError) and not restarting:
-        return {"code": "invalid_request", "message": str(exc)}
     codes = ((WorkerTimeout, "timeout"), (WorkerDiedError, "worker_died"), (WorkerError, "worker_error"))
     code = next((c for cls, c in codes if isinstance(exc, cls)), "internal_error")
-    then = "; the workers are being restarted, resubmit the job" if restarting else ""
-    return {"code": code, "message": f"{first_line}{then}"}
+    return {"code": code, "message": first_line}
 
 
 def _per_job(values: list) -> list | None:
@@ -70,28 +76,69 @@ def _per_job(values: list) -> list | None:
 class EngineRunner:
     """Owns the :class:`hsdp.Engine` and its thread. ``start`` loads the model in the caller (errors surface)."""
 
-    def __init__(self, make_engine: Callable[[], Engine], store: JobStore, *, poll_s: float = 0.5):
+    def __init__(
+        self,
+        make_engine: Callable[[], Engine],
+        store: JobStore,
+        *,
+        poll_s: float = 0.5,
+        ping_timeout_s: float = 1.5,
+        step_timeout_s: float = 120.0,
+    ):
         self._make_engine = make_engine
         self.store = store
         self.poll_s = poll_s
+        self.ping_timeout_s = ping_timeout_s
+        self.step_timeout_s = step_timeout_s
         self.stats = RunnerStats()
         self.engine: Engine | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._batch: list[Job] = []
+        """The jobs of the running engine call, by request index (padding included)."""
+        self._last_sign_of_life = 0.0
+        store.on_cancel_running = self._cancel_running
 
     def start(self) -> None:
         self._set_engine(self._make_engine())
         self._thread = threading.Thread(target=self._loop, name="hsdp-engine", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch_steps, name="hsdp-watchdog", daemon=True)
+        self._watchdog.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the running batch (up to ``timeout_s``), then stop the workers; queued jobs stay queued."""
+        """Finish the running batch (up to ``timeout_s``), then stop the workers; queued jobs stay queued (an
+        interrupted persistent job is queued again on disk and runs after a restart)."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
         if self.engine is not None:
             self.engine.close()
         self.stats.state = "stopped"
+
+    def _cancel_running(self, job: Job) -> None:
+        with self._lock:
+            indices = [i for i, j in enumerate(self._batch) if j is job]
+            engine = self.engine
+        for index in indices:
+            try:
+                engine.cancel(index)
+            except Exception:  # the call just ended or the engine is gone: nothing left to stop
+                logger.debug("cancel of %s found no running call", job.id, exc_info=True)
+
+    def _watch_steps(self) -> None:
+        """Kill the workers of a call that shows no step or token for ``step_timeout_s``: they are hung."""
+        while not self._stopping.wait(min(1.0, self.step_timeout_s / 4)):
+            with self._lock:
+                busy, engine = bool(self._batch), self.engine
+            silent = time.monotonic() - self._last_sign_of_life
+            if busy and engine is not None and silent > self.step_timeout_s:
+                logger.warning("no step or token for %.0fs: the workers are hung; killing them", silent)
+                self.stats.worker_failures += 1
+                engine.kill_workers()
+                self._last_sign_of_life = time.monotonic()
 
     def _set_engine(self, engine: Engine) -> None:
         self.engine = engine
@@ -107,6 +154,17 @@ class EngineRunner:
             batch = self.store.next_batch(self.engine.request_slots, self.poll_s)
             if batch:
                 self._run(batch)
+            else:
+                self._check_idle_workers()
+
+    def _check_idle_workers(self) -> None:
+        """A round trip to every rank: a dead or hung worker closes the engine, and the loop restarts it."""
+        try:
+            self.engine.ping(self.ping_timeout_s)
+        except WorkerError as exc:
+            self.stats.worker_failures += 1
+            self.stats.state = "restarting"
+            logger.warning("a worker failed while idle (%s); restarting the engine", str(exc).splitlines()[0])
 
     def _restart(self) -> None:
         self.stats.state = "restarting"
@@ -135,20 +193,39 @@ class EngineRunner:
             mask_image=_per_job([j.inputs.get("mask_image") for j in padded]),
         )
 
+        token_counts = [0] * len(padded)
+
         def on_progress(request_id: int, step: int, total: int) -> None:
+            self._last_sign_of_life = time.monotonic()
             if request_id < len(batch):  # the rest are padding
                 # 100 means done: the VAE decode and the encoding still follow the last step.
                 self.store.set_progress(batch[request_id], min(99, 100 * step // max(1, total)))
 
+        def on_token(request_id: int, token_id: int) -> None:
+            if request_id >= len(batch):
+                return
+            job = batch[request_id]
+            if not job.tokens and job.first_token_at is None:
+                self.stats.ttft_seconds_sum += time.time() - job.created_at
+                self.stats.ttft_count += 1
+            self.stats.generated_tokens += 1
+            self.store.push_token(job, token_counts[request_id], token_id)
+            token_counts[request_id] += 1
+
+        with self._lock:
+            self._batch = padded
+            self._last_sign_of_life = time.monotonic()
         started = time.perf_counter()
         try:
-            outputs = engine.generate([j.prompt for j in padded], params, on_progress=on_progress)
+            outputs = engine.generate(
+                [j.prompt for j in padded], params, on_progress=on_progress, on_token=on_token
+            )
         except Exception as exc:
-            error = _failure(exc, stopping=self._stopping.is_set(), restarting=engine.closed)
-            logger.warning("batch of %d job(s) failed: %s", len(batch), error["message"])
-            for job in batch:
-                self.store.finish(job, "failed", error=error)
+            self._fail_batch(batch, exc, engine)
             return
+        finally:
+            with self._lock:
+                self._batch = []
         elapsed = time.perf_counter() - started
         self.store.batch_seconds = (
             elapsed if not self.store.batch_seconds else 0.8 * self.store.batch_seconds + 0.2 * elapsed
@@ -160,6 +237,31 @@ class EngineRunner:
             except Exception as exc:  # writing the output failed: this job fails, the server goes on
                 logger.exception("storing the output of %s failed", job.id)
                 self.store.finish(job, "failed", error={"code": "output_error", "message": str(exc)})
+
+    def _fail_batch(self, batch: list[Job], exc: Exception, engine: Engine) -> None:
+        if isinstance(exc, ValueError) and not engine.closed:  # the request itself is wrong: no retry
+            for job in batch:
+                self.store.finish(job, "failed", error={"code": "invalid_request", "message": str(exc)})
+            return
+        error = _failure(exc)
+        if self._stopping.is_set():
+            error = {
+                "code": "server_stopped",
+                "message": f"the server stopped while this job ran ({error['message']})",
+            }
+            # Persistent jobs wait on disk for the next server; nobody is left waiting for the others.
+            self.store.retry([j for j in batch if j.persistent], error)
+            for job in batch:
+                if not job.persistent:
+                    self.store.finish(job, "failed", error=error)
+            return
+        if engine.closed:
+            self.stats.worker_failures += 1
+            self.stats.state = "restarting"
+        logger.warning(
+            "batch of %d job(s) interrupted (%s); running them again", len(batch), error["message"]
+        )
+        self.store.retry(batch, error)
 
     def _record(self, batch: list[Job], outputs: list[GenerationOutput], padding: int) -> None:
         stats = self.stats
@@ -176,7 +278,7 @@ class EngineRunner:
             stats.memory_kind = outputs[0].memory_kind
 
     def _deliver(self, job: Job, output: GenerationOutput) -> None:
-        if job.cancel_requested:
+        if job.cancel_requested or output.cancelled:
             self.store.finish(job, "cancelled")
             return
         if job.kind == "video":

@@ -136,6 +136,9 @@ class VideoJob(BaseModel):
     num_frames: int
     fps: int
     seed: int
+    attempts: int = Field(
+        0, description="Engine runs started; a run interrupted by a worker failure is repeated"
+    )
     error: VideoError | None = None
 
 

@@ -56,8 +56,8 @@ class Server:
         if problems:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.settings = settings
-        self.store = JobStore(settings.output_dir, settings.max_queue)
-        self.runner = EngineRunner(self._make_engine, self.store)
+        self.store = JobStore(settings.output_dir, settings.max_queue, max_attempts=settings.max_attempts)
+        self.runner = EngineRunner(self._make_engine, self.store, step_timeout_s=settings.step_timeout_s)
         self.tokenizer = None
         self.max_positions: int | None = None
 
@@ -70,6 +70,7 @@ class Server:
             forward_prefetch=s.forward_prefetch,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
+            cancellable=True,
         )
 
     def start(self) -> None:
@@ -307,6 +308,7 @@ class Server:
             num_frames=frames,
             fps=job.meta["fps"],
             seed=job.seed,
+            attempts=job.attempts,
             error=job.error,
         )
 

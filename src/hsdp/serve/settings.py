@@ -53,6 +53,10 @@ class ServeSettings:
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0
     """Seconds one engine call (one batch) may run; past it the workers are restarted and the jobs fail."""
+    step_timeout_s: float = 120.0
+    """Seconds a running call may go without a denoising step or token before its workers count as hung."""
+    max_attempts: int = 3
+    """Engine runs of a job interrupted by worker failures or restarts before it fails (--max-attempts)."""
     engine_start_timeout_s: float = 300.0
     limits: ServeLimits = field(default_factory=ServeLimits)
 
@@ -67,6 +71,10 @@ class ServeSettings:
             problems.append(f"--max-queue {self.max_queue} must be >= 1")
         if self.job_timeout_s <= 0:
             problems.append(f"--job-timeout {self.job_timeout_s} must be > 0 seconds")
+        if self.step_timeout_s <= 0:
+            problems.append(f"--step-timeout {self.step_timeout_s} must be > 0 seconds")
+        if self.max_attempts < 1:
+            problems.append(f"--max-attempts {self.max_attempts} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key (or HSDP_API_KEY) is empty; give a non-empty key or leave it unset")
         for name, value in vars(self.limits).items():

@@ -1,9 +1,8 @@
 """Causal-LM responses in OpenAI's shapes: chat prompts, stop strings, usage, and Server-Sent-Event streams.
 
-The engine returns a request's tokens when the request ends (it has no per-token callback across processes),
-so a streamed response sends its chunks once generation is done, split token by token exactly as the text
-decodes. Clients that stream (the ``openai`` client with ``stream=True``) work unchanged; the first token
-simply arrives with the last.
+Streams are live: the engine hands each token over as the sharded ranks produce it (rank 0 publishes), and
+:class:`TextStream` turns the growing token list into text pieces, holding back what could still become a stop
+string or an incomplete UTF-8 character, so the concatenated pieces equal the non-streamed answer.
 """
 
 from __future__ import annotations
@@ -11,12 +10,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hsdp.serve.schemas import ChatMessage
 
-__all__ = ["TextChoice", "chat_prompt", "apply_stop", "completion_body", "chat_body", "sse_events"]
+__all__ = [
+    "TextChoice",
+    "TextStream",
+    "SseChunks",
+    "chat_prompt",
+    "apply_stop",
+    "finish_reason",
+    "completion_body",
+    "chat_body",
+]
 
 
 @dataclass
@@ -86,52 +93,70 @@ def chat_body(model: str, choice: TextChoice) -> dict:
     }
 
 
-def text_deltas(tokenizer, token_ids: list[int], final_text: str) -> Iterator[str]:
-    """``final_text`` in pieces, one per token whose decoding extends it (partial UTF-8 waits for the rest)."""
-    sent = 0
-    for i in range(1, len(token_ids) + 1):
-        partial = tokenizer.decode(token_ids[:i], skip_special_tokens=True)
-        end = min(len(partial), len(final_text))
-        if end <= sent or partial.endswith("\ufffd") or final_text[:end] != partial[:end]:
-            continue
-        yield final_text[sent:end]
-        sent = end
-        if sent == len(final_text):
-            return
-    if sent < len(final_text):
-        yield final_text[sent:]
+class TextStream:
+    """Text pieces of one choice as its tokens arrive; a stop string ends it (the piece stops before it)."""
+
+    def __init__(self, tokenizer, stop: str | list[str] | None):
+        self.tokenizer = tokenizer
+        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.sent = 0
+        self.stopped = False
+
+    def update(self, token_ids: list[int], *, final: bool) -> str:
+        """The next piece for ``token_ids`` so far; ``final`` flushes what was held back."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cut, self.stopped = apply_stop(text, self.stops)
+        # Hold back a partial character, or what may be the beginning of a stop string.
+        end = len(cut) if self.stopped or final else len(text.rstrip("\ufffd")) - self.hold
+        if end <= self.sent:
+            return ""
+        piece, self.sent = cut[self.sent : end], end
+        return piece
 
 
-def sse_events(
-    model: str, tokenizer, choices: list[TextChoice], *, chat: bool, include_usage: bool
-) -> Iterator[str]:
-    """OpenAI's streaming chunks as ``data: ...`` events, ending with ``data: [DONE]``."""
-    prefix = "chatcmpl" if chat else "cmpl"
-    base = {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
+class SseChunks:
+    """OpenAI's streaming chunks (``data: ...`` events) of one response."""
 
-    def event(choice_fields: dict | None, usage: dict | None = None) -> str:
-        chunk = {**base, "choices": [choice_fields] if choice_fields else []}
+    def __init__(self, model: str, *, chat: bool):
+        self.chat = chat
+        self.base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def _event(self, choice_fields: dict | None, usage: dict | None = None) -> str:
+        chunk = {**self.base, "choices": [choice_fields] if choice_fields else []}
         if usage is not None:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
 
-    for choice in choices:
-        if chat:
-            yield event(
-                {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            )
-        for piece in text_deltas(tokenizer, choice.token_ids, choice.text):
-            if chat:
-                yield event({"index": choice.index, "delta": {"content": piece}, "finish_reason": None})
-            else:
-                yield event({"index": choice.index, "text": piece, "finish_reason": None, "logprobs": None})
-        final = {"index": choice.index, "finish_reason": choice.finish_reason}
-        yield event({**final, "delta": {}} if chat else {**final, "text": "", "logprobs": None})
-    if include_usage:
-        yield event(None, _usage(choices))
-    yield "data: [DONE]\n\n"
+    def start(self, index: int) -> str | None:
+        """Chat opens each choice with the assistant role."""
+        if not self.chat:
+            return None
+        return self._event(
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        )
+
+    def piece(self, index: int, text: str) -> str:
+        if self.chat:
+            return self._event({"index": index, "delta": {"content": text}, "finish_reason": None})
+        return self._event({"index": index, "text": text, "finish_reason": None, "logprobs": None})
+
+    def finish(self, index: int, reason: str) -> str:
+        final = {"index": index, "finish_reason": reason}
+        return self._event({**final, "delta": {}} if self.chat else {**final, "text": "", "logprobs": None})
+
+    def usage(self, choices: list[TextChoice]) -> str:
+        return self._event(None, _usage(choices))
+
+    @staticmethod
+    def error(error: dict) -> str:
+        return f"data: {json.dumps({'error': {**error, 'type': 'server_error'}})}\n\n"
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"
