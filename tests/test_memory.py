@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
+import torch
 
 from hsdp.memory import count_parameters, model_training_memory, peak_memory_bytes, training_memory
 from hsdp.models.tiny import build_tiny_llama, tiny_llama_config
@@ -48,5 +52,23 @@ def test_model_aware_estimate_counts_parameters_and_activations():
     )
 
 
-def test_peak_memory_is_positive_on_cpu():
-    assert peak_memory_bytes() > 10 * 2**20
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_cpu_peak_is_the_resident_high_water_mark_in_bytes():
+    """The CPU figure is the kernel's peak RSS in bytes: a KiB/byte mix-up or another counter fails here."""
+    rss_before = _status_bytes("VmRSS")
+    ballast = torch.ones(64 * 2**20 // 4)  # 64 MiB, written so every page is resident
+    rss_after = _status_bytes("VmRSS")
+    assert rss_after - rss_before >= 60 * 2**20
+    # The kernel syncs its per-thread RSS counters lazily, so the figures agree to within a few pages, not exactly.
+    slack = 4 * 2**20
+    peak = peak_memory_bytes()
+    assert peak >= rss_after - slack
+    assert abs(peak - _status_bytes("VmHWM")) <= slack
+    assert abs(peak_memory_bytes(torch.device("cpu")) - peak) <= slack
+    del ballast
+
+
+def _status_bytes(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB$", Path("/proc/self/status").read_text(), re.MULTILINE)
+    assert match is not None, field
+    return int(match.group(1)) * 1024
