@@ -125,10 +125,23 @@ def world2(dist_run, base, tmp_path_factory):
             replicated_modules=("model.norm",),
             activation_checkpointing=True,
         ),
+        "cosine": base.replace(
+            parallel=shard("FULL_SHARD"),
+            output_dir=str(root / "cosine"),
+            save_every=1,
+            keep_last=3,
+            lr_scheduler="cosine",
+            warmup_steps=1,
+        ),
     }
     runs = dist_run(2, train_configs, list(configs.values()), True)
     resumed = dist_run(
-        2, train_configs, [configs["full"].replace(resume=str(root / "full" / "step-00000002"), export=None)]
+        2,
+        train_configs,
+        [
+            configs["full"].replace(resume=str(root / "full" / "step-00000002"), export=None),
+            configs["cosine"].replace(resume=str(root / "cosine" / "step-00000001")),
+        ],
     )
     return {
         "configs": configs,
@@ -136,6 +149,7 @@ def world2(dist_run, base, tmp_path_factory):
         "all_ranks": runs,
         "root": root,
         "resumed": resumed[0][0],
+        "resumed_cosine": resumed[0][1],
     }
 
 
@@ -184,6 +198,26 @@ def test_resume_equals_uninterrupted_and_keeps_last_k(world2):
         assert torch.equal(resumed["state"][name], tensor), name
     kept = [p.name for p in complete_checkpoints(world2["root"] / "full")]
     assert kept == ["step-00000002", "step-00000003"]
+
+
+def test_resume_with_warmup_and_cosine_schedule_is_exact(world2):
+    """The scheduler's state is in the checkpoint: resumed after step 1 (mid-warmup boundary), steps 2-3 run at
+    the same learning rates and give the same losses and weights, bit for bit."""
+    from transformers import get_scheduler
+
+    full, resumed = world2["runs"]["cosine"], world2["resumed_cosine"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=3)
+    expected = []
+    for _ in range(3):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert full["lrs"] == pytest.approx(expected) and expected[0] == 0.0 and expected[1] == 1e-3
+    assert resumed["lrs"] == full["lrs"][1:]
+    assert resumed["losses"] == full["losses"][1:]
+    for name, tensor in full["state"].items():
+        assert torch.equal(resumed["state"][name], tensor), name
 
 
 def test_export_loads_in_transformers_with_equal_logits(world2):

@@ -67,10 +67,15 @@ def train_configs(configs: list[TrainConfig], measure: bool = False) -> list[dic
         entry = {
             "losses": result.losses,
             "norms": [s.grad_norm for s in result.steps],
+            "lrs": [s.lr for s in result.steps],
+            "evals": [s.eval_loss for s in result.steps],
             "state": full if rank == 0 else None,
             "checkpoint": result.checkpoint,
             "peaks": result.steps[-1].peak_memory,
             "q_proj": _layout(trainer.model.model.layers[0].self_attn.q_proj.weight),
+            "layer0": {
+                n: _layout(p) for n, p in trainer.model.named_parameters() if n.startswith("model.layers.0.")
+            },
             "checkpointing": any(
                 getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules()
             ),

@@ -18,6 +18,7 @@ from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.run import run_training
+from hsdp.train.schedule import SCHEDULERS
 
 __all__ = ["add_arguments", "run", "config_from_args"]
 
@@ -26,14 +27,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="tiny-llama", help="model folder or built-in name (default tiny-llama)"
     )
-    parser.add_argument("--data", required=True, help=".txt file or .jsonl file with a 'text' field per line")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help=".txt, or .jsonl / .json / .parquet records with 'text', 'prompt' + 'completion', or 'messages'",
+    )
+    parser.add_argument("--text-key", default="text", help="field holding plain text")
+    parser.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack records into --seq-len blocks, attention masked per record (default); --no-packing pads",
+    )
+    parser.add_argument("--eval-data", default=None, help="held-out file (any --data format)")
+    parser.add_argument("--eval-split", type=float, default=0.0, help="hold out this fraction of --data")
+    parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at the end)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to reach")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch over all ranks")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument(
+        "--lr-scheduler", choices=SCHEDULERS, default="constant", help="learning-rate schedule after warmup"
+    )
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup from 0 to --lr")
     parser.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global gradient norm")
     parser.add_argument(
         "--mixed-precision", choices=["bf16"], default=None, help="bf16 compute, fp32 master/reduce"
@@ -104,6 +122,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_accum=args.grad_accum,
         lr=args.lr,
         weight_decay=args.weight_decay,
+        lr_scheduler=args.lr_scheduler,
+        warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision,
         activation_checkpointing=args.activation_checkpointing,
@@ -116,6 +136,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         export_merged=args.export_merged,
         seed=args.seed,
         text_key=args.text_key,
+        packing=args.packing,
+        eval_data=args.eval_data,
+        eval_split=args.eval_split,
+        eval_every=args.eval_every,
         output_dir=args.output_dir,
         save_every=args.save_every,
         keep_last=args.keep_last,
@@ -151,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
             f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
             f"median {median:.0f} tokens/s, peak memory per rank {peaks} MiB"
         )
+    if steps and steps[-1].eval_loss is not None:
+        print(f"eval loss {steps[-1].eval_loss:.4f}, perplexity {steps[-1].eval_perplexity:.2f}")
     if result.comm:
         print(CommReport(**result.comm).summary().replace("per step", "in the last step (rank 0)"))
     if result.checkpoint:

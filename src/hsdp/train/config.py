@@ -17,6 +17,7 @@ from typing import Any
 
 from hsdp.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state
 from hsdp.config import DTYPES, ParallelConfig
+from hsdp.train.schedule import schedule_problems
 
 __all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight"]
 
@@ -56,6 +57,10 @@ class TrainConfig:
     """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
     lr: float = 1e-4
     weight_decay: float = 0.0
+    lr_scheduler: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` (transformers' schedules; see :mod:`hsdp.train.schedule`)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to ``lr``; must be shorter than ``steps``."""
     max_grad_norm: float | None = None
     """Clip gradients to this global norm (over all shards and replicated parameters)."""
     mixed_precision: str | None = None
@@ -80,6 +85,14 @@ class TrainConfig:
     """Module names kept whole on every rank (FSDP ignored modules); their gradients are all-reduced."""
     seed: int = 0
     text_key: str = "text"
+    packing: bool = True
+    """Pack records into ``seq_len`` blocks (attention masked per record); False: one padded row per record."""
+    eval_data: str | None = None
+    """A held-out file in any ``data`` format; eval loss and perplexity every ``eval_every`` steps and at the end."""
+    eval_split: float = 0.0
+    """Hold out this fraction of ``data``'s records for evaluation instead of ``eval_data``."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end, when there is eval data)."""
     output_dir: str | None = None
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end, when --output-dir is set)."""
@@ -141,6 +154,8 @@ class TrainConfig:
         if self.export_dtype is not None and self.export_dtype not in DTYPES:
             out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         out.extend(self._lora_problems())
+        out.extend(schedule_problems(self.lr_scheduler, self.warmup_steps, self.steps))
+        out.extend(self._eval_problems())
         if (self.save_every or self.resume) and not self.output_dir:
             out.append("--save-every / --resume need --output-dir (where checkpoints live)")
         for pattern in self.freeze:
@@ -158,6 +173,18 @@ class TrainConfig:
                 f"--batch-size={self.batch_size} must be a multiple of the data-parallel size {dp} "
                 f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
             )
+        return out
+
+    def _eval_problems(self) -> list[str]:
+        out = []
+        if not 0 <= self.eval_split < 1:
+            out.append(f"--eval-split={self.eval_split} must be a fraction in [0, 1), e.g. 0.05")
+        if self.eval_split and self.eval_data:
+            out.append("--eval-split and --eval-data both pick eval data; use one")
+        if self.eval_every < 0:
+            out.append(f"--eval-every={self.eval_every} must be >= 0")
+        if self.eval_every and not (self.eval_split or self.eval_data):
+            out.append("--eval-every needs eval data: add --eval-data FILE or --eval-split 0.05")
         return out
 
     def _lora_problems(self) -> list[str]:
@@ -241,6 +268,20 @@ def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None
     return target
 
 
+def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:
+    """Refuse tensor parallel for a model without a usable plan here, before any rank starts (issue 13)."""
+    tp = cfg.parallel.tensor_parallel_size
+    if tp <= 1 or not cfg.parallel.use_hsdp:
+        return
+    from transformers import AutoConfig
+
+    from hsdp.plans.hf_tensor_parallel import tp_plan_problem
+
+    problem = tp_plan_problem(AutoConfig.from_pretrained(model_dir), tp)
+    if problem:
+        raise TrainConfigError(f"--model {model_dir}: {problem}")
+
+
 def preflight(cfg: TrainConfig) -> Preflight:
     """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
     from hsdp.models.builtin import resolve_model
@@ -254,12 +295,15 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(f"--model: {exc}") from exc
     if not Path(cfg.data).is_file():
         raise TrainConfigError(f"--data {cfg.data}: no such file")
+    if cfg.eval_data and not Path(cfg.eval_data).is_file():
+        raise TrainConfigError(f"--eval-data {cfg.eval_data}: no such file")
     for flag, folder in (("--export", cfg.export), ("--export-merged", cfg.export_merged)):
         if folder and Path(folder).exists() and any(Path(folder).iterdir()):
             raise TrainConfigError(
                 f"{flag} {folder} exists and is not empty; remove it or choose another folder"
             )
     fingerprint = model_fingerprint(model_dir)
+    _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:
         from hsdp.train.lora import check_lora
 

@@ -1,8 +1,18 @@
-"""Token datasets for causal-LM training: a text or JSONL file, tokenized once and packed into fixed blocks.
+"""Token datasets for causal-LM training: records tokenized once, packed into fixed blocks or padded to one row each.
 
-Packing (documents joined by the end-of-sequence token, cut into ``seq_len`` blocks, the tail dropped) makes
-every row the same length with no padding, so each data-parallel rank's mean loss has the same weight and the
-FSDP gradient average equals the single-process gradient of the whole batch.
+Packing (the default) joins the records (see :mod:`hsdp.train.records`) and cuts them into ``seq_len`` blocks,
+dropping the tail, so no token is padding. Attention must not cross records: when a dataset has several records,
+each batch carries an explicit 4-D block-diagonal causal mask (``attention_mask`` of shape ``(B, 1, L, L)``, which
+transformers passes to SDPA as is) and ``position_ids`` restarting at 0 for each record, so a packed record is
+computed as if it stood alone. (``position_ids``-only packing needs flash-attention's varlen kernels, GPU only.)
+The first token of each record is never a target, so the last token of one record does not learn to predict the
+next record. A single document (a ``.txt`` file) needs neither and is fed plainly. Without packing each record is
+one row, truncated to ``seq_len`` and right-padded, with a 2-D padding mask.
+
+Loss normalisation: when labels are masked (chat, prompt / completion, padding, record starts), rows hold different
+numbers of targets; the trainer divides each rank's summed token losses by the step's global number of targets
+(:meth:`TokenDataset.step_targets`, computed locally from the step's rows), so the loss and gradient are the
+token mean over the whole step at every world size.
 
 The order of rows is a pure function of ``(seed, step)``: epoch ``e`` is a permutation drawn from a generator
 seeded with ``seed + e``. A resumed run therefore sees exactly the rows the uninterrupted run would have seen,
@@ -11,80 +21,167 @@ whatever the world size, with no sampler state to save.
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["PackedDataset", "read_documents", "DatasetError"]
+from hsdp.train.records import DatasetError, read_records, tokenize_record
+
+__all__ = [
+    "Batch",
+    "TokenDataset",
+    "PackedDataset",
+    "DatasetError",
+    "IGNORE",
+    "tokenize_file",
+    "split_records",
+]
+
+IGNORE = -100
+"""Label of a token the loss skips (transformers' ``ignore_index``)."""
+
+Encoded = list[tuple[list[int], list[bool]]]
 
 
-class DatasetError(ValueError):
-    """A training file that cannot be read, or that is too short for one batch."""
+@dataclass
+class Batch:
+    """One rank's micro-batch: model inputs and labels (``IGNORE`` where not trained)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Batch(
+            move(self.input_ids), move(self.labels), move(self.attention_mask), move(self.position_ids)
+        )
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        out = {"input_ids": self.input_ids, "labels": self.labels}
+        if self.attention_mask is not None:
+            out["attention_mask"] = self.attention_mask
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids
+        return out
+
+    @property
+    def targets(self) -> int:
+        """Tokens the loss is computed on (labels are shifted: position 0 is never a target)."""
+        return int((self.labels[:, 1:] != IGNORE).sum())
 
 
-def read_documents(path: Path, text_key: str = "text") -> list[str]:
-    """The documents of a ``.txt`` file (one document) or a ``.jsonl`` file (one ``{"text": ...}`` per line)."""
-    if not path.is_file():
-        raise DatasetError(f"--data {path}: no such file")
-    if path.suffix == ".jsonl":
-        docs = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"--data {path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise DatasetError(
-                    f'--data {path}:{lineno}: expected an object with a string "{text_key}" field '
-                    f"(set --text-key to use another field)"
-                )
-            docs.append(record[text_key])
-        return docs
-    if path.suffix in (".txt", ".md", ""):
-        return [path.read_text(encoding="utf-8")]
-    raise DatasetError(f"--data {path}: unsupported file type {path.suffix!r}; use a .txt or .jsonl file")
+def tokenize_file(path: str | Path, tokenizer, text_key: str = "text", flag: str = "--data") -> Encoded:
+    return [tokenize_record(r, tokenizer, text_key) for r in read_records(path, flag)]
 
 
-class PackedDataset:
-    """Fixed-length blocks of token ids, served as global batches by step."""
+def split_records(encoded: Encoded, fraction: float, seed: int) -> tuple[Encoded, Encoded]:
+    """(train, eval): a seeded random ``fraction`` of the records (at least one) held out for evaluation."""
+    if len(encoded) < 2:
+        raise DatasetError(
+            f"--eval-split {fraction}: the file has {len(encoded)} record(s); a split needs at least 2 (pass a "
+            "separate --eval-data file, or a .jsonl with one record per line)"
+        )
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = max(1, round(fraction * len(encoded)))
+    return [encoded[i] for i in sorted(order[held:])], [encoded[i] for i in sorted(order[:held])]
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, *, seed: int = 0, source: str = "data"):
-        if seq_len < 2:
-            raise DatasetError(f"--seq-len={seq_len} must be at least 2 (the model predicts the next token)")
-        self.seq_len = seq_len
+
+def _position_ids(segments: torch.Tensor) -> torch.Tensor:
+    """Index of each token within its record in its row."""
+    index = torch.arange(segments.shape[1]).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+class TokenDataset:
+    """Rows of token ids and labels, served as global batches by step.
+
+    ``segments`` gives each token's record index (packed) or -1 for padding (padded rows); None when every row is
+    one plain stretch of one document (no mask needed).
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        *,
+        padded: bool = False,
+        seed: int = 0,
+        source: str = "data",
+    ):
+        self.seq_len = tokens.shape[1]
+        self.blocks = tokens.long()
+        self.labels = labels.long()
+        self.segments = segments
+        self.padded = padded
+        self.positions = None if segments is None or padded else _position_ids(segments)
+        # Every row has the same number of targets (one plain document): the plain mean loss is exact.
+        self.uniform = segments is None and bool((self.labels[:, 1:] != IGNORE).all())
         self.seed = seed
         self.source = source
-        rows = tokens.numel() // seq_len
-        self.blocks = tokens[: rows * seq_len].view(rows, seq_len).long()
         self._epoch_order: tuple[int, torch.Tensor] = (-1, torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def pack(cls, encoded: Encoded, seq_len: int, *, seed: int = 0, source: str = "data") -> TokenDataset:
+        if seq_len < 2:
+            raise DatasetError(f"--seq-len={seq_len} must be at least 2 (the model predicts the next token)")
+        ids = torch.tensor([t for tokens, _ in encoded for t in tokens], dtype=torch.long)
+        trained = torch.tensor([m for _, mask in encoded for m in mask], dtype=torch.bool)
+        segment = torch.repeat_interleave(
+            torch.arange(len(encoded)), torch.tensor([len(tokens) for tokens, _ in encoded], dtype=torch.long)
+        )
+        labels = torch.where(trained, ids, IGNORE)
+        starts = torch.ones_like(segment, dtype=torch.bool)
+        starts[1:] = segment[1:] != segment[:-1]
+        labels[starts] = IGNORE  # a record's first token is not predicted from the record before it
+        rows = ids.numel() // seq_len
+        cut = lambda t: t[: rows * seq_len].view(rows, seq_len)  # noqa: E731
+        segments = cut(segment) if len(encoded) > 1 else None
+        return cls(cut(ids), cut(labels), segments, seed=seed, source=source)
+
+    @classmethod
+    def pad(
+        cls, encoded: Encoded, seq_len: int, pad_id: int, *, seed: int = 0, source: str = "data"
+    ) -> TokenDataset:
+        tokens = torch.full((len(encoded), seq_len), pad_id, dtype=torch.long)
+        labels = torch.full_like(tokens, IGNORE)
+        segments = torch.full_like(tokens, -1)
+        for row, (ids, mask) in enumerate(encoded):
+            n = min(len(ids), seq_len)
+            tokens[row, :n] = torch.tensor(ids[:n])
+            labels[row, :n] = torch.where(torch.tensor(mask[:n], dtype=torch.bool), tokens[row, :n], IGNORE)
+            segments[row, :n] = 0
+        return cls(tokens, labels, segments, padded=True, seed=seed, source=source)
 
     @classmethod
     def from_file(
         cls, path: str | Path, tokenizer, seq_len: int, *, seed: int = 0, text_key: str = "text"
-    ) -> PackedDataset:
-        path = Path(path)
-        ids: list[int] = []
-        eos = tokenizer.eos_token_id
-        for doc in read_documents(path, text_key):
-            ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                ids.append(eos)
-        return cls(torch.tensor(ids, dtype=torch.long), seq_len, seed=seed, source=str(path))
+    ) -> TokenDataset:
+        """A packed dataset of a file (the format of ``hsdp train --data``)."""
+        return cls.pack(tokenize_file(path, tokenizer, text_key), seq_len, seed=seed, source=str(path))
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
 
     def require(self, rows: int) -> None:
-        """Raise a :class:`DatasetError` unless one batch of ``rows`` blocks fits."""
+        """Raise a :class:`DatasetError` unless one batch of ``rows`` rows fits and something is trained."""
         if len(self) < rows:
-            tokens = len(self) * self.seq_len
+            what = "records" if self.padded else f"block(s) of --seq-len {self.seq_len}"
             raise DatasetError(
-                f"--data {self.source}: {tokens} usable tokens make {len(self)} block(s) of --seq-len "
-                f"{self.seq_len}, but one batch needs {rows} (--batch-size x --grad-accum); use a longer file, "
-                f"a smaller --seq-len or a smaller --batch-size"
+                f"--data {self.source}: {len(self) * self.seq_len} usable tokens make {len(self)} {what}, but one "
+                f"batch needs {rows} (--batch-size x --grad-accum); use a longer file, a smaller --seq-len or a "
+                "smaller --batch-size"
+            )
+        if not (self.labels[:, 1:] != IGNORE).any():
+            raise DatasetError(
+                f"--data {self.source}: no token is a training target (every label is masked); check that the "
+                "records have completions or assistant turns within --seq-len"
             )
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -93,28 +190,65 @@ class PackedDataset:
             self._epoch_order = (epoch, torch.randperm(len(self), generator=generator))
         return self._epoch_order[1]
 
-    def rows(self, start: int, count: int) -> torch.Tensor:
-        """Rows ``start .. start + count`` of the endless epoch-by-epoch shuffled stream of blocks."""
+    def _indices(self, start: int, count: int) -> torch.Tensor:
+        """Indices of rows ``start .. start + count`` of the endless epoch-by-epoch shuffled stream."""
         n = len(self)
         out = []
         for index in range(start, start + count):
             epoch, offset = divmod(index, n)
             out.append(self._order(epoch)[offset])
-        return self.blocks[torch.stack(out)]
+        return torch.stack(out)
 
-    def micro_batch(
-        self, step: int, micro: int, *, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int
-    ) -> torch.Tensor:
-        """This data-parallel rank's slice of micro-batch ``micro`` of optimizer step ``step`` (0-based).
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """Token ids of rows ``start .. start + count`` of the shuffled stream."""
+        return self.blocks[self._indices(start, count)]
 
-        Step ``s`` consumes global rows ``[s * B * A, (s + 1) * B * A)``; micro-batch ``m`` is the ``m``-th run of
-        ``B`` rows, split evenly over the ``dp_size`` ranks. So ``B=2, A=2`` sees the same rows as ``B=4, A=1``.
-        """
+    def batch_of(self, index: torch.Tensor) -> Batch:
+        """The model inputs of rows ``index`` (in storage order, not shuffled)."""
+        batch = Batch(self.blocks[index], self.labels[index])
+        if self.segments is None:
+            return batch
+        segments = self.segments[index]
+        if self.padded:
+            batch.attention_mask = (segments >= 0).long()
+            return batch
+        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool).tril()
+        batch.attention_mask = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+        batch.position_ids = self.positions[index]
+        return batch
+
+    def _start(
+        self, step: int, micro: int, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int
+    ) -> int:
         if batch_size % dp_size:
             raise DatasetError(
                 f"--batch-size={batch_size} must be a multiple of the data-parallel size {dp_size} "
                 "(each rank takes an equal share)"
             )
-        per_rank = batch_size // dp_size
-        start = (step * grad_accum + micro) * batch_size + dp_rank * per_rank
-        return self.rows(start, per_rank)
+        return (step * grad_accum + micro) * batch_size + dp_rank * (batch_size // dp_size)
+
+    def micro_batch(
+        self, step: int, micro: int, *, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int
+    ) -> torch.Tensor:
+        """Token ids of this data-parallel rank's slice of micro-batch ``micro`` of optimizer step ``step``.
+
+        Step ``s`` consumes global rows ``[s * B * A, (s + 1) * B * A)``; micro-batch ``m`` is the ``m``-th run of
+        ``B`` rows, split evenly over the ``dp_size`` ranks. So ``B=2, A=2`` sees the same rows as ``B=4, A=1``.
+        """
+        start = self._start(step, micro, batch_size, grad_accum, dp_rank, dp_size)
+        return self.rows(start, batch_size // dp_size)
+
+    def batch(
+        self, step: int, micro: int, *, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int
+    ) -> Batch:
+        """:meth:`micro_batch` with labels, attention mask and position ids."""
+        start = self._start(step, micro, batch_size, grad_accum, dp_rank, dp_size)
+        return self.batch_of(self._indices(start, batch_size // dp_size))
+
+    def step_targets(self, step: int, batch_size: int, grad_accum: int) -> int:
+        """Targets in all rows of optimizer step ``step`` over all ranks (the loss's denominator)."""
+        index = self._indices(step * grad_accum * batch_size, grad_accum * batch_size)
+        return int((self.labels[index][:, 1:] != IGNORE).sum())
+
+
+PackedDataset = TokenDataset  # the name benchmarks and older callers use

@@ -11,7 +11,7 @@ from hsdp.distributed import init_distributed, launched_by_torchrun, rank
 from hsdp.launch import WorkerGroup
 from hsdp.logging_utils import configure_logging
 from hsdp.train.config import TrainConfig, preflight
-from hsdp.train.trainer import Trainer, TrainResult, load_dataset
+from hsdp.train.trainer import Trainer, TrainResult, load_data
 
 __all__ = ["run_training", "train_on_rank"]
 
@@ -31,6 +31,6 @@ def run_training(cfg: TrainConfig, *, collective_timeout_s: float | None = None)
         return train_on_rank(cfg)
     if world == 1:
         return train_on_rank(cfg)
-    load_dataset(cfg, checks.model_dir)  # a short or malformed file fails here, before ranks start
+    load_data(cfg, checks.model_dir)  # a short or malformed file fails here, before ranks start
     with WorkerGroup(world, collective_timeout_s=collective_timeout_s) as group:
         return group.run(train_on_rank, cfg)[0]

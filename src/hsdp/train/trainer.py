@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,12 +36,13 @@ from hsdp.memory import peak_memory_bytes
 from hsdp.mesh import build_meshes
 from hsdp.train import lora
 from hsdp.train.config import TrainConfig, TrainConfigError, preflight
-from hsdp.train.data import PackedDataset
+from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
+from hsdp.train.schedule import build_scheduler
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["Trainer", "StepResult", "TrainResult", "load_dataset"]
+__all__ = ["Trainer", "StepResult", "TrainResult", "load_data", "load_dataset"]
 
 
 @dataclass
@@ -53,6 +55,11 @@ class StepResult:
     seconds: float
     peak_memory: list[int]
     """Peak memory of every rank so far (bytes)."""
+    lr: float = 0.0
+    """The learning rate this step ran at."""
+    eval_loss: float | None = None
+    """Mean token loss on the eval data after this step (when evaluated)."""
+    eval_perplexity: float | None = None
 
 
 @dataclass
@@ -75,14 +82,41 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def load_dataset(cfg: TrainConfig, model_dir: Path) -> PackedDataset:
-    """Tokenize ``cfg.data`` with the model's tokenizer; :class:`DatasetError` if one step's batch does not fit."""
+def _rows(cfg: TrainConfig, encoded: list, tokenizer, source: str) -> TokenDataset:
+    if cfg.packing:
+        return TokenDataset.pack(encoded, cfg.seq_len, seed=cfg.seed, source=source)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise DatasetError("--no-packing pads rows, but the tokenizer has no pad or eos token; use packing")
+    return TokenDataset.pad(encoded, cfg.seq_len, pad, seed=cfg.seed, source=source)
+
+
+def load_data(cfg: TrainConfig, model_dir: Path) -> tuple[TokenDataset, TokenDataset | None]:
+    """Tokenize ``cfg.data`` (and the eval data) with the model's tokenizer: (train, eval or None).
+    :class:`DatasetError` if a record is malformed or one step's batch does not fit."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = PackedDataset.from_file(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, text_key=cfg.text_key)
+    encoded = tokenize_file(cfg.data, tokenizer, cfg.text_key)
+    held: list | None = None
+    if cfg.eval_split:
+        encoded, held = split_records(encoded, cfg.eval_split, cfg.seed)
+    elif cfg.eval_data:
+        held = tokenize_file(cfg.eval_data, tokenizer, cfg.text_key, flag="--eval-data")
+    data = _rows(cfg, encoded, tokenizer, str(cfg.data))
     data.require(cfg.batch_size * cfg.grad_accum)
-    return data
+    evaluation = None
+    if held is not None:
+        evaluation = _rows(
+            cfg, held, tokenizer, cfg.eval_data or f"{cfg.data} (--eval-split {cfg.eval_split})"
+        )
+        evaluation.require(1)
+    return data, evaluation
+
+
+def load_dataset(cfg: TrainConfig, model_dir: Path) -> TokenDataset:
+    """The training rows of ``cfg`` (see :func:`load_data`)."""
+    return load_data(cfg, model_dir)[0]
 
 
 class Trainer:
@@ -97,7 +131,7 @@ class Trainer:
         self.model_dir = checks.model_dir
         self.fingerprint = checks.fingerprint
 
-        self.data = load_dataset(cfg, self.model_dir)
+        self.data, self.eval_data = load_data(cfg, self.model_dir)
         self.meshes = build_meshes(self.parallel)  # the first collective
         self.dp_size = self.parallel.data_parallel_size
         self.dp_rank = self.meshes.data_parallel_rank
@@ -133,6 +167,7 @@ class Trainer:
         if not self.params:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.warmup_steps, cfg.steps)
         self.checkpointer = (
             Checkpointer(
                 cfg.output_dir,
@@ -150,6 +185,8 @@ class Trainer:
             self.step = int(state["step"])
             if self.scaler is not None and state.get("grad_scaler"):
                 self.scaler.load_state_dict(state["grad_scaler"])
+            if state.get("scheduler"):
+                self.scheduler.load_state_dict(state["scheduler"])
             logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
 
     # -- setup -----------------------------------------------------------------------------------------------
@@ -193,10 +230,17 @@ class Trainer:
     def train_step(self) -> StepResult:
         cfg = self.cfg
         started = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
         total = torch.zeros((), device=self.device)
+        # Masked labels: every rank divides its summed token losses by the step's global target count (times dp,
+        # since FSDP averages gradients over dp), so the step's loss is the token mean over all ranks' rows.
+        per_rank = None
+        if not self.data.uniform:
+            targets = self.data.step_targets(self.step, cfg.batch_size, cfg.grad_accum)
+            per_rank = torch.tensor(max(1, targets) / self.dp_size, device=self.device)
         for micro in range(cfg.grad_accum):
             self._set_grad_sync(micro == cfg.grad_accum - 1)
-            batch = self.data.micro_batch(
+            batch = self.data.batch(
                 self.step,
                 micro,
                 batch_size=cfg.batch_size,
@@ -205,7 +249,12 @@ class Trainer:
                 dp_size=self.dp_size,
             ).to(self.device)
             with self._autocast():
-                loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss / cfg.grad_accum
+                if per_rank is None:
+                    loss = self.model(**batch.model_inputs(), use_cache=False).loss / cfg.grad_accum
+                else:
+                    loss = self.model(
+                        **batch.model_inputs(), use_cache=False, num_items_in_batch=per_rank
+                    ).loss
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
         all_reduce_plain_grads(self.params)
@@ -217,6 +266,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if dist.is_initialized():
             # Ranks of one TP group hold the same loss, so the world mean is the data-parallel mean.
@@ -234,10 +284,39 @@ class Trainer:
             step=self.step,
             loss=total.item(),
             grad_norm=None if norm is None else norm.item(),
+            lr=lr,
             tokens_per_s=tokens / seconds,
             seconds=seconds,
             peak_memory=[int(p) for p in peaks.tolist()],
         )
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """(mean token loss, perplexity) over all eval rows, split over the data-parallel ranks; collective.
+
+        Every rank runs the same number of forwards (FSDP gathers collectively): a rank past the last row runs
+        one of its rows again with every label masked, which adds nothing to the sums."""
+        assert self.eval_data is not None
+        per_rank = self.cfg.batch_size // self.dp_size
+        rows = torch.arange(len(self.eval_data))
+        mine = rows[self.dp_rank :: self.dp_size]
+        forwards = -(-len(rows[:: self.dp_size]) // per_rank)
+        sums = torch.zeros(2, device=self.device)  # summed token loss, targets
+        self.model.eval()
+        for i in range(forwards):
+            index = mine[i * per_rank : (i + 1) * per_rank]
+            batch = self.eval_data.batch_of(index if len(index) else rows[:1])
+            if not len(index):
+                batch.labels.fill_(IGNORE)
+            batch = batch.to(self.device)
+            with self._autocast():
+                out = self.model(**batch.model_inputs(), use_cache=False, num_items_in_batch=1)
+            sums += torch.stack([out.loss.float(), torch.tensor(float(batch.targets), device=self.device)])
+        self.model.train()
+        if dist.is_initialized():
+            dist.all_reduce(sums)  # tensor-parallel peers add equal copies to both sums: the ratio holds
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        return loss, math.exp(min(loss, 50.0))
 
     def _state(self) -> dict:
         cfg = self.cfg
@@ -250,6 +329,7 @@ class Trainer:
             "layout": self.parallel.describe() if self.parallel.use_hsdp else "single process",
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
             "lora": cfg.lora_fingerprint(),
+            "scheduler": self.scheduler.state_dict(),
         }
 
     def save(self) -> None:
@@ -281,14 +361,26 @@ class Trainer:
                 bar.set_postfix(loss=f"{step.loss:.4f}", tok_s=f"{step.tokens_per_s:.0f}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f%s tokens/s %.0f peak memory per rank (MiB) %s",
+                        "step %d/%d loss %.4f lr %.3g%s tokens/s %.0f peak memory per rank (MiB) %s",
                         step.step,
                         cfg.steps,
                         step.loss,
+                        step.lr,
                         "" if step.grad_norm is None else f" grad-norm {step.grad_norm:.4f}",
                         step.tokens_per_s,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
                     )
+                if self.eval_data is not None and (
+                    (cfg.eval_every and step.step % cfg.eval_every == 0) or step.step == cfg.steps
+                ):
+                    step.eval_loss, step.eval_perplexity = self.evaluate()
+                    if self.rank == 0:
+                        logger.info(
+                            "eval at step %d: loss %.4f perplexity %.2f",
+                            step.step,
+                            step.eval_loss,
+                            step.eval_perplexity,
+                        )
                 if on_step is not None:
                     on_step(step)
                 if self.checkpointer and (

@@ -1,0 +1,41 @@
+"""Training settings checked without a process group: schedules, data formats, plan selection."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsdp.train import TrainConfig
+
+
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(model="tiny-llama", data="unused.txt", **kw)
+
+
+def test_warmup_longer_than_the_run_is_refused_with_the_fix():
+    (problem,) = _cfg(steps=10, warmup_steps=20).problems()
+    assert "--warmup-steps=20" in problem and "--steps 10" in problem and "--warmup-steps 1" in problem
+
+
+def test_unknown_scheduler_is_refused():
+    (problem,) = _cfg(lr_scheduler="polynomial").problems()
+    assert "--lr-scheduler='polynomial'" in problem and "cosine" in problem
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
+def test_schedules_follow_transformers(name):
+    import torch
+    from transformers import get_scheduler
+
+    from hsdp.train.schedule import build_scheduler
+
+    ours = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedulers = [
+        build_scheduler(ours, name, 3, 12),
+        get_scheduler(f"{name}_with_warmup" if name == "constant" else name, theirs, 3, 12),
+    ]
+    for _ in range(12):
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+        for scheduler in schedulers:
+            scheduler.optimizer.step()
+            scheduler.step()
