@@ -9,11 +9,15 @@ Where a plan comes from, first match wins:
 3. Hugging Face's ``_no_split_modules``: the class names ``transformers`` / ``diffusers`` keep whole on one
    device, matched by exact class, so an unmodified model shards by its blocks.
 
+Tensor parallelism comes from a registered plan when it has one, else from transformers' own plan
+(``config.base_model_tp_plan``, :mod:`hsdp.plans.hf_tensor_parallel`) for every family that ships one.
+
 The core never names a model family; family files in this package call :func:`register_plan`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -94,8 +98,21 @@ def _load_family_plans() -> None:
         importlib.import_module(f"{__name__}.{info.name}")
 
 
+def _transformers_tp(model: nn.Module) -> TensorParallelFn | None:
+    from hsdp.plans.hf_tensor_parallel import hf_tensor_parallel, tp_plan_of
+
+    return hf_tensor_parallel if tp_plan_of(getattr(model, "config", None)) else None
+
+
 def resolve_plan(model: nn.Module) -> ShardPlan:
     """The shard plan for ``model`` (see the module docstring for the order)."""
+    plan = _resolve_units(model)
+    if plan.tensor_parallel is None and (tp := _transformers_tp(model)) is not None:
+        plan = dataclasses.replace(plan, tensor_parallel=tp)
+    return plan
+
+
+def _resolve_units(model: nn.Module) -> ShardPlan:
     _load_family_plans()
     ignored = tuple(_name_or_predicate(i) for i in getattr(model, "_hsdp_ignored_modules", None) or ())
     conditions = getattr(model, "_hsdp_shard_conditions", None)
