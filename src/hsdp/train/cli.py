@@ -17,6 +17,7 @@ from hsdp.comm import CommReport
 from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.train.config import TrainConfig, TrainConfigError
+from hsdp.train.report import REPORTERS
 from hsdp.train.run import run_training
 from hsdp.train.schedule import SCHEDULERS
 
@@ -104,6 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument(
+        "--report-to", choices=REPORTERS, default="none", help="experiment tracker for per-step figures"
+    )
+    parser.add_argument("--logging-dir", default=None, help="tracker folder (default OUTPUT_DIR/runs)")
     parser.add_argument("--summary-json", default=None, help="write per-step figures here")
     parser.add_argument(
         "--comm-stats", action="store_true", help="count the last step's collectives against the minimum"
@@ -148,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         export=args.export,
         export_dtype=args.export_dtype,
         log_every=args.log_every,
+        report_to=args.report_to,
+        logging_dir=args.logging_dir,
         comm_stats=args.comm_stats,
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from hsdp.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state
 from hsdp.config import DTYPES, ParallelConfig
+from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
 
 __all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight"]
@@ -105,6 +106,10 @@ class TrainConfig:
     export_dtype: str | None = None
     """dtype of the export (default: fp32, as trained)."""
     log_every: int = 1
+    report_to: str = "none"
+    """``none``, ``tensorboard`` or ``wandb``: where rank 0 reports loss, lr, grad norm, tokens/s, eval figures."""
+    logging_dir: str | None = None
+    """TensorBoard / wandb folder (default ``<output_dir>/runs``)."""
     progress: bool = True
     comm_stats: bool = False
     """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
@@ -156,6 +161,7 @@ class TrainConfig:
         out.extend(self._lora_problems())
         out.extend(schedule_problems(self.lr_scheduler, self.warmup_steps, self.steps))
         out.extend(self._eval_problems())
+        out.extend(report_problems(self.report_to, self.output_dir, self.logging_dir))
         if (self.save_every or self.resume) and not self.output_dir:
             out.append("--save-every / --resume need --output-dir (where checkpoints live)")
         for pattern in self.freeze:

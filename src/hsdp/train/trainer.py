@@ -38,6 +38,7 @@ from hsdp.train import lora
 from hsdp.train.config import TrainConfig, TrainConfigError, preflight
 from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
+from hsdp.train.report import make_reporter, step_metrics
 from hsdp.train.schedule import build_scheduler
 
 logger = logging.getLogger("hsdp")
@@ -342,6 +343,7 @@ class Trainer:
 
         cfg = self.cfg
         result = TrainResult()
+        reporter = make_reporter(cfg) if self.rank == 0 else None
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
@@ -381,6 +383,8 @@ class Trainer:
                             step.eval_loss,
                             step.eval_perplexity,
                         )
+                if reporter is not None:
+                    reporter.log(step.step, step_metrics(step))
                 if on_step is not None:
                     on_step(step)
                 if self.checkpointer and (
@@ -389,6 +393,8 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
+            if reporter is not None:
+                reporter.close()
         if self.checkpointer:
             self.checkpointer.wait()
             result.checkpoint = str(latest_checkpoint(self.checkpointer.root))

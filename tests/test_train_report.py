@@ -1,0 +1,50 @@
+"""``--report-to``: TensorBoard event files and an offline wandb run hold the per-step and eval figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
+from hsdp.train import TrainConfig, Trainer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> TrainConfig:
+    root = tmp_path_factory.mktemp("report")
+    build_tiny_llama().save_pretrained(root / "model")
+    build_byte_tokenizer().save_pretrained(root / "model")
+    data = root / "data.jsonl"
+    data.write_text("\n".join(f'{{"text": "record {i} for the tracker to see."}}' for i in range(40)))
+    return TrainConfig(
+        model=str(root / "model"), data=str(data), steps=3, batch_size=2, seq_len=32, lr=1e-3, progress=False,
+        max_grad_norm=1.0, eval_split=0.1, eval_every=2, lr_scheduler="linear", warmup_steps=1,
+    )  # fmt: skip
+
+
+def test_tensorboard_event_files_hold_train_and_eval_figures(base, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = Trainer(base.replace(report_to="tensorboard", logging_dir=str(tmp_path / "tb"))).fit().steps
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert scalars["train/loss"] == [(s.step, pytest.approx(s.loss)) for s in steps]
+    assert [v for _, v in scalars["train/learning_rate"]] == pytest.approx([0.0, 1e-3, 5e-4])
+    assert len(scalars["train/grad_norm"]) == 3 and len(scalars["train/tokens_per_second"]) == 3
+    assert [s for s, _ in scalars["eval/loss"]] == [2, 3] and len(scalars["eval/perplexity"]) == 2
+
+
+def test_wandb_offline_run_is_written(base, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    Trainer(base.replace(report_to="wandb", logging_dir=str(tmp_path / "wb"))).fit()
+    runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_report_to_problems_name_the_flag():
+    cfg = TrainConfig(model="tiny-llama", data="x.txt", report_to="tensorboard")
+    assert any("--output-dir or --logging-dir" in p for p in cfg.problems())
+    assert any("--report-to='mlflow'" in p for p in cfg.replace(report_to="mlflow").problems())
