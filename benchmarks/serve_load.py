@@ -6,12 +6,16 @@ distinct prompts from ``--concurrency`` concurrent clients, then checks that no 
 * every request got a 200 answer (a 429 is retried after its ``Retry-After`` and counted);
 * every answer is the right one for its prompt: equal to greedy ``generate`` of the same model in this process
   (so no answer was swapped between requests or served twice);
-* the server ran exactly one job per request (``/metrics``: completed jobs and batched requests both rose by N).
+* the server completed exactly one job per request (``/metrics``): none lost, none duplicated.
+
+``--kill-every S`` adds a chaos run: a worker is SIGKILLed every S seconds while the load runs; the server must
+still answer every request once, with the right answer (its interrupted jobs run again with the same seed).
+``--stream`` sends streamed completions and reports the time to first token.
 
 Prints latency percentiles and throughput; writes JSON. Stops by itself (every request has a deadline).
 
     .venv/bin/python benchmarks/serve_load.py                       # 200 requests, concurrency 16
-    .venv/bin/python benchmarks/serve_load.py --requests 400 --max-tokens 8
+    .venv/bin/python benchmarks/serve_load.py --requests 400 --max-tokens 16 --kill-every 20 --stream
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
 import re
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,31 +69,57 @@ def _references(prompts: list[str], max_tokens: int) -> list[str]:
     return texts
 
 
-async def _client(url: str, queue: asyncio.Queue, results: dict, max_tokens: int, deadline_s: float) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=deadline_s) as http:
+async def _ask(
+    http: httpx.AsyncClient, body: dict, stream: bool
+) -> tuple[int, str | None, float | None, dict]:
+    """(status, text, seconds to the first text piece when streamed, headers)."""
+    started = time.perf_counter()
+    if not stream:
+        response = await http.post("/v1/completions", json=body)
+        text = response.json()["choices"][0]["text"] if response.status_code == 200 else None
+        return response.status_code, text, None, dict(response.headers)
+    pieces, first = [], None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return response.status_code, None, None, dict(response.headers)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return 500, None, first, {}
+            piece = chunk["choices"][0]["text"] if chunk["choices"] else ""
+            if piece and first is None:
+                first = time.perf_counter() - started
+            pieces.append(piece)
+    return 200, "".join(pieces), first, dict(response.headers)
+
+
+async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.Namespace) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=args.deadline) as http:
         while True:
             try:
                 index, prompt = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
             started, retries = time.perf_counter(), 0
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
             while True:
                 try:
-                    response = await http.post("/v1/completions", json=body)
+                    status, text, ttft, headers = await _ask(http, body, args.stream)
                 except httpx.HTTPError as exc:
                     results[index] = {"status": f"error: {exc!r}", "latency_s": time.perf_counter() - started}
                     break
-                if response.status_code == 429 and time.perf_counter() - started < deadline_s:
+                if status == 429 and time.perf_counter() - started < args.deadline:
                     retries += 1
-                    await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+                    await asyncio.sleep(float(headers.get("retry-after", "1")))
                     continue
-                text = response.json()["choices"][0]["text"] if response.status_code == 200 else None
-                latency = time.perf_counter() - started
                 results[index] = {
-                    "status": response.status_code,
+                    "status": status,
                     "text": text,
-                    "latency_s": latency,
+                    "latency_s": time.perf_counter() - started,
+                    "ttft_s": ttft,
                     "retries": retries,
                 }
                 break
@@ -96,28 +130,55 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _run(
-    url: str, prompts: list[str], concurrency: int, max_tokens: int, deadline_s: float
-) -> tuple[dict, float]:
+async def _run(url: str, prompts: list[str], args: argparse.Namespace) -> tuple[dict, float]:
     queue: asyncio.Queue = asyncio.Queue()
     for item in enumerate(prompts):
         queue.put_nowait(item)
     results: dict = {}
     started = time.perf_counter()
-    await asyncio.gather(*(_client(url, queue, results, max_tokens, deadline_s) for _ in range(concurrency)))
+    await asyncio.gather(*(_client(url, queue, results, args) for _ in range(args.concurrency)))
     return results, time.perf_counter() - started
 
 
+def _kill_workers(server: LocalServer, every_s: float, stop: threading.Event, kills: list[int]) -> None:
+    """SIGKILL one worker (at random) every ``every_s`` seconds until ``stop``."""
+    rng = random.Random(0)
+    while not stop.wait(every_s):
+        try:
+            pids = server.worker_pids()
+        except httpx.HTTPError:
+            continue
+        if pids:
+            pid = rng.choice(pids)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills.append(pid)
+            except ProcessLookupError:
+                pass
+
+
 def load_run(
-    layout: str, prompts: list[str], want: list[str], args: argparse.Namespace, workdir: Path
+    layout: str,
+    prompts: list[str],
+    want: list[str],
+    args: argparse.Namespace,
+    workdir: Path,
+    kill_every_s: float | None = None,
 ) -> dict:
     """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate accounting."""
     server_args = [*layout.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
+    kills: list[int] = []
     with LocalServer("tiny-llama", server_args, log=workdir / "server.log") as server:
         before = httpx.get(server.url + "/metrics").text
-        results, wall_s = asyncio.run(
-            _run(server.url, prompts, args.concurrency, args.max_tokens, args.deadline)
-        )
+        stop = threading.Event()
+        chaos = threading.Thread(target=_kill_workers, args=(server, kill_every_s, stop, kills), daemon=True)
+        if kill_every_s:
+            chaos.start()
+        try:
+            results, wall_s = asyncio.run(_run(server.url, prompts, args))
+        finally:
+            stop.set()
+        server.wait_healthy()
         after = httpx.get(server.url + "/metrics").text
 
     def delta(name: str, **labels: str) -> int:
@@ -126,24 +187,28 @@ def load_run(
     answered = [i for i in range(len(prompts)) if results.get(i, {}).get("status") == 200]
     wrong = [i for i in answered if results[i]["text"] != want[i]]
     latencies = [results[i]["latency_s"] for i in answered] or [float("nan")]
-    completed, run = delta("hsdp_jobs", state="completed"), delta("hsdp_batched_requests_total")
+    ttfts = [results[i]["ttft_s"] for i in answered if results[i].get("ttft_s") is not None]
+    completed = delta("hsdp_jobs", state="completed")
     return {
-        "layout": layout,
+        "layout": layout + (f" (a worker killed every {kill_every_s:g}s)" if kill_every_s else ""),
         "requests": len(prompts),
         "answered_200": len(answered),
         "lost": len(prompts) - len(answered),
         "wrong_answers": len(wrong),
-        "duplicates": run - len(prompts),
+        "duplicates": completed - len(answered),
         "retried_429": sum(r.get("retries", 0) for r in results.values()),
+        "workers_killed": len(kills),
+        "jobs_run_again": delta("hsdp_job_retries_total"),
         "server_jobs_completed": completed,
-        "server_requests_run": run,
+        "server_requests_run": delta("hsdp_batched_requests_total"),
         "server_batches": delta("hsdp_batches_total"),
+        "ttft_s": {f"p{q}": round(_percentile(ttfts, q), 4) for q in (50, 99)} if ttfts else None,
         "wall_s": round(wall_s, 3),
         "throughput_rps": round(len(answered) / wall_s, 2),
         "tokens_per_s": round(len(answered) * args.max_tokens / wall_s, 1),
         "latency_s": {f"p{q}": round(_percentile(latencies, q), 4) for q in (50, 90, 99)}
         | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)},
-        "ok": not wrong and len(answered) == len(prompts) and completed == run == len(prompts),
+        "ok": not wrong and len(answered) == len(prompts) and completed == len(prompts),
     }
 
 
@@ -159,6 +224,15 @@ def main() -> int:
         default=["--use-hsdp --hsdp-shard-size 2 --request-parallel", "--use-hsdp --hsdp-shard-size 2"],
         help="server parallel flags, one server each (default: request-parallel HSDP 2, then HSDP 2)",
     )
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=None,
+        help="also run the first layout while killing a worker every S s",
+    )
+    parser.add_argument(
+        "--stream", action="store_true", help="streamed completions (reports time to first token)"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench_results/serve_load.json"))
     args = parser.parse_args()
 
@@ -169,6 +243,10 @@ def main() -> int:
     for layout in args.layouts:
         print(f"load: {layout} ...", flush=True)
         rows.append(load_run(layout, prompts, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
+    if args.kill_every:
+        print(f"load with a worker killed every {args.kill_every:g}s: {args.layouts[0]} ...", flush=True)
+        workdir = Path(tempfile.mkdtemp(prefix="serve-chaos-"))
+        rows.append(load_run(args.layouts[0], prompts, want, args, workdir, kill_every_s=args.kill_every))
     print(
         f"\n{args.requests} completion requests of {args.max_tokens} tokens, concurrency {args.concurrency}, tiny-llama"
     )
@@ -178,7 +256,8 @@ def main() -> int:
         "lost",
         "wrong",
         "dup",
-        "jobs run",
+        "killed",
+        "re-run",
         "batches",
         "req/s",
         "x first",
@@ -186,14 +265,16 @@ def main() -> int:
         "p90 s",
         "p99 s",
         "max s",
+        "TTFT p50 s",
     ]
     print(" | ".join(header))
     for row in rows:
         lat = row["latency_s"]
         ratio = row["throughput_rps"] / rows[0]["throughput_rps"]
+        ttft = row["ttft_s"]["p50"] if row["ttft_s"] else "-"
         cells = [row["layout"], row["answered_200"], row["lost"], row["wrong_answers"], row["duplicates"],
-                 row["server_requests_run"], row["server_batches"], row["throughput_rps"], f"{ratio:.2f}",
-                 lat["p50"], lat["p90"], lat["p99"], lat["max"]]  # fmt: skip
+                 row["workers_killed"], row["jobs_run_again"], row["server_batches"], row["throughput_rps"],
+                 f"{ratio:.2f}", lat["p50"], lat["p90"], lat["p99"], lat["max"], ttft]  # fmt: skip
         print(" | ".join(str(c) for c in cells))
     ok = all(r["ok"] for r in rows)
     print(
@@ -203,6 +284,7 @@ def main() -> int:
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
+        "stream": args.stream,
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -190,7 +190,9 @@ class _FakeEngine:
     def ping(self, timeout_s):
         pass
 
-    def generate(self, prompts, params, on_progress=None, on_token=None):
+    kind = "causal_lm"
+
+    def generate(self, prompts, params, on_progress=None, on_token=None, batch_size=1):
         from hsdp.engine import GenerationOutput, Timings
 
         self.calls.append((list(prompts), list(params.seed)))

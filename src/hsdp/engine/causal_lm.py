@@ -105,7 +105,17 @@ class CausalLMRunner:
         """A cancellation is checked before every forward (one per token)."""
         return [self.model]
 
-    def generate(self, request: Request, params: SamplingParams, *, decode: bool, progress: bool) -> dict:
+    def generate(
+        self, requests: list[Request], params: SamplingParams, *, decode: bool, progress: bool
+    ) -> list[dict]:
+        """One request at a time: per-request sampling seeds and exact parity need a batch of one."""
+        if len(requests) != 1:
+            raise ValueError("causal LMs generate one request at a time per rank (batch_size=1)")
+        return [self._generate_one(requests[0], params, decode=decode, progress=progress)]
+
+    def _generate_one(
+        self, request: Request, params: SamplingParams, *, decode: bool, progress: bool
+    ) -> dict:
         started = time.perf_counter()
         inputs = self.tokenizer(request.prompt, return_tensors="pt").to(self.device)
         clock = _TokenClock(request.request_id, params.max_new_tokens, progress=progress, report=decode)

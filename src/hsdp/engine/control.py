@@ -5,8 +5,8 @@ The caller marks a request cancelled in a small key-value store that the :class:
 (:class:`CancelWatch`, a forward pre-hook placed ahead of FSDP's own, so nothing is gathered yet), and the ranks
 agree with one all-reduce (MIN over "my request is cancelled") so they all stop at the same forward. In
 same-request layouts every rank runs the one request, so agreement delays the stop by at most one forward. In
-request-parallel lockstep a round stops when all its requests are cancelled; a cancelled request that shares
-its round with a live one runs on and its output is dropped by the caller.
+request-parallel lockstep, or in a batch of several requests, a round stops when all its requests are cancelled;
+a cancelled request that shares its round with a live one runs on and its output is dropped by the caller.
 """
 
 from __future__ import annotations
@@ -52,16 +52,16 @@ class CancelWatch:
             host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
         )
         self._device = local_device()
-        self.active: tuple[int, int] | None = None
-        """(call id, request id) this rank is generating, or None between requests."""
+        self.active: list[tuple[int, int]] = []
+        """(call id, request id) of the requests this rank is generating (one batch), empty between them."""
         for module in modules:
             module.register_forward_pre_hook(self._check, prepend=True)
 
     def _check(self, module: nn.Module, args: tuple) -> None:
-        if self.active is None:
+        if not self.active:
             return
-        mine = 1 if self._store.check([_key(*self.active)]) else 0
+        mine = 1 if all(self._store.check([_key(*active)]) for active in self.active) else 0
         flag = torch.tensor([mine], dtype=torch.int32, device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if flag.item():
-            raise RequestCancelled(f"request {self.active[1]} cancelled")
+            raise RequestCancelled(f"request(s) {', '.join(str(a[1]) for a in self.active)} cancelled")

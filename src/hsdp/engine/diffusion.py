@@ -93,20 +93,26 @@ class DiffusionRunner:
         if self._first_denoiser_call is None:
             self._first_denoiser_call = time.perf_counter()
 
-    def call_kwargs(self, request: Request, params: SamplingParams) -> dict:
-        """The pipeline arguments for one request: the set fields it accepts, its inputs, extra kwargs."""
+    def call_kwargs(self, requests: list[Request], params: SamplingParams) -> dict:
+        """The pipeline arguments for a group of requests run as one batch: the set fields it accepts, the
+        per-request inputs (one each, as lists when the group has several), and any extra kwargs."""
         accepted = self.info.call_params
         kwargs = {name: getattr(params, name) for name in PIPELINE_ARGS if getattr(params, name) is not None}
         for name in ("negative_prompt", "image", "mask_image"):
-            if getattr(request, name) is not None:
-                kwargs[name] = getattr(request, name)
+            values = [getattr(r, name) for r in requests]
+            if any(v is not None for v in values):
+                kwargs[name] = values[0] if len(values) == 1 else values
         kwargs.update(params.pipeline_kwargs)
         return {k: v for k, v in kwargs.items() if k in accepted}
 
-    def generate(self, request: Request, params: SamplingParams, *, decode: bool, progress: bool) -> dict:
-        """Run one request; ``decode=False`` skips the VAE on ranks whose output is not returned."""
+    def generate(
+        self, requests: list[Request], params: SamplingParams, *, decode: bool, progress: bool
+    ) -> list[dict]:
+        """Run a group of requests as one batch (each with its own seed, so its own initial noise); returns one
+        payload per request. ``decode=False`` skips the VAE on ranks whose outputs are not returned."""
         pipe = self.pipe
-        pipe.set_progress_bar_config(disable=not progress, desc=f"request {request.request_id} denoising")
+        ids = ", ".join(str(r.request_id) for r in requests)
+        pipe.set_progress_bar_config(disable=not progress, desc=f"request {ids} denoising")
         for wrapper in self.cfg_wrappers:
             wrapper.reset()
         self._first_denoiser_call = None
@@ -115,20 +121,23 @@ class DiffusionRunner:
 
         def on_step_end(pipeline, step: int, timestep, callback_kwargs: dict) -> dict:
             stamps.append(time.perf_counter())
-            if decode:  # the rank that reports this request also reports its progress
+            if decode:  # the rank that reports these requests also reports their progress
                 total = getattr(pipeline, "num_timesteps", None) or params.num_inference_steps or step + 1
-                emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
+                for request in requests:
+                    emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
         extra = (
             {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
         )
-        # The initial noise comes from a CPU generator, so it is the same on every device type and layout.
+        # The initial noise comes from CPU generators, so it is the same on every device type and layout, and a
+        # request's noise is the same alone or in a batch (the pipeline draws each sample from its generator).
+        generators = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
         result = pipe(
-            prompt=request.prompt,
-            generator=torch.Generator(device="cpu").manual_seed(request.seed),
+            prompt=[r.prompt for r in requests] if len(requests) > 1 else requests[0].prompt,
+            generator=generators if len(requests) > 1 else generators[0],
             output_type="np" if decode else "latent",
-            **self.call_kwargs(request, params),
+            **self.call_kwargs(requests, params),
             **extra,
         )
         finished = time.perf_counter()
@@ -140,7 +149,11 @@ class DiffusionRunner:
             step_s=[b - a for a, b in zip([first, *stamps], stamps, strict=False)],
         )
         if not decode:
-            return {"timings": timings}
+            return [{"timings": timings} for _ in requests]
         if hasattr(result, "frames"):
-            return {"frames": result.frames[0], "timings": timings}
-        return {"images": result.images, "timings": timings}
+            return [{"frames": result.frames[i], "timings": timings} for i in range(len(requests))]
+        per_request = len(result.images) // len(requests)
+        return [
+            {"images": result.images[i * per_request : (i + 1) * per_request], "timings": timings}
+            for i in range(len(requests))
+        ]

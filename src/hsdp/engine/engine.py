@@ -240,6 +240,7 @@ class Engine:
         measure_comm: bool = False,
         on_progress: Callable[[int, int, int], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
+        batch_size: int = 1,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
 
@@ -247,10 +248,19 @@ class Engine:
         per-rank figures in :attr:`last_comm`. ``on_progress(request_id, step, total)`` is called (in the
         caller's thread) after each denoising step or generated token of each request, as the ranks run;
         ``on_token(request_id, token_id)`` after each generated token (causal LMs), for streaming.
+        ``batch_size`` > 1 (diffusion) runs up to that many of a rank's requests as one batch through the
+        pipeline, each with its own seed and noise: one forward per step for all of them.
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be an integer >= 1 (--max-batch-size)")
+        if batch_size > 1 and self.kind != "diffusion":
+            raise ValueError(
+                f"batch_size={batch_size}: causal LMs generate one request at a time per rank (per-request "
+                "sampling seeds); use --request-parallel to run several side by side"
+            )
         requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
         with self._lock:
             self._call_id += 1
@@ -262,6 +272,7 @@ class Engine:
                     self.progress,
                     measure_comm,
                     self._call_id,
+                    batch_size,
                     timeout_s=self.call_timeout_s,
                     on_event=_event_listener(on_progress, on_token),
                 )

@@ -150,8 +150,9 @@ def generate(
     progress: bool,
     measure_comm: bool = False,
     call_id: int = 0,
+    batch_size: int = 1,
 ) -> RankResult:
-    """Generate this rank's share of ``requests``, one at a time, in lockstep with the other ranks.
+    """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
 
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
     request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
@@ -166,30 +167,47 @@ def generate(
     outputs = []
     accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
     with torch.no_grad(), accounting:
-        for request in mine:
-            payload = _generate_one(
-                runner, watch, call_id, request, params, reports, progress and rank() == 0
+        for group in batches(mine, batch_size):
+            payloads = _generate_group(
+                runner, watch, call_id, group, params, reports, progress and rank() == 0
             )
             if reports:
-                outputs.append((request.request_id, payload))
+                outputs += [(r.request_id, p) for r, p in zip(group, payloads, strict=True)]
     memory, kind = peak_memory()
     comm = {**accounting.report().to_dict(), "forwards": sum(accounting.forwards)} if measure_comm else None
     return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind, comm=comm)
 
 
-def _generate_one(
-    runner, watch, call_id: int, request: Request, params, reports: bool, progress: bool
-) -> dict:
+def batches(requests: list[Request], batch_size: int) -> list[list[Request]]:
+    """Consecutive groups of up to ``batch_size``; a group never mixes requests with and without a negative
+    prompt (for true-CFG pipelines the negative prompt decides whether the unconditional pass runs at all)."""
+    groups: list[list[Request]] = []
+    for request in requests:
+        last = groups[-1] if groups else None
+        if (
+            last
+            and len(last) < batch_size
+            and (last[0].negative_prompt is None) == (request.negative_prompt is None)
+        ):
+            last.append(request)
+        else:
+            groups.append([request])
+    return groups
+
+
+def _generate_group(
+    runner, watch, call_id: int, group: list[Request], params, reports: bool, progress: bool
+) -> list[dict]:
     if watch is None:
-        return runner.generate(request, params, decode=reports, progress=progress)
-    watch.active = (call_id, request.request_id)
+        return runner.generate(group, params, decode=reports, progress=progress)
+    watch.active = [(call_id, r.request_id) for r in group]
     started = time.perf_counter()
     try:
-        return runner.generate(request, params, decode=reports, progress=progress)
+        return runner.generate(group, params, decode=reports, progress=progress)
     except RequestCancelled:
-        return {"cancelled": True, "timings": Timings(total_s=time.perf_counter() - started)}
+        return [{"cancelled": True, "timings": Timings(total_s=time.perf_counter() - started)} for _ in group]
     finally:
-        watch.active = None
+        watch.active = []
 
 
 def ping() -> int:

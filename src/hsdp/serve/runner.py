@@ -84,12 +84,14 @@ class EngineRunner:
         poll_s: float = 0.5,
         ping_timeout_s: float = 1.5,
         step_timeout_s: float = 120.0,
+        max_batch_size: int = 1,
     ):
         self._make_engine = make_engine
         self.store = store
         self.poll_s = poll_s
         self.ping_timeout_s = ping_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.max_batch_size = max_batch_size
         self.stats = RunnerStats()
         self.engine: Engine | None = None
         self._stopping = threading.Event()
@@ -151,7 +153,7 @@ class EngineRunner:
             if self.engine is None or self.engine.closed:
                 self._restart()
                 continue
-            batch = self.store.next_batch(self.engine.request_slots, self.poll_s)
+            batch = self.store.next_batch(self.engine.request_slots * self.max_batch_size, self.poll_s)
             if batch:
                 self._run(batch)
             else:
@@ -218,7 +220,11 @@ class EngineRunner:
         started = time.perf_counter()
         try:
             outputs = engine.generate(
-                [j.prompt for j in padded], params, on_progress=on_progress, on_token=on_token
+                [j.prompt for j in padded],
+                params,
+                on_progress=on_progress,
+                on_token=on_token,
+                batch_size=self.max_batch_size if engine.kind == "diffusion" else 1,
             )
         except Exception as exc:
             self._fail_batch(batch, exc, engine)

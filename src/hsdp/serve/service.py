@@ -57,7 +57,12 @@ class Server:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.settings = settings
         self.store = JobStore(settings.output_dir, settings.max_queue, max_attempts=settings.max_attempts)
-        self.runner = EngineRunner(self._make_engine, self.store, step_timeout_s=settings.step_timeout_s)
+        self.runner = EngineRunner(
+            self._make_engine,
+            self.store,
+            step_timeout_s=settings.step_timeout_s,
+            max_batch_size=settings.max_batch_size,
+        )
         self.tokenizer = None
         self.max_positions: int | None = None
 
@@ -83,6 +88,12 @@ class Server:
                 requeued,
             )
         self.runner.start()
+        if self.kind == "causal_lm" and self.settings.max_batch_size > 1:
+            self.runner.stop()
+            raise ValueError(
+                f"--max-batch-size {self.settings.max_batch_size}: causal LMs run one request at a time per rank "
+                "(per-request seeds); use --request-parallel to run several side by side"
+            )
         if self.kind == "causal_lm":
             from transformers import AutoTokenizer
 

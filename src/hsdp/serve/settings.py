@@ -57,6 +57,9 @@ class ServeSettings:
     """Seconds a running call may go without a denoising step or token before its workers count as hung."""
     max_attempts: int = 3
     """Engine runs of a job interrupted by worker failures or restarts before it fails (--max-attempts)."""
+    max_batch_size: int = 1
+    """Compatible diffusion requests each rank runs as one batch (--max-batch-size); 1 = one at a time."""
+    """Engine runs of a job interrupted by worker failures or restarts before it fails (--max-attempts)."""
     engine_start_timeout_s: float = 300.0
     limits: ServeLimits = field(default_factory=ServeLimits)
 
@@ -75,6 +78,8 @@ class ServeSettings:
             problems.append(f"--step-timeout {self.step_timeout_s} must be > 0 seconds")
         if self.max_attempts < 1:
             problems.append(f"--max-attempts {self.max_attempts} must be >= 1")
+        if self.max_batch_size < 1:
+            problems.append(f"--max-batch-size {self.max_batch_size} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key (or HSDP_API_KEY) is empty; give a non-empty key or leave it unset")
         for name, value in vars(self.limits).items():
