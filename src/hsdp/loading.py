@@ -441,6 +441,7 @@ def load_pretrained(
     resident_modules: Collection[str] = (),
     forward_prefetch: int = 0,
     prepare: Callable[[nn.Module], None] | None = None,
+    weight_dtype: str | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
@@ -449,13 +450,19 @@ def load_pretrained(
     ``model.hsdp_report`` when sharded. ``resident_modules`` and ``forward_prefetch`` are passed to
     :func:`~hsdp.sharding.apply_hsdp_to_model`. ``prepare(model)`` runs on the empty (meta) model after the
     checkpoint is validated and before sharding, e.g. to inject LoRA adapters; parameters it adds are left
-    uninitialised for the caller to fill. Needs the process group to be initialised when the layout has more than
-    one rank.
+    uninitialised for the caller to fill. ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
+    each rank quantizing its rows as it reads them (:mod:`hsdp.quantize`; needs ``use_hsdp``). Needs the process
+    group to be initialised when the layout has more than one rank.
     """
     started = time.perf_counter()
     folder = Path(path)
     config = (parallel_config or ParallelConfig()).resolved()
     cls = model_class or model_class_for(folder)
+    if weight_dtype is not None and not config.use_hsdp:
+        raise ValueError(
+            f"--weight-dtype {weight_dtype} stores 8-bit weight shards, which needs --use-hsdp with "
+            "--hsdp-shard-size 2 or more"
+        )
     index = read_checkpoint_index(folder)
     model = build_empty_model(cls, folder, _resolve_dtype(dtype, index))
     plan = _plan(model, index)  # validate before any allocation
@@ -478,6 +485,7 @@ def load_pretrained(
             training=training,
             resident_modules=resident_modules,
             forward_prefetch=forward_prefetch,
+            weight_dtype=weight_dtype,
         )
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
     # still belong on the device (moved after filling).

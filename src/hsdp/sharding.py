@@ -61,10 +61,9 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     local = total = 0
     for param in model.parameters():  # parameters() already skips tied duplicates
         size = param.element_size()
-        if isinstance(param, DTensor):
-            local += param.to_local().numel() * size
-        else:
-            local += param.numel() * size
+        held = param.to_local() if isinstance(param, DTensor) else param
+        # 8-bit weight shards (hsdp.quantize) hold fewer bytes than their compute dtype says
+        local += getattr(held, "stored_bytes", held.numel() * size)
         total += param.numel() * size
     return local, total
 
@@ -157,13 +156,15 @@ def apply_hsdp_to_model(
     training: bool = False,
     resident_modules: Collection[str] = (),
     forward_prefetch: int = 0,
+    weight_dtype: str | None = None,
 ) -> ShardReport:
     """Shard ``model`` in place over the layout's FSDP mesh and return a report for this rank.
 
     ``resident_modules`` (qualified names of plan-selected modules, ``""`` for the root) keep their gathered
     weights between forwards (``reshard_after_forward=False``): memory-budgeted inference, see
     :func:`hsdp.planner.residency_for_budget`. ``forward_prefetch`` all-gathers that many units ahead in forward
-    order.
+    order. ``weight_dtype`` (``int8``, ``fp8``) stores the ``nn.Linear`` weights of the sharded units in 8 bits
+    and all-gathers them so (:mod:`hsdp.quantize`); inference only.
 
     Raises ``ValueError`` when the plan matches no module (the message lists candidate module names).
     """
@@ -206,6 +207,17 @@ def apply_hsdp_to_model(
     keep = _unshardable_params(model, plan, training)
     ignored = set(keep.values())
     strategy = config.sharding_strategy
+    if weight_dtype is not None:
+        from hsdp.quantize import quantize_linear_weights, weight_dtype_problem
+
+        if problem := weight_dtype_problem(weight_dtype, device.type, training=training):
+            raise ValueError(problem)
+        if strategy is ShardingStrategy.NO_SHARD or config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits, so it needs weights sharded over 2 "
+                f"or more ranks (--hsdp-shard-size >= 2) and no tensor parallelism; got {config.describe()}"
+            )
+        quantize_linear_weights(model, weight_dtype, shard_size=config.hsdp_shard_size, skip=ignored)
     mode = "Training" if training else "Inference"
     logger.info(
         "HSDP %s: replicate_size=%d, shard_size=%d, world_size=%d, rank=%d",
