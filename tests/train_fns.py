@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -126,3 +127,57 @@ def train_lora(configs: list[TrainConfig]) -> list[dict]:
         del trainer
         gc.collect()
     return out
+
+
+class SizePlanModel(torch.nn.Module):
+    """A custom model with neither _hsdp_shard_conditions nor _no_split_modules: the size-based plan applies."""
+
+    _hsdp_min_num_params = 1000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.body = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(3)
+        )
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.body:
+            x = x + block(x)
+        return self.head(x)
+
+
+def size_plan_step() -> dict:
+    """One forward/backward of :class:`SizePlanModel` sharded by the size-based plan, against the same model whole
+    on this rank: the loss, the largest gradient difference and the units."""
+    import copy
+
+    from hsdp.config import ParallelConfig
+    from hsdp.sharding import apply_hsdp_to_model
+
+    torch.manual_seed(0)
+    whole = SizePlanModel()
+    sharded = copy.deepcopy(whole)
+    ids = torch.randint(50, (4, 8), generator=torch.Generator().manual_seed(1))
+    config = ParallelConfig(
+        use_hsdp=True, hsdp_shard_size=dist.get_world_size(), sharding_strategy="FULL_SHARD"
+    )
+    report = apply_hsdp_to_model(sharded, config, training=True)
+    losses = []
+    for model in (whole, sharded):
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        losses.append(loss.item())
+    worst = max(
+        (p.grad - q.grad.full_tensor()).abs().max().item()
+        for p, q in zip(whole.parameters(), sharded.parameters(), strict=True)
+    )
+    return {
+        "losses": losses,
+        "worst_grad": worst,
+        "units": report.sharded_modules,
+        "source": report.plan_source,
+    }

@@ -7,7 +7,11 @@ Where a plan comes from, first match wins:
 2. a family plan registered here with :func:`register_plan` (keyed by the model's class name) for knowledge the
    model does not carry, such as a tensor-parallel plan;
 3. Hugging Face's ``_no_split_modules``: the class names ``transformers`` / ``diffusers`` keep whole on one
-   device, matched by exact class, so an unmodified model shards by its blocks.
+   device, matched by exact class, so an unmodified model shards by its blocks;
+4. for a model with none of these, a size-based plan (torch's ``size_based_auto_wrap_policy``): bottom-up, a
+   module becomes a unit once the parameters under it not already in a unit reach ``min_num_params``
+   (``_hsdp_min_num_params`` on the model, default 100M as torch's FSDP docs use). Logged as a warning, since
+   units that follow the model's blocks are better (they gather exactly one block at a time).
 
 Tensor parallelism comes from a registered plan when it has one, else from transformers' own plan
 (``config.base_model_tp_plan``, :mod:`hsdp.plans.hf_tensor_parallel`) for every family that ships one.
@@ -18,16 +22,29 @@ The core never names a model family; family files in this package call :func:`re
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+logger = logging.getLogger("hsdp")
+
+DEFAULT_MIN_NUM_PARAMS = 100_000_000
+"""Size-based plan threshold when the model sets no ``_hsdp_min_num_params`` (torch's FSDP docs use 1e8)."""
+
 ShardCondition = Callable[[str, nn.Module], bool]
 TensorParallelFn = Callable[[nn.Module, DeviceMesh], None]
 
-__all__ = ["ShardPlan", "ShardCondition", "register_plan", "resolve_plan", "classes_condition"]
+__all__ = [
+    "ShardPlan",
+    "ShardCondition",
+    "register_plan",
+    "resolve_plan",
+    "classes_condition",
+    "size_condition",
+]
 
 
 @dataclass(frozen=True)
@@ -136,8 +153,41 @@ def _resolve_units(model: nn.Module) -> ShardPlan:
             source=plan.source or f"registered plan for {type(model).__name__}",
         )
     no_split = list(getattr(model, "_no_split_modules", None) or [])
-    return ShardPlan(
-        conditions=(classes_condition(no_split),) if no_split else (),
-        ignored=ignored,
-        source=f"_no_split_modules={no_split}" if no_split else "none",
+    if no_split:
+        return ShardPlan(
+            conditions=(classes_condition(no_split),), ignored=ignored, source=f"_no_split_modules={no_split}"
+        )
+    min_num_params = int(getattr(model, "_hsdp_min_num_params", None) or DEFAULT_MIN_NUM_PARAMS)
+    logger.warning(
+        "%s has neither _hsdp_shard_conditions nor _no_split_modules: FSDP units by size (min_num_params=%d; "
+        "set _hsdp_min_num_params on the model to change it, or _no_split_modules to shard by block class)",
+        type(model).__name__,
+        min_num_params,
     )
+    return ShardPlan(
+        conditions=(size_condition(model, min_num_params),),
+        ignored=ignored,
+        source=f"size-based (min_num_params={min_num_params}; set _hsdp_min_num_params or _no_split_modules)",
+    )
+
+
+def size_condition(model: nn.Module, min_num_params: int) -> ShardCondition:
+    """torch's ``size_based_auto_wrap_policy`` as a condition: walking bottom-up, a module (not the root) is a unit
+    when the parameters under it that no smaller unit took reach ``min_num_params``."""
+    units: set[int] = set()
+
+    def remaining(module: nn.Module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        count += sum(remaining(child) for child in module.children())
+        if module is not model and count >= min_num_params:
+            units.add(id(module))
+            return 0
+        return count
+
+    remaining(model)
+
+    def condition(name: str, module: nn.Module) -> bool:
+        return id(module) in units
+
+    condition.__name__ = f"size(min_num_params={min_num_params})"
+    return condition
