@@ -10,12 +10,16 @@ distinct prompts from ``--concurrency`` concurrent clients, then checks that no 
 
 ``--kill-every S`` adds a chaos run: a worker is SIGKILLed every S seconds while the load runs; the server must
 still answer every request once, with the right answer (its interrupted jobs run again with the same seed).
-``--stream`` sends streamed completions and reports the time to first token.
+``--stream`` sends streamed completions and reports the time to first token. ``--model tiny-flux`` (or any image
+pipeline) loads ``/v1/images/generations`` instead (one image per request, seed = its index), checked against the
+one-process diffusers pipeline within one 8-bit level per pixel (``--max-batch-size`` > 1 is within 1e-5 of
+running alone, not bit-exact); give ``--batch-sizes 1 4`` to compare batching side by side.
 
 Prints latency percentiles and throughput; writes JSON. Stops by itself (every request has a deadline).
 
     .venv/bin/python benchmarks/serve_load.py                       # 200 requests, concurrency 16
     .venv/bin/python benchmarks/serve_load.py --requests 400 --max-tokens 16 --kill-every 20 --stream
+    .venv/bin/python benchmarks/serve_load.py --model tiny-flux --requests 64 --batch-sizes 1 4
 """
 
 from __future__ import annotations
@@ -45,6 +49,46 @@ def _metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in found for k, v in labels.items()):
             return float(value)
     raise KeyError(name)
+
+
+IMAGE_STEPS = 4
+
+
+def _image_references(model: str, prompts: list[str]) -> list:
+    """One-process diffusers images (uint8) for every prompt, seed = its index."""
+    import numpy as np
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from hsdp.engine.model_info import inspect_model
+    from hsdp.models.builtin import resolve_model
+
+    torch.set_num_threads(1)
+    info = inspect_model(resolve_model(model))
+    defaults = {k: v for k, v in info.defaults.items() if k in info.call_params}  # what the server fills in
+    pipe = DiffusionPipeline.from_pretrained(info.path)
+    pipe.set_progress_bar_config(disable=True)
+    images = []
+    with torch.no_grad():
+        for seed, prompt in enumerate(prompts):
+            generator = torch.Generator().manual_seed(seed)
+            kwargs = {**defaults, "num_inference_steps": IMAGE_STEPS}
+            out = pipe(prompt=prompt, generator=generator, output_type="np", **kwargs)
+            images.append((np.clip(out.images[0], 0, 1) * 255).round().astype(np.uint8))
+    return images
+
+
+def _same_image(b64: str | None, want) -> bool:
+    import base64
+    import io
+
+    import imageio.v3 as iio
+    import numpy as np
+
+    if b64 is None:
+        return False
+    got = iio.imread(io.BytesIO(base64.b64decode(b64)), extension=".png").astype(int)
+    return got.shape == want.shape and int(np.abs(got - want.astype(int)).max()) <= 1
 
 
 def _references(prompts: list[str], max_tokens: int) -> list[str]:
@@ -96,6 +140,12 @@ async def _ask(
     return 200, "".join(pieces), first, dict(response.headers)
 
 
+async def _ask_image(http: httpx.AsyncClient, body: dict) -> tuple[int, str | None, None, dict]:
+    response = await http.post("/v1/images/generations", json=body)
+    b64 = response.json()["data"][0]["b64_json"] if response.status_code == 200 else None
+    return response.status_code, b64, None, dict(response.headers)
+
+
 async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=args.deadline) as http:
         while True:
@@ -104,10 +154,18 @@ async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.
             except asyncio.QueueEmpty:
                 return
             started, retries = time.perf_counter(), 0
-            body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            image = args.model != "tiny-llama"
+            body = (
+                {"prompt": prompt, "n": 1, "seed": index, "num_inference_steps": IMAGE_STEPS}
+                if image
+                else {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            )
             while True:
                 try:
-                    status, text, ttft, headers = await _ask(http, body, args.stream)
+                    if image:
+                        status, text, ttft, headers = await _ask_image(http, body)
+                    else:
+                        status, text, ttft, headers = await _ask(http, body, args.stream)
                 except httpx.HTTPError as exc:
                     results[index] = {"status": f"error: {exc!r}", "latency_s": time.perf_counter() - started}
                     break
@@ -168,7 +226,7 @@ def load_run(
     """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate accounting."""
     server_args = [*layout.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
     kills: list[int] = []
-    with LocalServer("tiny-llama", server_args, log=workdir / "server.log") as server:
+    with LocalServer(args.model, server_args, log=workdir / "server.log") as server:
         before = httpx.get(server.url + "/metrics").text
         stop = threading.Event()
         chaos = threading.Thread(target=_kill_workers, args=(server, kill_every_s, stop, kills), daemon=True)
@@ -185,7 +243,8 @@ def load_run(
         return int(_metric(after, name, **labels) - _metric(before, name, **labels))
 
     answered = [i for i in range(len(prompts)) if results.get(i, {}).get("status") == 200]
-    wrong = [i for i in answered if results[i]["text"] != want[i]]
+    same = _same_image if args.model != "tiny-llama" else (lambda got, expected: got == expected)
+    wrong = [i for i in answered if not same(results[i]["text"], want[i])]
     latencies = [results[i]["latency_s"] for i in answered] or [float("nan")]
     ttfts = [results[i]["ttft_s"] for i in answered if results[i].get("ttft_s") is not None]
     completed = delta("hsdp_jobs", state="completed")
@@ -205,7 +264,9 @@ def load_run(
         "ttft_s": {f"p{q}": round(_percentile(ttfts, q), 4) for q in (50, 99)} if ttfts else None,
         "wall_s": round(wall_s, 3),
         "throughput_rps": round(len(answered) / wall_s, 2),
-        "tokens_per_s": round(len(answered) * args.max_tokens / wall_s, 1),
+        "tokens_per_s": round(len(answered) * args.max_tokens / wall_s, 1)
+        if args.model == "tiny-llama"
+        else None,
         "latency_s": {f"p{q}": round(_percentile(latencies, q), 4) for q in (50, 90, 99)}
         | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)},
         "ok": not wrong and len(answered) == len(prompts) and completed == len(prompts),
@@ -214,6 +275,14 @@ def load_run(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="tiny-llama (completions) or an image pipeline")
+    parser.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="image pipelines: one run of the first layout per --max-batch-size",
+    )
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4)
@@ -238,9 +307,11 @@ def main() -> int:
 
     prompts = [f"request {i}: " for i in range(args.requests)]
     print(f"computing {len(prompts)} one-process references ...", flush=True)
-    want = _references(prompts, args.max_tokens)
+    image = args.model != "tiny-llama"
+    want = _image_references(args.model, prompts) if image else _references(prompts, args.max_tokens)
+    layouts = [f"{args.layouts[0]} --max-batch-size {b}" for b in args.batch_sizes] if image else args.layouts
     rows = []
-    for layout in args.layouts:
+    for layout in layouts:
         print(f"load: {layout} ...", flush=True)
         rows.append(load_run(layout, prompts, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
     if args.kill_every:
@@ -248,7 +319,8 @@ def main() -> int:
         workdir = Path(tempfile.mkdtemp(prefix="serve-chaos-"))
         rows.append(load_run(args.layouts[0], prompts, want, args, workdir, kill_every_s=args.kill_every))
     print(
-        f"\n{args.requests} completion requests of {args.max_tokens} tokens, concurrency {args.concurrency}, tiny-llama"
+        f"\n{args.requests} requests ({'one image each' if image else f'{args.max_tokens} tokens each'}), "
+        f"concurrency {args.concurrency}, {args.model}"
     )
     header = [
         "layout",
@@ -281,6 +353,7 @@ def main() -> int:
         f"\n{'OK' if ok else 'FAILED'}: every request answered once, with the one-process answer for its prompt"
     )
     summary = {
+        "model": args.model,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
