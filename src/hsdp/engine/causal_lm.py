@@ -83,6 +83,7 @@ class CausalLMRunner:
         *,
         dtype: str | None = None,
         forward_prefetch: bool = True,
+        weight_dtype: str | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -92,6 +93,7 @@ class CausalLMRunner:
             config if config.use_hsdp else ParallelConfig(),
             meshes=meshes if config.use_hsdp else None,
             dtype=dtype or "auto",
+            weight_dtype=weight_dtype,
             **(overlap_options(config, forward_prefetch=forward_prefetch) if config.use_hsdp else {}),
         )
         self.sharded = ["model"] if config.use_hsdp else []

@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=None, help="convert the sharded weights (bf16, fp16, fp32)")
     parser.add_argument(
+        "--weight-dtype",
+        choices=["int8", "fp8"],
+        default=None,
+        help="store the sharded Linear weights in 8 bits (per-output-channel scales) and all-gather them so: about half "
+        "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
+    )
+    parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
     parser.add_argument(
@@ -148,7 +155,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         with Engine(
-            args.model, config, dtype=args.dtype, forward_prefetch=args.forward_prefetch, progress=True
+            args.model,
+            config,
+            dtype=args.dtype,
+            forward_prefetch=args.forward_prefetch,
+            progress=True,
+            weight_dtype=args.weight_dtype,
         ) as engine:
             outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
     except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks

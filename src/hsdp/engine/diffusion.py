@@ -42,6 +42,7 @@ class DiffusionRunner:
         *,
         dtype: str | None = None,
         forward_prefetch: bool = True,
+        weight_dtype: str | None = None,
     ):
         import diffusers
 
@@ -50,7 +51,11 @@ class DiffusionRunner:
         self.info = inspect_model(folder)
         self.sharded = list(self.info.shardable) if config.use_hsdp else []
         # Without HSDP these load whole, through the same loader (fresh memory, the same dtype conversion).
-        shard = {"meshes": meshes, **overlap_options(config, forward_prefetch=forward_prefetch)}
+        shard = {
+            "meshes": meshes,
+            "weight_dtype": weight_dtype,
+            **overlap_options(config, forward_prefetch=forward_prefetch),
+        }
         components = {
             name: load_pretrained(
                 folder / name,

@@ -95,6 +95,23 @@ def _diffusion_layout_problems(info: ModelInfo, config: ParallelConfig) -> list[
     return problems
 
 
+def _weight_dtype_problems(weight_dtype: str | None, config: ParallelConfig) -> list[str]:
+    """``--weight-dtype`` x device and layout problems, found before any process starts."""
+    from hsdp.quantize import weight_dtype_problem
+
+    if weight_dtype is None:
+        return []
+    problem = weight_dtype_problem(weight_dtype, distributed.device_type())
+    if problem:
+        return [problem]
+    if not config.use_hsdp or config.hsdp_shard_size < 2 or config.tensor_parallel_size > 1:
+        return [
+            f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits: add --use-hsdp with --hsdp-shard-size 2 "
+            f"or more (and no --tensor-parallel-size); the layout is {config.describe()}"
+        ]
+    return []
+
+
 class _TorchrunRanks:
     """The ranks this script already runs on (``torchrun``), with :class:`WorkerGroup`'s ``run`` interface."""
 
@@ -151,6 +168,7 @@ class Engine:
         start_timeout_s: float = 300.0,
         workers: WorkerGroup | None = None,
         cancellable: bool = False,
+        weight_dtype: str | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -159,10 +177,12 @@ class Engine:
         dead worker is still noticed at once). ``workers``: an existing group of ``world_size`` ranks to load
         into instead of starting processes (e.g. to swap models without a restart); it is left running on
         :meth:`close`, with the model unloaded. ``cancellable`` lets :meth:`cancel` stop a running request at
-        its next forward (the ranks then agree once per forward: a tiny all-reduce; engine-spawned ranks only)."""
+        its next forward (the ranks then agree once per forward: a tiny all-reduce; engine-spawned ranks only).
+        ``weight_dtype`` (``int8``; ``fp8`` on devices with fp8 kernels) stores the sharded Linear weights in 8 bits
+        and all-gathers them so (:mod:`hsdp.quantize`)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
-        problems = layout_problems(self.info, self.config)
+        problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
         if problems:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -200,6 +220,7 @@ class Engine:
             dtype,
             forward_prefetch,
             cancel_address=self._board.address if self._board else None,
+            weight_dtype=weight_dtype,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)

@@ -50,6 +50,8 @@ class LoadSpec:
     forward_prefetch: bool = True
     cancel_address: tuple[str, int] | None = None
     """The caller's :class:`hsdp.engine.control.CancelBoard`, when requests can be cancelled."""
+    weight_dtype: str | None = None
+    """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
 
 
 @dataclass
@@ -116,7 +118,14 @@ def load(spec: LoadSpec) -> dict:
     baseline = resident_memory()
     config = spec.config.resolved()
     meshes = build_meshes(config)
-    runner = runner_cls(spec.path, config, meshes, dtype=spec.dtype, forward_prefetch=spec.forward_prefetch)
+    runner = runner_cls(
+        spec.path,
+        config,
+        meshes,
+        dtype=spec.dtype,
+        forward_prefetch=spec.forward_prefetch,
+        weight_dtype=spec.weight_dtype,
+    )
     watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
     worker_state()[_KEY] = (runner, config, meshes, watch)
     return {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}

@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
     parser.add_argument(
+        "--weight-dtype",
+        choices=["int8", "fp8"],
+        default=None,
+        help="store the sharded Linear weights in 8 bits (per-output-channel scales) and all-gather them so: about half "
+        "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
+    )
+    parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
@@ -96,6 +103,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         output_dir=args.output_dir,
         api_key=args.api_key,
         dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         forward_prefetch=args.forward_prefetch,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,

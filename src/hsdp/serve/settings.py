@@ -47,6 +47,8 @@ class ServeSettings:
     api_key: str | None = None
     """When set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``."""
     dtype: str | None = None
+    weight_dtype: str | None = None
+    """``int8`` / ``fp8``: 8-bit weight shards (``--weight-dtype``, :mod:`hsdp.quantize`)."""
     forward_prefetch: bool = True
     """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
     max_queue: int = 64
