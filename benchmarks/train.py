@@ -1,4 +1,4 @@
-"""Training throughput and per-rank peak memory: hsdp's strategies vs DeepSpeed ZeRO-1/2/3 and Lightning FSDP2.
+"""Training throughput and per-rank peak memory: hsdp's strategies and LoRA vs DeepSpeed ZeRO-1/2/3 and Lightning FSDP2.
 
 Every run trains the same ~29M-parameter Llama (fp32 weights, AdamW, no mixed precision) on the same packed
 rows of the same text file (each rank takes the same rows in every framework), on fresh processes over CPU +
@@ -6,12 +6,15 @@ gloo. Reported: tokens/s from the median step after warm-up; tokens per CPU-seco
 CPU time of the median step), which a shared, busy machine disturbs far less than wall time but which leaves
 out time spent waiting on communication; and per rank the peak resident set size
 (``hsdp.memory.peak_memory_bytes``) with its growth over the post-import baseline (what model, gradients,
-optimizer state and activations added). DeepSpeed and Lightning are optional (``pip install -e .[bench]``);
+optimizer state and activations added). LoRA runs (``hsdp LoRA r16 FULL_SHARD``: peft adapters of rank 16 on every
+linear layer, fp32, the base frozen and sharded; ``DeepSpeed ZeRO-3 + peft LoRA r16``: the same peft adapters on a
+ZeRO-3 engine) train the same rows. DeepSpeed and Lightning are optional (``pip install -e .[bench]``);
 a framework that is not installed is skipped. Accelerate is left out on purpose: on CPU its FSDP plugin
 silently trains with plain DDP, so its figures would not be FSDP's.
 
     .venv/bin/python benchmarks/train.py                 # world 2: ~4 min on an idle 2-core CPU; bench_results/train.json
     .venv/bin/python benchmarks/train.py --world 4 --only "hsdp HYBRID_SHARD,hsdp FULL_SHARD,DeepSpeed ZeRO-3"
+    .venv/bin/python benchmarks/train.py --only "hsdp FULL_SHARD,hsdp LoRA r16 FULL_SHARD,DeepSpeed ZeRO-3 + peft LoRA r16"
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 MIB = 2**20
+LORA_R = 16
 MODEL = dict(
     vocab_size=8192,
     hidden_size=512,
@@ -111,7 +115,7 @@ def _load_model(spec: dict):
     return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).train()
 
 
-def rank_hsdp(spec: dict, strategy: str) -> dict:
+def rank_hsdp(spec: dict, strategy: str, lora_r: int = 0) -> dict:
     from hsdp.config import ParallelConfig
     from hsdp.train import TrainConfig, Trainer
 
@@ -124,18 +128,38 @@ def rank_hsdp(spec: dict, strategy: str) -> dict:
     cfg = TrainConfig(
         model=spec["model"], data=spec["data"], parallel=parallel, steps=spec["warmup"] + spec["steps"],
         batch_size=spec["micro_batch"] * world, seq_len=spec["seq_len"], lr=1e-4, progress=False,
-        log_every=10**6,
+        log_every=10**6, lora_r=lora_r, lora_alpha=2.0 * lora_r,
     )  # fmt: skip
     trainer = Trainer(cfg)  # it draws the same rows as _rows(spec), by step
-    return _report(spec, baseline, _timed_loop(spec, lambda batch: trainer.train_step()))
+    report = _report(spec, baseline, _timed_loop(spec, lambda batch: trainer.train_step()))
+    return {**report, "trained_state": _trained_state_bytes(trainer)}
 
 
-def rank_deepspeed(spec: dict, stage: int) -> dict:
+def _trained_state_bytes(trainer) -> int:
+    """This rank's bytes of trainable parameter shards, their gradients' size and the optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = sum(local(p) for p in trainer.params)
+    state = sum(local(v) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step")
+    return 2 * params + state
+
+
+def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
     import deepspeed
     import torch
 
     baseline = _baseline()
     model = _load_model(spec)
+    if lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear")
+        )
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "gradient_accumulation_steps": 1,
@@ -143,7 +167,7 @@ def rank_deepspeed(spec: dict, stage: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(batch):
@@ -189,7 +213,9 @@ def runs_for(world: int) -> dict[str, tuple]:
     """name -> (rank function, extra args, required module)."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] + (["HYBRID_SHARD"] if world >= 4 else [])
     runs = {f"hsdp {s}": (rank_hsdp, (s,), "hsdp") for s in strategies}
+    runs[f"hsdp LoRA r{LORA_R} FULL_SHARD"] = (rank_hsdp, ("FULL_SHARD", LORA_R), "peft")
     runs |= {f"DeepSpeed ZeRO-{z}": (rank_deepspeed, (z,), "deepspeed") for z in (1, 2, 3)}
+    runs[f"DeepSpeed ZeRO-3 + peft LoRA r{LORA_R}"] = (rank_deepspeed, (3, LORA_R), "deepspeed")
     runs["Lightning Fabric FSDP2"] = (rank_lightning, (), "lightning")
     return runs
 
@@ -252,17 +278,20 @@ def main() -> None:
     )
     print(
         "| run | tokens/s | vs hsdp FULL_SHARD | tokens per CPU-second | vs hsdp FULL_SHARD "
-        "| peak RSS per rank (MiB) | growth over imports (MiB) |"
+        "| peak RSS per rank (MiB) | growth over imports (MiB) | trained params + grads + optimizer per rank (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in ok:
         ratio = f"{row['tokens_per_s'] / reference['tokens_per_s']:.2f} x" if reference else "-"
         cpu_ratio = f"{row['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:.2f} x" if reference else "-"
         peaks = " / ".join(f"{r['peak'] / MIB:.0f}" for r in row["ranks"])
         growth = " / ".join(f"{r['growth'] / MIB:.0f}" for r in row["ranks"])
+        trained = " / ".join(
+            f"{r['trained_state'] / MIB:.1f}" if "trained_state" in r else "-" for r in row["ranks"]
+        )
         print(
             f"| {row['name']} | {row['tokens_per_s']:.0f} | {ratio} | {row['tokens_per_cpu_s']:.0f} | {cpu_ratio} "
-            f"| {peaks} | {growth} |"
+            f"| {peaks} | {growth} | {trained} |"
         )
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
