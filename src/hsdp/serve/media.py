@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +17,7 @@ from pydantic import ValidationError
 
 from hsdp.serve.http import describe_validation_errors
 from hsdp.serve.schemas import ApiError, ChatCompletionRequest, ChatImageParams
+from hsdp.serve.text import chat_completion
 
 __all__ = [
     "Upload",
@@ -121,25 +120,10 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
 def chat_media_body(model: str, prompt: str, urls: list[str]) -> dict:
     """vLLM-Omni's diffusion chat answer: one ``image_url`` part per output, all in ``choices[0]``."""
     prompt_tokens = len(prompt.split())
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": [{"type": "image_url", "image_url": {"url": url}} for url in urls],
-                },
-                "finish_reason": "stop",
-                "logprobs": None,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(urls),
-            "total_tokens": prompt_tokens + len(urls),
-        },
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(urls),
+        "total_tokens": prompt_tokens + len(urls),
     }
+    return chat_completion(model, parts, "stop", usage)

@@ -23,6 +23,7 @@ __all__ = [
     "finish_reason",
     "completion_body",
     "chat_body",
+    "chat_completion",
 ]
 
 
@@ -75,7 +76,8 @@ def completion_body(model: str, choices: list[TextChoice]) -> dict:
     }
 
 
-def chat_body(model: str, choice: TextChoice) -> dict:
+def chat_completion(model: str, content: str | list[dict], finish_reason: str, usage: dict) -> dict:
+    """OpenAI's ``chat.completion`` object with one assistant message (text, or content parts)."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -84,13 +86,17 @@ def chat_body(model: str, choice: TextChoice) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": choice.text},
-                "finish_reason": choice.finish_reason,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": finish_reason,
                 "logprobs": None,
             }
         ],
-        "usage": _usage([choice]),
+        "usage": usage,
     }
+
+
+def chat_body(model: str, choice: TextChoice) -> dict:
+    return chat_completion(model, choice.text, choice.finish_reason, _usage([choice]))
 
 
 class TextStream:
