@@ -44,6 +44,12 @@ CASES = {
         SamplingParams(num_inference_steps=2, image=input_image(64)),
         {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
     ),
+    "flux-kontext-hsdp2x2": (
+        "tiny-flux-kontext",
+        HSDP2X2,
+        SamplingParams(num_inference_steps=2, image=input_image(64)),
+        {**FLUX, "image": input_image(64), "max_area": 64 * 64, "_auto_resize": False},
+    ),
     "flux-kontext-ulysses2": (
         "tiny-flux-kontext",
         ULYSSES2,
@@ -55,6 +61,12 @@ CASES = {
     "wan-i2v-hsdp2": (
         "tiny-wan-i2v",
         HSDP2,
+        SamplingParams(num_inference_steps=2, image=input_image(32)),
+        {**WAN_I2V, "image": input_image(32)},
+    ),
+    "wan-i2v-hsdp2x2": (
+        "tiny-wan-i2v",
+        HSDP2X2,
         SamplingParams(num_inference_steps=2, image=input_image(32)),
         {**WAN_I2V, "image": input_image(32)},
     ),
