@@ -16,7 +16,9 @@ def main(path: str) -> None:
     with torch.no_grad():
         diff = (model(ids).logits - build_tiny_llama()(ids).logits).abs().max().item()
     report = model.hsdp_report
-    print(json.dumps({"rank": report.rank, "diff": diff, "fraction": report.fraction}), flush=True)
+    # One write per line: both ranks share torchrun's stdout, and print() writes the newline separately.
+    sys.stdout.write(json.dumps({"rank": report.rank, "diff": diff, "fraction": report.fraction}) + "\n")
+    sys.stdout.flush()
     destroy_distributed()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,9 +66,51 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear the process group down explicitly; gloo can abort at interpreter exit otherwise."""
+    """Tear down every process group (the default one, DeviceMesh sub-groups, the checkpointer's gloo group) and
+    wait until their gloo worker threads are idle, so the process exits cleanly.
+
+    The group objects outlive ``destroy_process_group`` whenever something still holds them (a sharded model's
+    FSDP state and DeviceMeshes do), and so do their worker threads. A worker lets go of a finished collective's
+    tensors a moment after the caller sees it complete; freeing a tensor Python has already dropped takes the GIL.
+    If that moment falls inside interpreter shutdown (a busy host deschedules the worker), the thread is ended
+    mid-C++ and the runtime aborts the process ("terminate called without an active exception", SIGABRT) after
+    all work succeeded, so the launcher reports a failed job.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    _wait_for_idle_gloo_workers()
+
+
+_GLOO_WORKER = "pt_gloo_runloop"
+"""Thread name of ProcessGroupGloo's worker threads."""
+
+
+def _wait_for_idle_gloo_workers(timeout_s: float = 5.0) -> None:
+    """Release the GIL until no gloo worker thread is runnable for a few polls in a row.
+
+    A worker still letting go of a collective is runnable, or waits for the GIL, which it gets while this thread
+    sleeps; an idle one sleeps on its queue. Linux only (``/proc``); elsewhere this returns at once.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = 0 if any(_runnable_gloo_worker(task) for task in tasks.iterdir()) else quiet + 1
+    if quiet < 3:
+        logger.warning("gloo worker threads still busy %.0f s after destroying the process groups", timeout_s)
+
+
+def _runnable_gloo_worker(task: Path) -> bool:
+    try:
+        if (task / "comm").read_text().strip() != _GLOO_WORKER:
+            return False
+        stat = (task / "stat").read_text()
+    except OSError:  # the thread ended between listing and reading
+        return False
+    return stat[stat.rindex(")") + 2] == "R"  # the state follows "pid (comm) "
 
 
 def rank() -> int:
