@@ -269,6 +269,9 @@ def load_run(
         else None,
         "latency_s": {f"p{q}": round(_percentile(latencies, q), 4) for q in (50, 90, 99)}
         | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)},
+        "not_answered": {
+            i: str(results.get(i, {}).get("status")) for i in range(len(prompts)) if i not in answered
+        },
         "ok": not wrong and len(answered) == len(prompts) and completed == len(prompts),
     }
 
