@@ -8,7 +8,8 @@ distinct prompts from ``--concurrency`` concurrent clients, then checks that no 
   (so no answer was swapped between requests or served twice);
 * the server completed exactly one job per request (``/metrics``): none lost, none duplicated.
 
-``--kill-every S`` adds a chaos run: a worker is SIGKILLed every S seconds while the load runs; the server must
+``--kill-every S`` adds a chaos run: a worker is SIGKILLed every S seconds of service while the load runs (the
+clock restarts once the server is healthy again); the server must
 still answer every request once, with the right answer (its interrupted jobs run again with the same seed).
 ``--stream`` sends streamed completions and reports the time to first token. ``--model tiny-flux`` (or any image
 pipeline) loads ``/v1/images/generations`` instead (one image per request, seed = its index), checked against the
@@ -199,20 +200,20 @@ async def _run(url: str, prompts: list[str], args: argparse.Namespace) -> tuple[
 
 
 def _kill_workers(server: LocalServer, every_s: float, stop: threading.Event, kills: list[int]) -> None:
-    """SIGKILL one worker (at random) every ``every_s`` seconds until ``stop``."""
+    """SIGKILL one worker (at random) every ``every_s`` seconds of service until ``stop``: the clock restarts
+    once the engine is healthy again, so a restart slower than the interval (a loaded CPU) does not turn the
+    run into one where the same re-run job is killed on every attempt."""
     rng = random.Random(0)
     while not stop.wait(every_s):
         try:
             pids = server.worker_pids()
-        except httpx.HTTPError:
+            if pids:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                kills.append(1)
+        except (httpx.HTTPError, ProcessLookupError):
             continue
-        if pids:
-            pid = rng.choice(pids)
-            try:
-                os.kill(pid, signal.SIGKILL)
-                kills.append(pid)
-            except ProcessLookupError:
-                pass
+        while not stop.is_set() and httpx.get(server.url + "/health", timeout=10).status_code != 200:
+            stop.wait(0.2)
 
 
 def load_run(
