@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from hsdp.config import DTYPES, ConfigError, ParallelConfig
+from hsdp.config import DTYPES, ConfigError, ParallelConfig, ShardingStrategy
 from hsdp.model_profile import (
     ModelProfile,
     PlanError,
@@ -51,6 +52,7 @@ __all__ = [
     "residency_for_budget",
     "add_arguments",
     "run",
+    "command_line",
 ]
 
 
@@ -399,4 +401,34 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not args.json:
         print(f"recommended: {result.recommended.layout.label} ({result.reason})")
+        print(f"run it: {command_line(args.model, result.recommended, work.training)}")
     return 0
+
+
+def command_line(model: str, chosen: Estimate, training: bool) -> str:
+    """The ``hsdp generate`` / ``hsdp train`` command that runs ``chosen``'s layout; the prompt and the data are
+    placeholders. Budgeted residency is passed as ``--device-memory``, from which the engine plans the same."""
+    c, layout = chosen.layout.config, chosen.layout
+    parts = ["hsdp", "train" if training else "generate", "--model", model]
+    if c.use_hsdp:
+        parts += ["--use-hsdp", "--hsdp-shard-size", str(c.hsdp_shard_size)]
+    for flag, value in (
+        ("--hsdp-replicate-size", c.hsdp_replicate_size if c.use_hsdp else 1),
+        ("--ulysses-degree", c.ulysses_degree),
+        ("--ring-degree", c.ring_degree),
+        ("--cfg-parallel-size", c.cfg_parallel_size),
+        ("--tensor-parallel-size", c.tensor_parallel_size),
+    ):
+        if value > 1:
+            parts += [flag, str(value)]
+    if c.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP:
+        parts += ["--strategy", c.sharding_strategy.value]
+    if c.param_dtype:
+        parts += ["--param-dtype", c.param_dtype]
+    if c.cpu_offload:
+        parts.append("--cpu-offload")
+    if not training and (layout.resident or layout.prefetch):
+        budget = chosen.device_memory
+        parts += ["--device-memory", f"{budget // 2**20}MiB" if budget % 2**20 == 0 else str(budget)]
+    parts += ["--data", "DATA"] if training else ["--prompt", "PROMPT"]
+    return shlex.join(parts)

@@ -84,6 +84,7 @@ class CausalLMRunner:
         dtype: str | None = None,
         forward_prefetch: bool = True,
         weight_dtype: str | None = None,
+        load_options: dict[str, dict] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -94,7 +95,14 @@ class CausalLMRunner:
             meshes=meshes if config.use_hsdp else None,
             dtype=dtype or "auto",
             weight_dtype=weight_dtype,
-            **(overlap_options(config, forward_prefetch=forward_prefetch) if config.use_hsdp else {}),
+            **(
+                {
+                    **overlap_options(config, forward_prefetch=forward_prefetch),
+                    **(load_options or {}).get("model", {}),
+                }
+                if config.use_hsdp
+                else {}
+            ),
         )
         self.sharded = ["model"] if config.use_hsdp else []
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
     )
     parser.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory per rank, e.g. 24GiB: keep as many blocks gathered between forwards as fit and prefetch the "
+        "rest (planned as hsdp plan does; refused with the smallest fitting layout when nothing fits)",
+    )
+    parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
     parser.add_argument(
@@ -161,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             forward_prefetch=args.forward_prefetch,
             progress=True,
             weight_dtype=args.weight_dtype,
+            device_memory=args.device_memory,
         ) as engine:
             outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
     except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks

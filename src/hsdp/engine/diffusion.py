@@ -43,6 +43,7 @@ class DiffusionRunner:
         dtype: str | None = None,
         forward_prefetch: bool = True,
         weight_dtype: str | None = None,
+        load_options: dict[str, dict] | None = None,
     ):
         import diffusers
 
@@ -61,7 +62,7 @@ class DiffusionRunner:
                 folder / name,
                 config if config.use_hsdp else ParallelConfig(),
                 dtype=dtype or "auto",
-                **(shard if config.use_hsdp else {}),
+                **({**shard, **(load_options or {}).get(name, {})} if config.use_hsdp else {}),
             )
             for name in self.info.shardable
         }

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -33,6 +33,9 @@ from hsdp.engine.outputs import GenerationOutput
 from hsdp.engine.params import SamplingParams, build_requests, request_slots
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
+
+if TYPE_CHECKING:
+    from hsdp.engine.device_memory import DeviceMemoryPlan
 
 logger = logging.getLogger("hsdp")
 
@@ -112,6 +115,38 @@ def _weight_dtype_problems(weight_dtype: str | None, config: ParallelConfig) -> 
     return []
 
 
+def _memory_plan(
+    info: ModelInfo, config: ParallelConfig, device_memory: int | str | None, dtype: str | None
+) -> DeviceMemoryPlan | None:
+    """``--device-memory``: plan residency from the budget before any process starts (and log the choice)."""
+    if device_memory is None:
+        return None
+    from hsdp.engine.device_memory import engine_profiles, plan_device_memory
+    from hsdp.model_profile import parse_size
+    from hsdp.plan_estimate import Workload
+
+    if not config.use_hsdp or config.hsdp_shard_size < 2:
+        raise ValueError(
+            "--device-memory plans which sharded blocks stay gathered between forwards: add --use-hsdp with "
+            f"--hsdp-shard-size 2 or more (the layout is {config.describe()})"
+        )
+    budget = parse_size(device_memory, "--device-memory")
+    # One request at the planner's default length (1,024 tokens). Pipelines that batch both guidance branches
+    # into one denoiser call hold twice the activations; those that run them as separate passes do not.
+    work = Workload(guidance=info.kind == "diffusion" and not info.separate_uncond_pass)
+    plan = plan_device_memory(engine_profiles(info.path, dtype, info.shardable), config, budget, work)
+    logger.info("%s (planned for %d tokens per request)", plan.describe(), work.seq_len)
+    return plan
+
+
+def _load_options(info: ModelInfo, plan: DeviceMemoryPlan | None) -> dict[str, dict] | None:
+    """The runner's component name -> sharding options of the plan (a causal LM's one component is ``model``)."""
+    if plan is None:
+        return None
+    options = plan.load_options()
+    return {"model": options[plan.component]} if info.kind == "causal_lm" else options
+
+
 class _TorchrunRanks:
     """The ranks this script already runs on (``torchrun``), with :class:`WorkerGroup`'s ``run`` interface."""
 
@@ -169,6 +204,7 @@ class Engine:
         workers: WorkerGroup | None = None,
         cancellable: bool = False,
         weight_dtype: str | None = None,
+        device_memory: int | str | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -179,7 +215,9 @@ class Engine:
         :meth:`close`, with the model unloaded. ``cancellable`` lets :meth:`cancel` stop a running request at
         its next forward (the ranks then agree once per forward: a tiny all-reduce; engine-spawned ranks only).
         ``weight_dtype`` (``int8``; ``fp8`` on devices with fp8 kernels) stores the sharded Linear weights in 8 bits
-        and all-gathers them so (:mod:`hsdp.quantize`)."""
+        and all-gathers them so (:mod:`hsdp.quantize`). ``device_memory`` (bytes or a size such as ``"24GiB"``)
+        plans which blocks stay gathered and the prefetch depth from that budget per rank
+        (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
@@ -187,6 +225,7 @@ class Engine:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
+        self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype)
         self.progress = progress
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
@@ -221,6 +260,7 @@ class Engine:
             forward_prefetch,
             cancel_address=self._board.address if self._board else None,
             weight_dtype=weight_dtype,
+            load_options=_load_options(self.info, self.memory_plan),
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)

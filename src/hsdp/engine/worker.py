@@ -52,6 +52,8 @@ class LoadSpec:
     """The caller's :class:`hsdp.engine.control.CancelBoard`, when requests can be cancelled."""
     weight_dtype: str | None = None
     """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
+    load_options: dict[str, dict] | None = None
+    """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
 
 
 @dataclass
@@ -125,6 +127,7 @@ def load(spec: LoadSpec) -> dict:
         dtype=spec.dtype,
         forward_prefetch=spec.forward_prefetch,
         weight_dtype=spec.weight_dtype,
+        load_options=spec.load_options,
     )
     watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
     worker_state()[_KEY] = (runner, config, meshes, watch)

@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
     )
     parser.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory per rank, e.g. 24GiB: keep as many blocks gathered between forwards as fit and prefetch the "
+        "rest (planned as hsdp plan does; refused with the smallest fitting layout when nothing fits)",
+    )
+    parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
@@ -104,6 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         api_key=args.api_key,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
+        device_memory=args.device_memory,
         forward_prefetch=args.forward_prefetch,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,

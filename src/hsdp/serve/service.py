@@ -73,6 +73,7 @@ class Server:
             s.parallel_config,
             dtype=s.dtype,
             weight_dtype=s.weight_dtype,
+            device_memory=s.device_memory,
             forward_prefetch=s.forward_prefetch,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,

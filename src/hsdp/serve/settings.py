@@ -49,6 +49,8 @@ class ServeSettings:
     dtype: str | None = None
     weight_dtype: str | None = None
     """``int8`` / ``fp8``: 8-bit weight shards (``--weight-dtype``, :mod:`hsdp.quantize`)."""
+    device_memory: str | None = None
+    """Memory per rank (``--device-memory``, e.g. ``24GiB``): residency and prefetch planned from it."""
     forward_prefetch: bool = True
     """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
     max_queue: int = 64

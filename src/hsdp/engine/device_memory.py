@@ -1,0 +1,149 @@
+"""``--device-memory SIZE``: residency and prefetch of every sharded component, planned from a per-rank budget.
+
+The same planner as ``hsdp plan`` (:func:`hsdp.planner.residency_for_budget` over :func:`hsdp.planner.
+profile_model`'s meta-device profiles): the main component (a pipeline's denoiser, or the LM) keeps as many
+blocks gathered between forwards as the budget allows and prefetches one block ahead; other sharded components
+gather with one block of prefetch, and components the engine keeps whole count in full on every rank. Planned in
+the caller from the model's config files alone, before any process starts, so a budget below the smallest
+layout is refused at once, with the smallest layout that would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from hsdp.config import DTYPES, ConfigError, ParallelConfig
+from hsdp.model_profile import (
+    ModelProfile,
+    UnitProfile,
+    build_meta_model,
+    component_folders,
+    format_size,
+    main_component,
+    profile_module,
+)
+from hsdp.plan_estimate import Estimate, Hardware, Layout, Workload, estimate
+from hsdp.planner import PlanError, residency_for_budget
+
+logger = logging.getLogger("hsdp")
+
+__all__ = ["DeviceMemoryPlan", "plan_device_memory", "engine_profiles"]
+
+_MAX_SHARD = 1024
+
+
+@dataclass(frozen=True)
+class DeviceMemoryPlan:
+    budget: int
+    """Bytes per rank (``--device-memory``)."""
+    component: str
+    """The component whose blocks stay gathered (the main one)."""
+    resident_modules: tuple[str, ...]
+    prefetch: int
+    blocks: int
+    """Blocks of the main component."""
+    estimate: Estimate
+    """The planner's per-rank prediction for this choice."""
+
+    def load_options(self) -> dict[str, dict]:
+        """Component -> sharding options for :func:`hsdp.loading.load_pretrained` (others keep the defaults)."""
+        return {
+            self.component: {"resident_modules": self.resident_modules, "forward_prefetch": self.prefetch}
+        }
+
+    def describe(self) -> str:
+        e = self.estimate
+        return (
+            f"--device-memory {format_size(self.budget)}: {self.component} keeps {len(self.resident_modules)} of "
+            f"{self.blocks} blocks gathered, prefetch {self.prefetch}; predicted peak per rank "
+            f"{format_size(e.total)} (weights {format_size(e.weights)}, gathered {format_size(e.gather)}, "
+            f"activations {format_size(e.activations)})"
+        )
+
+
+def engine_profiles(path: Path, dtype: str | None, sharded: Sequence[str]) -> list[ModelProfile]:
+    """Profiles of a model folder as the engine loads it: components it does not shard count whole."""
+    folders = component_folders(str(path))
+    profiles = []
+    for name, folder in folders:
+        model, config = build_meta_model(folder, DTYPES[dtype] if dtype else None)
+        # A causal LM folder is one component, the sharded model.
+        shard = len(folders) == 1 or name in sharded
+        profiles.append(profile_module(model, name, config) if shard else _whole(model, name))
+    return profiles
+
+
+def _whole(model: nn.Module, name: str) -> ModelProfile:
+    """A component every rank holds whole (not profiled by a shard plan, which would warn about a model it
+    will never shard)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return ModelProfile(
+        name=name,
+        class_name=type(model).__name__,
+        kind="encoder",
+        blocks=(),
+        root=UnitProfile("", ()),
+        replicated_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        hidden=0,
+        ffn=0,
+        layers=0,
+        heads=0,
+        vocab=0,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def plan_device_memory(
+    profiles: Sequence[ModelProfile], config: ParallelConfig, budget: int, work: Workload
+) -> DeviceMemoryPlan:
+    """The most resident blocks that fit ``budget`` bytes per rank; ``ValueError`` naming ``--device-memory``,
+    what the layout needs and the smallest layout that would fit when nothing does."""
+    config = config.resolved()
+    try:
+        policy = residency_for_budget(profiles, config, budget, work)
+    except PlanError:
+        raise ValueError(_refusal(profiles, config, budget, work)) from None
+    main = main_component(profiles)
+    return DeviceMemoryPlan(
+        budget=budget,
+        component=main.name,
+        resident_modules=policy.resident_modules,
+        prefetch=policy.prefetch,
+        blocks=len(main.blocks),
+        estimate=policy.estimate,
+    )
+
+
+def _refusal(profiles: Sequence[ModelProfile], config: ParallelConfig, budget: int, work: Workload) -> str:
+    hw = Hardware(budget)
+    need = estimate(profiles, Layout(config, 1, 0), work, hw)
+    message = (
+        f"--device-memory {format_size(budget)} is below what {config.describe()} needs fully sharded: "
+        f"{format_size(need.total)} per rank (weights {format_size(need.weights)}, gathered "
+        f"{format_size(need.gather)}, activations {format_size(need.activations)} for {work.seq_len} tokens)"
+    )
+    shard = config.hsdp_shard_size * 2
+    while shard <= _MAX_SHARD:
+        try:
+            wider = dataclasses.replace(
+                config, hsdp_shard_size=shard, sharding_strategy=None, reshard_after_forward=None
+            ).resolved()
+        except ConfigError:  # e.g. a combined layout whose shard size follows its Ulysses / CFG degrees
+            break
+        fits = estimate(profiles, Layout(wider, 1, 0), work, hw)
+        if fits.fits:
+            return (
+                f"{message}. The smallest layout that fits is --hsdp-shard-size {shard} "
+                f"({wider.world_size} ranks, {format_size(fits.total)} per rank); or give --device-memory "
+                f"{format_size(need.total)} or more"
+            )
+        shard *= 2
+    return (
+        f"{message}; no wider --hsdp-shard-size fits: give --device-memory {format_size(need.total)} or more"
+    )

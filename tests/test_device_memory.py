@@ -1,0 +1,123 @@
+"""``--device-memory SIZE``: residency and prefetch planned from a per-rank budget, with the planner of ``hsdp plan``.
+
+* The predicted per-rank peak is within 10 % of the measured one (torch's ``MemTracker``: every live tensor
+  storage) for budgets that keep 0, 2 and 3 of the 4 blocks of a Wan transformer gathered, at world 2 (with
+  all 4 gathered the planner over-predicts by 15 %: it still counts a gather window no block then needs).
+* Through the engine: the planned blocks stay gathered (each rank then holds exactly their full weights instead
+  of their shards) and the output is the same as without a budget.
+* A budget below the smallest layout is refused before any process starts, naming the flag, the need and the
+  smallest layout that fits; ``hsdp plan`` prints the command that runs its recommendation.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+import numpy as np
+import pytest
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.device_memory import engine_profiles, plan_device_memory
+from hsdp.engine.model_info import inspect_model
+from hsdp.plan_estimate import Hardware, Layout, Workload, estimate
+from tests import quantize_fns
+from tests.engine_refs import builtin
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "hsdp-cache"
+
+
+def _need(profiles, resident: int, prefetch: int = 1, tokens: int = 1024, shard: int = 2) -> int:
+    layout = Layout(ParallelConfig(use_hsdp=True, hsdp_shard_size=shard).resolved(), prefetch, resident)
+    return estimate(profiles, layout, Workload(seq_len=tokens, guidance=False), Hardware(1)).total
+
+
+def test_a_budget_below_the_smallest_layout_is_refused_naming_the_flag(model_cache):
+    path = builtin("tiny-wan", model_cache)
+    profiles = engine_profiles(path, None, inspect_model(path).shardable)
+    budget = (_need(profiles, 0, shard=2) + _need(profiles, 0, shard=4)) // 2  # fits 4 ranks, not 2
+    with pytest.raises(ValueError, match="--device-memory .* is below what world_size=2") as refused:
+        Engine(path, HSDP2, device_memory=budget)
+    message = str(refused.value)
+    assert (
+        "per rank (weights" in message and "The smallest layout that fits is --hsdp-shard-size 4" in message
+    )
+    with pytest.raises(ValueError, match="no wider --hsdp-shard-size fits: give --device-memory"):
+        Engine(path, HSDP2, device_memory="64KiB")  # less than the activations of one request
+    with pytest.raises(ValueError, match="--device-memory plans which sharded blocks stay gathered"):
+        Engine(path, ParallelConfig(), device_memory="1GiB")
+    with pytest.raises(ValueError, match="--device-memory='lots' is not a positive size"):
+        Engine(path, HSDP2, device_memory="lots")
+
+
+def test_generate_cli_refuses_a_budget_below_the_smallest_layout(model_cache, capsys):
+    from hsdp.cli import main
+
+    path = builtin("tiny-wan", model_cache)
+    argv = ["generate", "--model", str(path), "--prompt", "a cat", "--use-hsdp", "--hsdp-shard-size", "2"]
+    assert main([*argv, "--device-memory", "64KiB"]) == 2
+    assert "hsdp generate: --device-memory 64.00 KiB is below what" in capsys.readouterr().err
+
+
+def test_plan_prints_the_command_that_runs_its_recommendation(capsys):
+    from hsdp.cli import build_parser, main
+    from hsdp.planner import command_line, profile_module, residency_for_budget
+
+    assert main(["plan", "tiny-llama", "--devices", "2", "--device-memory", "16MiB", "--seq-len", "64"]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("run it: ")]
+    command = shlex.split(line.removeprefix("run it: "))
+    assert command[:4] == ["hsdp", "generate", "--model", "tiny-llama"]
+    build_parser().parse_args(command[1:])  # a command the CLI accepts as written
+    # A budgeted-residency recommendation is run with its budget, from which the engine plans residency.
+    profiles = [profile_module(quantize_fns.plan_wan())]
+    budget = _need(profiles, resident=2)
+    chosen = residency_for_budget(profiles, HSDP2, budget, Workload(guidance=False)).estimate
+    args = build_parser().parse_args(shlex.split(command_line("wan", chosen, training=False))[1:])
+    assert (args.use_hsdp, args.hsdp_shard_size, args.device_memory) == (True, 2, str(budget))
+
+
+@pytest.mark.slow
+def test_predicted_peak_within_10_percent_of_measured(dist_run):
+    from hsdp.planner import profile_module
+
+    profiles = [profile_module(quantize_fns.plan_wan())]
+    tokens = (quantize_fns.PLAN_SIDE // 2) ** 2
+    for resident in (0, 2, 3):
+        budget = _need(profiles, resident, tokens=tokens)
+        ranks = dist_run(2, quantize_fns.budgeted_peak, budget)
+        for r in ranks:
+            assert r["resident"] == resident
+            error = r["predicted"] / r["measured"] - 1
+            print(f"resident {resident}: predicted {r['predicted']}, measured {r['measured']}, {error:+.1%}")
+            assert abs(error) <= 0.10, (resident, r)
+
+
+@pytest.mark.slow
+def test_engine_keeps_the_planned_blocks_gathered_and_outputs_are_unchanged(model_cache, dist_run):
+    path = builtin("tiny-wan", model_cache)
+    info = inspect_model(path)
+    profiles = engine_profiles(path, None, info.shardable)
+    budget = _need(profiles, resident=2)
+    plan = plan_device_memory(profiles, HSDP2, budget, Workload(guidance=False))
+    assert len(plan.resident_modules) == 2 and plan.prefetch == 1
+    params = SamplingParams(seed=3, num_inference_steps=2)
+    held, frames = {}, {}
+    for device_memory in (None, budget):
+        with Engine(path, HSDP2, workers=dist_run.group(2), device_memory=device_memory) as engine:
+            [out] = engine.generate("A cat playing piano", params)
+            frames[device_memory] = out.frames
+            held[device_memory] = [r["param_bytes"] for r in engine.memory_report()]
+    assert engine.memory_plan.resident_modules == plan.resident_modules
+    np.testing.assert_array_equal(frames[budget], frames[None])
+    # A resident block holds its full weights between steps where it held its shard: rank 0 the first
+    # ceil(rows / 2) rows of each parameter, rank 1 the rest.
+    main = next(p for p in profiles if p.name == plan.component)
+    blocks = [u for u in main.blocks if u.name in plan.resident_modules]
+    full = sum(u.unsharded_bytes() for u in blocks)
+    first = sum(u.shard_bytes(2) for u in blocks)
+    assert [b - a for a, b in zip(held[None], held[budget], strict=True)] == [full - first, first]
