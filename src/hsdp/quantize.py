@@ -56,8 +56,9 @@ def quantize_rows(weight: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in ``dtype``; the one formula the sharded path and the single-process reference share."""
-    return (q.to(_SCALE_DTYPE) * scale).to(dtype)
+    """``q * scale`` in ``dtype``; the one formula the sharded path and the single-process reference share (the
+    product is fp32: 8-bit values convert exactly, then one rounding into ``dtype``)."""
+    return torch.mul(q, scale).to(dtype)
 
 
 def fake_quantize(weight: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
@@ -136,16 +137,20 @@ class QuantizedWeight(torch.Tensor):
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         qdata, scale = all_gather_outputs
-        refill = out is not None  # a later gather: FSDP2 re-allocated the full weight, fill it in place
+        result = None
         with torch.no_grad():
-            full = dequantize_rows(qdata, scale, param_dtype)
-            if refill:
-                out.copy_(full)
+            if (
+                out is not None
+            ):  # a later gather: FSDP2 re-allocated the full weight; fill it in place, rounding
+                out.copy_(torch.mul(qdata, scale))  # the fp32 product into its dtype as dequantize_rows does
+            else:
+                full = dequantize_rows(qdata, scale, param_dtype)
+                result = (full, (full,))
         # The 8-bit copy is not needed once dequantized: free it now rather than at reshard, so a unit kept
         # gathered (resident) holds only its compute-dtype weights. FSDP2 re-allocates it before the next gather.
         for tensor in all_gather_outputs:
             tensor.untyped_storage().resize_(0)
-        return None if refill else (full, (full,))
+        return result
 
 
 def _rows_only(dim: int) -> None:
