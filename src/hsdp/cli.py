@@ -8,10 +8,14 @@ Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
+from collections.abc import Callable, Collection
+from typing import Literal, get_args
 
-from hsdp.config import ConfigError, ParallelConfig, ShardingStrategy
+from hsdp.config import ParallelConfig, ShardingStrategy
+from hsdp.errors import HANDLED, exit_code, format_problem
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,16 +36,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def add_parallel_arguments(parser: argparse.ArgumentParser, *, training: bool = False) -> None:
-    group = parser.add_argument_group("parallelism (see docs/parallel-config.md)")
+ParallelGroup = Literal["sharding", "sequence", "cfg", "tensor", "request"]
+"""A set of parallel flags a subcommand can offer: FSDP2 sharding (with its strategy, dtypes and offload),
+Ulysses / ring sequence parallel, CFG parallel, tensor parallel, request parallel."""
+
+ALL_PARALLEL_GROUPS: frozenset[ParallelGroup] = frozenset(get_args(ParallelGroup))
+
+_RESHARD = {"true": True, "false": False, None: None}
+
+
+def _add_sharding_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--use-hsdp", action="store_true", help="shard weights with FSDP2")
     group.add_argument("--hsdp-shard-size", type=int, default=-1, help="ranks to shard over (-1: auto)")
     group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replica groups of the shards")
-    group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel")
-    group.add_argument("--ring-degree", type=int, default=1, help="ring-attention sequence parallel")
-    group.add_argument("--cfg-parallel-size", type=int, default=1, help="1 or 2 (guidance branches)")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallel degree")
-    group.add_argument("--request-parallel", action="store_true", help="each HSDP rank takes its own request")
     group.add_argument(
         "--strategy",
         dest="sharding_strategy",
@@ -63,25 +70,55 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, training: bool = 
     group.add_argument("--cpu-offload", action="store_true", help="keep sharded weights in host memory")
 
 
+def _add_sequence_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel")
+    group.add_argument("--ring-degree", type=int, default=1, help="ring-attention sequence parallel")
+
+
+def _add_cfg_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--cfg-parallel-size", type=int, default=1, help="1 or 2 (guidance branches)")
+
+
+def _add_tensor_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallel degree")
+
+
+def _add_request_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--request-parallel", action="store_true", help="each HSDP rank takes its own request")
+
+
+_GROUP_ADDERS: dict[ParallelGroup, Callable[[argparse._ArgumentGroup], None]] = {
+    "sharding": _add_sharding_flags,
+    "sequence": _add_sequence_flags,
+    "cfg": _add_cfg_flags,
+    "tensor": _add_tensor_flags,
+    "request": _add_request_flags,
+}
+
+
+def add_parallel_arguments(
+    parser: argparse.ArgumentParser, *, groups: Collection[ParallelGroup] = ALL_PARALLEL_GROUPS
+) -> None:
+    """Add the parallel flags of ``groups`` only, so ``--help`` lists just what the subcommand can use."""
+    unknown = set(groups) - ALL_PARALLEL_GROUPS
+    assert not unknown, f"unknown parallel flag groups {sorted(unknown)}"
+    group = parser.add_argument_group("parallelism (see docs/parallel-config.md)")
+    for name, add in _GROUP_ADDERS.items():  # the map's order, so --help reads the same for every command
+        if name in groups:
+            add(group)
+
+
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
-    """Build and validate the config; raises :class:`ConfigError` listing every problem."""
-    reshard = {"true": True, "false": False, None: None}[args.reshard_after_forward]
-    config = ParallelConfig(
-        use_hsdp=args.use_hsdp,
-        hsdp_shard_size=args.hsdp_shard_size,
-        hsdp_replicate_size=args.hsdp_replicate_size,
-        ulysses_degree=args.ulysses_degree,
-        ring_degree=args.ring_degree,
-        cfg_parallel_size=args.cfg_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        request_parallel=args.request_parallel,
-        sharding_strategy=ShardingStrategy.parse(args.sharding_strategy) if args.sharding_strategy else None,
-        reshard_after_forward=reshard,
-        param_dtype=args.param_dtype,
-        reduce_dtype=args.reduce_dtype,
-        cpu_offload=args.cpu_offload,
-    )
-    return config.resolved()
+    """Build and validate the config; raises :class:`ConfigError` listing every problem. Flags the subcommand
+    does not offer keep :class:`ParallelConfig`'s defaults."""
+    fields = {f.name for f in dataclasses.fields(ParallelConfig) if f.init and not f.name.startswith("_")}
+    values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
+    if "sharding_strategy" in values:
+        strategy = values["sharding_strategy"]
+        values["sharding_strategy"] = ShardingStrategy.parse(strategy) if strategy else None
+    if "reshard_after_forward" in values:
+        values["reshard_after_forward"] = _RESHARD[values["reshard_after_forward"]]
+    return ParallelConfig(**values).resolved()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     joined_here = not dist.is_initialized()
     try:
         return int(args._run(args) or 0)
-    except ConfigError as exc:
-        print(f"hsdp {args.command}: {exc}", file=sys.stderr)
-        return 2
+    except HANDLED as exc:  # what a user can fix, a failed worker, Ctrl-C; anything else is a bug: traceback
+        print(format_problem(args.command, exc), file=sys.stderr)
+        return exit_code(exc)
     finally:
         # Under torchrun the command joins the process group itself; leave it explicitly, since gloo can
         # abort at interpreter exit otherwise (a finished run would then exit non-zero).
