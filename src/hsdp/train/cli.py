@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm-stats", action="store_true", help="count the last step's collectives against the minimum"
     )
-    add_parallel_arguments(parser, training=True)
+    add_parallel_arguments(parser, groups=("sharding", "tensor"))  # no CFG, sequence or request ranks
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
