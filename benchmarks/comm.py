@@ -85,12 +85,16 @@ def planned_bytes(kwargs: dict, training: bool, resident: int) -> int:
     return est.allgather_bytes + est.reduce_scatter_bytes + est.allreduce_bytes
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="bench_results/comm.json")
+    return parser
+
+
 def main() -> None:
     from hsdp.launch import WorkerGroup
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench_results/comm.json")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     rows = []
     for world in (2, 4):
         with WorkerGroup(world) as group:
@@ -114,8 +118,8 @@ def main() -> None:
               f"{sum(r['minimum'].values()) / 1024:>9.1f} {r['ratio']:>6.3f} {r['planned'] / 1024:>9.1f}")  # fmt: skip
     worst = max(r["ratio"] for r in rows)
     print(f"worst measured / minimum: {worst:.3f} (target 1.00 to 1.05)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(rows=rows, worst_ratio=worst), indent=2) + "\n")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(dict(rows=rows, worst_ratio=worst), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -130,13 +130,17 @@ def measure(path: str, mode: str, world: int) -> dict:
     }
 
 
-def main() -> None:
-    from hsdp.launch import WorkerGroup
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--output", default="bench_results/load_memory.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    from hsdp.launch import WorkerGroup
+
+    args = build_parser().parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         info = write_checkpoint(Path(tmp))

@@ -101,12 +101,16 @@ def predict(config_kwargs: dict, training: bool, resident: int, prefetch: int):
     return estimate([profile], layout, work, Hardware(2**40))
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="bench_results/plan_accuracy.json")
+    return parser
+
+
 def main() -> None:
     from hsdp.launch import WorkerGroup
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench_results/plan_accuracy.json")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     rows = []
     for world in (2, 4):
         with WorkerGroup(world) as group:
@@ -137,8 +141,8 @@ def main() -> None:
         )
     worst = max(abs(r["error"]) for r in rows)
     print(f"worst error {worst:.1%} (target within 10%)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(rows=rows, worst_error=worst), indent=2) + "\n")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(dict(rows=rows, worst_error=worst), indent=2) + "\n")
 
 
 if __name__ == "__main__":

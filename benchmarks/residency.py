@@ -122,9 +122,7 @@ def run_all(width: int, layers: int, side: int, repeats: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    from hsdp.launch import WorkerGroup
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=6)
@@ -133,8 +131,14 @@ def main() -> None:
     )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default="bench_results/residency.json")
-    args = parser.parse_args()
+    parser.add_argument("--output", default="bench_results/residency.json")
+    return parser
+
+
+def main() -> None:
+    from hsdp.launch import WorkerGroup
+
+    args = build_parser().parse_args()
     rows = []
     for world in args.worlds:
         with WorkerGroup(world) as group:
@@ -165,8 +169,8 @@ def main() -> None:
         print(f"{r['world']:>5} {r['tokens']:>6} {r['variant']:>10} {r['resident']:>5}/{r['layers']:<2} "
               f"{r['prefetch']:>8} {r['step_s'] * 1e3:>8.1f} {r['ratio']:>7.2f} {overlap:>7} "
               f"{r['comm_bytes'] / 2**20:>8.2f} {r['comm_ratio']:>6.3f}")  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2) + "\n")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -81,13 +81,17 @@ def fuzz(model: str, workdir: Path, max_examples: int, seed: int) -> dict:
             "server_5xx_in_log": server_errors, "summary": tail}  # fmt: skip
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-wan", "tiny-llama"])
     parser.add_argument("--max-examples", type=int, default=25, help="per API operation and phase")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench_results/serve_fuzz.json"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="serve-fuzz-"))
     rows = [fuzz(model, workdir, args.max_examples, args.seed) for model in args.models]
     print(f"\n{'model':<12} | {'cases':>6} | {'5xx':>4} | failures by check")
