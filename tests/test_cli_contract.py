@@ -1,0 +1,130 @@
+"""The ``hsdp`` command's contract: each subcommand offers only the flags it uses, and every error that escapes
+a subcommand ends it the same way (message ``hsdp <cmd>: ...`` and one exit code per kind of failure)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import types
+
+import pytest
+
+from hsdp import cli
+from hsdp.config import ConfigError
+from hsdp.errors import exit_code, format_problem
+from hsdp.launch import WorkerError, WorkerTimeout
+
+INFERENCE_ONLY_FLAGS = (
+    "--request-parallel",
+    "--cfg-parallel-size",
+    "--ulysses-degree",
+    "--usp",
+    "--ring-degree",
+)
+
+
+def _help(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args([*argv, "--help"])
+    assert exited.value.code == 0
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_subcommand_help_parses(command: str):
+    assert f"usage: hsdp {command}" in _help(command)
+
+
+def test_train_help_lists_only_training_parallel_flags():
+    text = _help("train")
+    for flag in INFERENCE_ONLY_FLAGS:
+        assert flag not in text
+    for flag in ("--use-hsdp", "--hsdp-shard-size", "--strategy", "--cpu-offload", "--tensor-parallel-size"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_inference_commands_keep_every_parallel_flag(command: str):
+    text = _help(command)
+    for flag in INFERENCE_ONLY_FLAGS:
+        assert flag in text
+
+
+def test_train_refuses_inference_only_flags():
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(["train", "--data", "x.txt", "--request-parallel"])
+    assert exited.value.code == 2
+
+
+def test_absent_flag_groups_keep_config_defaults():
+    parser = argparse.ArgumentParser()
+    cli.add_parallel_arguments(parser, groups=("sharding",))
+    config = cli.parallel_config_from_args(parser.parse_args(["--use-hsdp", "--hsdp-shard-size", "2"]))
+    assert (config.hsdp_shard_size, config.ulysses_degree, config.cfg_parallel_size) == (2, 1, 1)
+    assert (config.tensor_parallel_size, config.request_parallel) == (1, False)
+
+
+def test_unknown_subcommand_exits_2():
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit) as exited:
+        cli.main(["generat"])
+    assert exited.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (ValueError("--steps must be positive"), 2, "hsdp fake: --steps must be positive"),
+        (ConfigError(["--cfg-parallel-size=3: use 1 or 2"]), 2, "hsdp fake: Invalid parallel configuration"),
+        (FileNotFoundError("no such model 'x'"), 2, "hsdp fake: no such model 'x'"),
+        (WorkerError("rank 1 raised"), 1, "hsdp fake: rank 1 raised"),
+        (WorkerTimeout("rank 0 timed out"), 1, "hsdp fake: rank 0 timed out"),
+        (KeyboardInterrupt(), 130, "hsdp fake: interrupted"),
+    ],
+)
+def test_error_exit_codes(monkeypatch, capsys, error: BaseException, code: int, message: str):
+    _fake_command(monkeypatch, error)
+    assert cli.main(["fake"]) == code
+    assert capsys.readouterr().err.startswith(message)
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    _fake_command(monkeypatch, RuntimeError("a bug"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["fake"])
+    with pytest.raises(TypeError, match="should propagate"):
+        exit_code(RuntimeError("a bug"))
+
+
+def test_problem_list_stays_on_its_own_lines():
+    error = ConfigError(["--cfg-parallel-size=3: use 1 or 2", "--ring-degree=0: use 1 or more"])
+    assert format_problem("demo", error).splitlines() == [
+        "hsdp demo: Invalid parallel configuration (2 problem(s)):",
+        "  - --cfg-parallel-size=3: use 1 or 2",
+        "  - --ring-degree=0: use 1 or more",
+    ]
+
+
+def test_real_config_and_missing_model_errors_exit_2(capsys):
+    """Through a real subcommand: both are found before any worker process starts."""
+    assert (
+        cli.main(["demo", "--hsdp-shard-size", "3", "--ulysses-degree", "2", "--cfg-parallel-size", "3"]) == 2
+    )
+    assert "hsdp demo: Invalid parallel configuration" in capsys.readouterr().err
+    assert cli.main(["demo", "--model", "/nonexistent/model"]) == 2
+    assert "hsdp demo: model '/nonexistent/model' is neither" in capsys.readouterr().err
+
+
+def _fake_command(monkeypatch, error: BaseException) -> None:
+    """Register ``hsdp fake``, whose run raises ``error``."""
+
+    def run(args: argparse.Namespace) -> int:
+        raise error
+
+    module = types.ModuleType("_hsdp_fake_command")
+    module.add_arguments = lambda parser: None
+    module.run = run
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(cli.COMMANDS, "fake", (module.__name__, "raises the error under test"))
