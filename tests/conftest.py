@@ -3,11 +3,20 @@
 ``dist_run(world_size, fn, *args)`` runs ``fn`` on every rank of a group of that size and returns the per-rank
 results. One group per world size is kept for the whole session (process start-up and imports cost seconds);
 a group that broke (a rank raised, died or timed out) is replaced before the next test.
+
+Test tiers (``bash scripts/test.sh -m unit``): every test gets one of the markers ``unit``, ``multirank`` or
+``gpu``. A test marked with one of them keeps it; otherwise it is ``multirank`` when it uses ``dist_run`` or when
+its code, the fixtures it uses or the test helpers they call name something that starts processes
+(:data:`PROCESS_STARTERS`), and ``unit`` when not. The scan reads names, not behaviour, so it errs towards
+``multirank``: a test that only checks that ``Engine(...)`` refuses a bad layout is counted multirank too.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import types
+from collections.abc import Callable
 
 import pytest
 
@@ -51,3 +60,58 @@ def tiny_checkpoints(tmp_path_factory):
     from tests.checkpoints import write_tiny_checkpoints
 
     return write_tiny_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+TIERS = ("unit", "multirank", "gpu")
+# Names whose use starts worker ranks, a server or a subprocess: the launcher, the classes and entry points that
+# spawn it (``main`` / ``cli_main``: the hsdp command), and subprocess itself (torchrun, ``python -m hsdp.cli``).
+PROCESS_STARTERS = frozenset(
+    {"WorkerGroup", "Engine", "Server", "LocalServer", "run_training", "main", "cli_main", "subprocess"}
+)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a function's code (nested functions included) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _starts_processes(fn: Callable, seen: set[types.CodeType]) -> bool:
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None or code in seen:
+        return False
+    seen.add(code)
+    names = _names(code)
+    if names & PROCESS_STARTERS:
+        return True
+    # Follow helpers of our own test modules (a test calling ``_serve(...)`` that starts the server).
+    helpers = (fn.__globals__.get(name) for name in names)
+    return any(
+        _starts_processes(h, seen)
+        for h in helpers
+        if inspect.isfunction(h) and h.__module__.startswith("tests")
+    )
+
+
+def _tier(item: pytest.Item) -> str:
+    if "dist_run" in getattr(item, "fixturenames", ()):
+        return "multirank"
+    seen: set[types.CodeType] = set()
+    fixture_defs = getattr(item, "_fixtureinfo", None)
+    fixtures = [
+        d.func
+        for defs in (fixture_defs.name2fixturedefs.values() if fixture_defs else ())
+        for d in defs
+        if d.func.__module__.startswith("tests")
+    ]
+    functions = [getattr(item, "function", None), *fixtures]
+    return "multirank" if any(f and _starts_processes(f, seen) for f in functions) else "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(_tier(item))

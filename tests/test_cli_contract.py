@@ -16,6 +16,9 @@ from hsdp.config import ConfigError
 from hsdp.errors import exit_code, format_problem
 from hsdp.launch import WorkerError, WorkerTimeout
 
+# main() runs fake commands and refusals found before any rank starts.
+pytestmark = pytest.mark.unit
+
 INFERENCE_ONLY_FLAGS = (
     "--request-parallel",
     "--cfg-parallel-size",

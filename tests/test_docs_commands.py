@@ -9,10 +9,12 @@ What counts as a command, and what a doc line may abbreviate:
   while ``hsdp generat`` is an unknown subcommand), contains ``-m hsdp.cli`` (``torchrun``, ``python -m``), or
   runs ``benchmarks/NAME.py`` with ``python`` / ``.venv/bin/python``.
 - The command ends at the first shell operator (``|``, ``&&``, ``;``, ``>``, ...).
-- A standalone ``...`` stands for "the rest as in the command above": it is dropped, and the arguments the
-  parser requires are not enforced for that line. Nothing else is special: a placeholder (``MODEL``, ``DIR``,
-  ``notes.txt``) stands for itself, so it may only appear where the parser takes any string, and every flag and
-  value written must be accepted (``--mixed-precision fp16`` fails where the parser allows only ``bf16``).
+- ``...`` abbreviates. Right after an option that takes a value it is that value (``--prompt ...``). Anywhere
+  else it stands for "the rest as in the command above": it is dropped, and the arguments the parser requires
+  are not enforced for that line.
+- Nothing else is special: a placeholder (``MODEL``, ``DIR``, ``notes.txt``) stands for itself, so it may only
+  appear where the parser takes any string, and every flag and value written must be accepted
+  (``--mixed-precision fp16`` fails where the parser allows only ``bf16``).
 
 Benchmarks are parsed with their own argparse parser: ``build_parser()`` where the script has one; otherwise the
 parser ``main()`` builds is captured at its ``parse_args`` call, before the benchmark does any work.
@@ -35,6 +37,9 @@ from unittest import mock
 import pytest
 
 from hsdp.cli import COMMANDS, build_parser
+
+# Parsers only: benchmark main()s stop at parse_args, so no benchmark or rank runs.
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [
@@ -174,11 +179,24 @@ def _waive_required(parser: argparse.ArgumentParser) -> None:
             action.required = False
 
 
+def _takes_value(parser: argparse.ArgumentParser, argv: tuple[str, ...], token: str) -> bool:
+    """Whether ``token`` is an option of ``parser`` (or of the subcommand ``argv`` names) that takes a value."""
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and argv and argv[0] in action.choices:
+            parsers.append(action.choices[argv[0]])
+    actions = [p._option_string_actions.get(token) for p in parsers]
+    return any(a is not None and a.nargs != 0 for a in actions)
+
+
 def parse_problem(parser: argparse.ArgumentParser, argv: tuple[str, ...]) -> str | None:
     """The parser's error for ``argv`` (``...`` handled as the module docstring says), or None."""
-    if ELLIPSIS in argv:
+    elided = [
+        i for i, a in enumerate(argv) if a == ELLIPSIS and not (i and _takes_value(parser, argv, argv[i - 1]))
+    ]
+    if elided:
         _waive_required(parser)
-        argv = tuple(a for a in argv if a != ELLIPSIS)
+        argv = tuple(a for i, a in enumerate(argv) if i not in elided)
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
@@ -239,6 +257,9 @@ def test_ellipsis_waives_required_arguments_only():
     assert parse_problem(parser, ("train", "...", "--steps", "30", "--resume")) is None
     assert "invalid int value" in parse_problem(build_parser(), ("train", "...", "--steps", "many"))
     assert "required" in parse_problem(build_parser(), ("train", "--steps", "30"))
+    # as an option's value, ``...`` is the value: the command must still be complete
+    assert parse_problem(build_parser(), ("generate", "--model", "M", "--prompt", "...")) is None
+    assert "required" in parse_problem(build_parser(), ("generate", "--prompt", "..."))
 
 
 def test_benchmark_parser_without_build_parser_is_captured(tmp_path: Path):
