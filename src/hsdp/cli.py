@@ -122,11 +122,11 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hsdp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hsdp", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         module.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=module.run)
     return parser
