@@ -1,219 +1,286 @@
-"""Inference benchmark: seconds per denoising step and per-rank memory, replicated vs FSDP2 defaults vs ours.
+"""Inference benchmark against the plain model: FSDP2 defaults, prefetch, budgeted residency and int8 shards.
 
-Variants, each at world 2 and 4, on a Wan-architecture pipeline with a wide transformer (default width 768,
-4 blocks; the text encoder and VAE stay tiny) at two video sizes (sequence lengths):
+A Wan-architecture ``diffusers`` transformer (Wan 2.1 1.3B's block: width 1536, 12 heads of 128, FFN 8960;
+``--layers`` blocks, bf16 with diffusers' fp32 norms and time embedder) runs one denoising forward per step under
+``torch.no_grad()`` on every rank, at 256, 1,024 and 2,304 tokens. Variants, side by side in one process per rank:
 
-* ``replicated``: every rank holds all weights (``NO_SHARD``), no communication; the speed reference.
-* ``fsdp2-default``: the vLLM-Omni configuration: blocks + root sharded, reshard after forward, no prefetch.
-* ``prefetch``: ours, explicit forward prefetch of the next block's all-gather.
-* ``keep-gathered``: ours, prefetch and ``reshard_after_forward=False``: blocks stay gathered across steps.
+* ``plain``: the model with no FSDP wrapper at all, every rank holding all weights: what a user runs when it fits.
+  The reference for time.
+* ``fsdp2``: FSDP2's defaults as vLLM-Omni configures them (blocks + root, reshard after forward, no prefetch).
+* ``prefetch``: the same with one block of explicit forward prefetch.
+* ``budget-0.5x`` / ``budget-0.75x``: :func:`hsdp.planner.residency_for_budget` when the weights a rank may hold
+  between steps (its shards plus the blocks it keeps gathered) are 0.5x / 0.75x of the full weights; the gather
+  window and activations every sharded variant needs come on top (the planner's estimate of them).
+* ``int8``: ``weight_dtype="int8"`` shards (:mod:`hsdp.quantize`) with one block of prefetch.
 
-``s/step`` is the fastest denoising step after the first (the first includes the first all-gathers; the
-fastest is the least disturbed by other work on a shared host; the median is in the JSON). Memory is per rank:
-the weights a rank holds between steps (its shards, or the full weights when kept gathered), and the peak during ``generate`` (peak RSS on CPU, with the part above
-the process's pre-load baseline of runtime and libraries). The variants of one world size load in turn into
-the same worker processes. Then requests per minute at world 2: the same 4 requests with standalone HSDP
-(every rank runs every request) vs request-parallel HSDP (each rank takes its own). All variants run in one
-invocation, so ratios are side by side. Writes JSON and prints a table::
+Timing: each round times every variant once, round-robin (rotating the order), so background load on a shared
+host hits them alike; a round's time is the slowest rank's. The table shows each variant's fastest round (the one
+least disturbed by other work on the host) and its ratio to ``plain``'s fastest; the JSON also has every round
+and the median of the per-round ratios. Memory per rank is torch's ``MemTracker`` peak over the first forward
+(every live tensor storage: weights held, gathered weights, activations; resident blocks are gathered in that
+call), which is what ``max_memory_allocated`` counts on a GPU. Gathered bytes are counted by
+:class:`hsdp.comm.CommCounter` in the last timed round (steady state) against :func:`hsdp.comm.minimum_bytes`,
+the unpadded compute-dtype weights every resharded unit must gather.
 
-    python benchmarks/inference.py                 # ~3-4 min on a 2-core CPU
-    python benchmarks/inference.py --worlds 2 --steps 2 --json /tmp/inference.json
+    .venv/bin/python benchmarks/inference.py                   # world 2, 4 blocks: about 12 minutes on 2 cores
+    .venv/bin/python benchmarks/inference.py --worlds 2 4 --layers 4 --output /tmp/inference.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from hsdp import ParallelConfig
-from hsdp.engine import Engine, SamplingParams
-from hsdp.launch import WorkerGroup
-from hsdp.models.tiny_wan import build_tiny_wan_pipeline, write_generation_defaults
+import torch
 
 MIB = 2**20
+VARIANTS = ("plain", "fsdp2", "prefetch", "budget-0.5x", "budget-0.75x", "int8")
+BUDGETS = {"budget-0.5x": 0.5, "budget-0.75x": 0.75}
+TEXT_TOKENS = 64
 
 
-def build_model(folder: Path, width: int, layers: int) -> Path:
-    heads = width // 64
-    pipe = build_tiny_wan_pipeline(
-        num_attention_heads=heads, attention_head_dim=64, ffn_dim=4 * width, num_layers=layers
+def wan_config(width: int, layers: int, ffn: int) -> dict:
+    return dict(num_attention_heads=width // 128, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=256, freq_dim=256, ffn_dim=ffn, num_layers=layers, rope_max_seq_len=1024)  # fmt: skip
+
+
+def build(width: int, layers: int, ffn: int) -> torch.nn.Module:
+    """The transformer in bf16, diffusers' fp32 modules kept fp32 (as ``load_pretrained(dtype="bf16")``)."""
+    from hsdp.models.tiny import build_tiny_wan_transformer
+
+    model = build_tiny_wan_transformer(**wan_config(width, layers, ffn))
+    keep = set(model._keep_in_fp32_modules or ())
+    for name, param in model.named_parameters():
+        if not keep.intersection(name.split(".")):
+            param.data = param.data.bfloat16()
+    return model
+
+
+def inputs(tokens: int) -> tuple[torch.Tensor, ...]:
+    """One frame of latents with ``tokens`` 2x2 patches."""
+    side = 2 * math.isqrt(tokens)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 1, side, side, generator=g).bfloat16()
+    return latents, torch.tensor([500]), torch.randn(1, TEXT_TOKENS, 256, generator=g).bfloat16()
+
+
+def budget_policy(model: torch.nn.Module, world: int, tokens: int, fraction: float):
+    """Residency for a rank that may hold ``fraction`` of the full weights between steps."""
+    from hsdp.config import ParallelConfig
+    from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module, residency_for_budget
+
+    profile, work = profile_module(model), Workload(seq_len=tokens, guidance=False)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world).resolved()
+    sharded = estimate([profile], Layout(config, 1, 0), work, Hardware(1))
+    # The root's gathered weights, the gather window and the activations of the fully sharded layout come on
+    # top of what the rank holds between steps; the planner adds resident blocks while shards + resident fit.
+    budget = int(fraction * profile.param_bytes) + sharded.total - sharded.weights
+    return residency_for_budget(profile, config, budget, work), budget
+
+
+def build_variant(variant: str, width: int, layers: int, ffn: int, tokens: int) -> tuple:
+    import torch.distributed as dist
+
+    from hsdp.config import ParallelConfig
+    from hsdp.sharding import apply_hsdp_to_model
+
+    model = build(width, layers, ffn)
+    info = dict(variant=variant, resident=0, prefetch=0, budget_bytes=None)
+    if variant == "plain":
+        return model, info
+    world = dist.get_world_size()
+    resident: tuple[str, ...] = ()
+    prefetch = 0 if variant == "fsdp2" else 1
+    if variant in BUDGETS:
+        from hsdp.planner import PlanError
+
+        try:
+            policy, budget = budget_policy(model, world, tokens, BUDGETS[variant])
+        except PlanError as exc:  # e.g. 0.5x at world 2: the shards alone are half the weights
+            return None, dict(info, refused=str(exc))
+        resident, prefetch = policy.resident_modules, policy.prefetch
+        info.update(budget_bytes=budget, predicted_peak=policy.estimate.total)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world)
+    apply_hsdp_to_model(
+        model,
+        config,
+        resident_modules=resident,
+        forward_prefetch=prefetch,
+        weight_dtype="int8" if variant == "int8" else None,
     )
-    pipe.save_pretrained(folder)
-    write_generation_defaults(folder, {"guidance_scale": 1.0, "max_sequence_length": 32})
-    return folder
+    return model, dict(info, resident=len(resident), prefetch=prefetch)
 
 
-def variants(world: int) -> dict[str, tuple[ParallelConfig, bool]]:
-    """name -> (layout, forward prefetch)."""
-    shard = ParallelConfig(use_hsdp=True, hsdp_shard_size=world)
-    return {
-        "replicated": (ParallelConfig(use_hsdp=True, hsdp_shard_size=1, hsdp_replicate_size=world), False),
-        "fsdp2-default": (shard, False),
-        "prefetch": (shard, True),
-        "keep-gathered": (
-            ParallelConfig(use_hsdp=True, hsdp_shard_size=world, reshard_after_forward=False),
-            True,
-        ),
-    }
+def _timed(model: torch.nn.Module, x: tuple) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    model(*x)
+    dist.barrier()
+    return time.perf_counter() - start
 
 
-def tokens(shape: tuple[int, int, int]) -> int:
-    height, width, frames = shape
-    return ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+def _tracked_peak(model: torch.nn.Module, x: tuple) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class InferenceMemTracker(MemTracker):
+        """MemTracker hooks every parameter's gradient, which a frozen one (an 8-bit shard) refuses; inference
+        makes no gradients, so no hooks are needed."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    tracker = InferenceMemTracker()
+    tracker.track_external(model)
+    with tracker:
+        model(*x)
+    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
-def step_rows(group: WorkerGroup, model: Path, shapes: list[tuple[int, int, int]], steps: int) -> list[dict]:
-    world = group.world_size
-    rows = []
-    for name, (config, prefetch) in variants(world).items():
-        with Engine(model, config, forward_prefetch=prefetch, workers=group) as engine:
-            shard_mib = [r["param_bytes"] / MIB for r in engine.load_report]
-            baseline = [r["baseline_memory_bytes"] for r in engine.load_report]
-            for shape in shapes:
-                height, width, frames = shape
-                params = SamplingParams(
-                    seed=0, num_inference_steps=steps, height=height, width=width, num_frames=frames
-                )
-                [out] = engine.generate("A cat playing piano", params)
-                held_mib = [r["param_bytes"] / MIB for r in engine.memory_report()]
+def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats: int) -> list[dict]:
+    """Every variant on this rank at every token count (see the module docstring for what is measured)."""
+    from hsdp.comm import CommCounter, minimum_bytes
+    from hsdp.sharding import parameter_bytes
+
+    torch.set_num_threads(1)  # one core per rank: ranks do not compete for each other's cores
+    variants = [build_variant(v, width, layers, ffn, max(token_counts)) for v in VARIANTS]
+    built = [(model, info) for model, info in variants if model is not None]
+    rows = [dict(info, tokens=tokens) for _, info in variants if "refused" in info for tokens in token_counts]
+    with torch.no_grad():
+        for tokens in token_counts:
+            x = inputs(tokens)
+            peaks = {info["variant"]: _tracked_peak(model, x) for model, info in built}
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            comm: dict[str, int] = {}
+            for r in range(repeats):
+                for model, info in built[r % len(built) :] + built[: r % len(built)]:
+                    # The last round counts bytes (steady state); the counter's cost is per op, not per byte.
+                    counter = CommCounter() if r == repeats - 1 else contextlib.nullcontext()
+                    with counter:
+                        times[info["variant"]].append(_timed(model, x))
+                    if isinstance(counter, CommCounter):
+                        comm[info["variant"]] = counter.bytes.get("all_gather", 0)
+            for model, info in built:
                 rows.append(
-                    {
-                        "world": world,
-                        "variant": name,
-                        "tokens": tokens(shape),
-                        "shape": f"{height}x{width}x{frames}",
-                        # The first step includes the first all-gathers and allocator warm-up; the fastest of the
-                        # others is the one least disturbed by other load on a shared host.
-                        "s_per_step": min(out.timings.step_s[1:] or out.timings.step_s),
-                        "s_per_step_median": statistics.median(out.timings.step_s[1:] or out.timings.step_s),
-                        "param_mib_per_rank_loaded": shard_mib,
-                        "param_mib_per_rank_between_steps": held_mib,
-                        "peak_mib_per_rank": [b / MIB for b in out.peak_memory_bytes],
-                        "peak_above_baseline_mib_per_rank": [
-                            (p - b) / MIB for p, b in zip(out.peak_memory_bytes, baseline, strict=True)
-                        ],
-                        "memory_kind": out.memory_kind,
-                    }
-                )
-                print(
-                    f"  world {world} {name:14s} {tokens(shape):5d} tokens: {rows[-1]['s_per_step']:.3f} s/step",
-                    flush=True,
+                    dict(
+                        info,
+                        tokens=tokens,
+                        times=times[info["variant"]],
+                        peak_bytes=peaks[info["variant"]],
+                        param_bytes=parameter_bytes(model)[0],
+                        all_gather_bytes=comm[info["variant"]],
+                        minimum_all_gather_bytes=minimum_bytes(model).get("all_gather", 0),
+                    )
                 )
     return rows
 
 
-def throughput_rows(
-    group: WorkerGroup, model: Path, shape: tuple[int, int, int], steps: int, requests: int
-) -> list[dict]:
-    world = group.world_size
-    height, width, frames = shape
-    params = SamplingParams(seed=0, num_inference_steps=steps, height=height, width=width, num_frames=frames)
-    prompts = [f"request {i}" for i in range(requests)]
+def summarize(per_rank: list[list[dict]], world: int, layers: int) -> list[dict]:
     rows = []
-    for name, request_parallel in [("same-request HSDP", False), ("request-parallel HSDP", True)]:
-        config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world, request_parallel=request_parallel)
-        with Engine(model, config, workers=group) as engine:
-            engine.generate(prompts[:world], params)  # warm-up
-            elapsed = float("inf")
-            for _ in range(2):  # the faster of two batches: the less disturbed by other work on the host
-                started = time.perf_counter()
-                outputs = engine.generate(prompts, params)
-                elapsed = min(elapsed, time.perf_counter() - started)
-        rows.append(
-            {
-                "world": world,
-                "mode": name,
-                "requests": len(outputs),
-                "seconds": elapsed,
-                "requests_per_minute": 60 * len(outputs) / elapsed,
-                "s_per_step": statistics.median(s for o in outputs for s in o.timings.step_s),
-                "decode_s": statistics.median(o.timings.decode_s for o in outputs),
-                "peak_mib_per_rank": [b / MIB for b in outputs[0].peak_memory_bytes],
-            }
-        )
-        print(f"  {name}: {rows[-1]['requests_per_minute']:.1f} requests/min", flush=True)
+    by_tokens: dict[int, dict[str, list[list[dict]]]] = {}
+    for rank_rows in per_rank:
+        for row in rank_rows:
+            by_tokens.setdefault(row["tokens"], {}).setdefault(row["variant"], []).append(row)
+    for tokens, variants in by_tokens.items():
+        slowest = {
+            v: [max(t) for t in zip(*(r["times"] for r in rs), strict=True)]
+            for v, rs in variants.items()
+            if "refused" not in rs[0]
+        }
+        for variant, rs in variants.items():
+            first = rs[0]
+            if "refused" in first:
+                rows.append(
+                    dict(world=world, layers=layers, tokens=tokens, variant=variant, refused=first["refused"])
+                )
+                continue
+            per_round = [t / b for t, b in zip(slowest[variant], slowest["plain"], strict=True)]
+            minimum = first["minimum_all_gather_bytes"]
+            rows.append(
+                dict(
+                    world=world,
+                    layers=layers,
+                    tokens=tokens,
+                    variant=variant,
+                    resident_blocks=first["resident"],
+                    prefetch=first["prefetch"],
+                    budget_bytes=first["budget_bytes"],
+                    predicted_peak_bytes=first.get("predicted_peak"),
+                    s_per_step=min(slowest[variant]),
+                    s_per_step_rounds=slowest[variant],
+                    vs_plain=min(slowest[variant]) / min(slowest["plain"]),
+                    vs_plain_median_of_rounds=statistics.median(per_round),
+                    peak_bytes_per_rank=[r["peak_bytes"] for r in rs],
+                    param_bytes_per_rank=[r["param_bytes"] for r in rs],
+                    all_gather_bytes=first["all_gather_bytes"],
+                    minimum_all_gather_bytes=minimum,
+                    gathered_vs_minimum=first["all_gather_bytes"] / minimum if minimum else None,
+                )
+            )
     return rows
 
 
-def table(step: list[dict], throughput: list[dict]) -> str:
-    """Markdown tables; memory columns show rank 0 (which also decodes the video) / the last rank."""
-    base = {(r["world"], r["tokens"]): r["s_per_step"] for r in step if r["variant"] == "replicated"}
-    fsdp = {(r["world"], r["tokens"]): r["s_per_step"] for r in step if r["variant"] == "fsdp2-default"}
+def table(rows: list[dict]) -> str:
     lines = [
-        "| world | tokens | variant | s/step | vs replicated | vs fsdp2-default | weights held MiB/rank | "
-        "peak above baseline MiB (rank 0 / last) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| world | tokens | variant | resident / prefetch | s/step | vs plain | peak MiB/rank | weights held MiB/rank "
+        "| gathered MiB/step | vs minimum |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in step:
-        key = (r["world"], r["tokens"])
-        above = r["peak_above_baseline_mib_per_rank"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['world']} | {r['tokens']} | {r['variant']} | does not fit: {r['refused']} |")
+            continue
+        vs_min = f"{r['gathered_vs_minimum']:.2f}x" if r["gathered_vs_minimum"] is not None else "-"
+        held = "-" if r["variant"] == "plain" else f"{r['resident_blocks']}/{r['layers']}, {r['prefetch']}"
         lines.append(
-            f"| {r['world']} | {r['tokens']} | {r['variant']} | {r['s_per_step']:.3f} | "
-            f"{r['s_per_step'] / base[key]:.2f}x | {r['s_per_step'] / fsdp[key]:.2f}x | "
-            f"{max(r['param_mib_per_rank_between_steps']):.0f} | {above[0]:.0f} / {above[-1]:.0f} |"
-        )
-    lines += [
-        "",
-        "| world | mode | requests | seconds | requests/min | s/step (median) | VAE decode s | peak MiB (rank 0 / last) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in throughput:
-        peak = r["peak_mib_per_rank"]
-        lines.append(
-            f"| {r['world']} | {r['mode']} | {r['requests']} | {r['seconds']:.1f} | {r['requests_per_minute']:.1f} | "
-            f"{r['s_per_step']:.3f} | {r['decode_s']:.3f} | {peak[0]:.0f} / {peak[-1]:.0f} |"
+            f"| {r['world']} | {r['tokens']} | {r['variant']} | {held} | {r['s_per_step']:.3f} | "
+            f"{r['vs_plain']:.2f}x | {max(r['peak_bytes_per_rank']) / MIB:.0f} | "
+            f"{max(r['param_bytes_per_rank']) / MIB:.0f} | {r['all_gather_bytes'] / MIB:.1f} | {vs_min} |"
         )
     return "\n".join(lines)
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    height, width, frames = (int(v) for v in text.split("x"))
-    return height, width, frames
-
-
 def main() -> None:
+    from hsdp.launch import WorkerGroup
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument(
-        "--shapes", type=parse_shape, nargs="+", default=[(64, 64, 13), (128, 128, 13)], help="HxWxF"
-    )
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--width", type=int, default=768, help="transformer width (64 per head)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2304], help="square numbers")
+    parser.add_argument("--width", type=int, default=1536, help="transformer width (128 per head)")
+    parser.add_argument("--ffn", type=int, default=8960)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/inference.json"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per token count")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/inference.json"))
     args = parser.parse_args()
+    if any(math.isqrt(t) ** 2 != t for t in args.tokens):
+        parser.error(f"--tokens must be square numbers (a square latent of 2x2 patches), got {args.tokens}")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "wide-wan", args.width, args.layers)
-        step, throughput = [], []
-        for world in args.worlds:  # one set of processes per world size, every variant loaded into it in turn
-            with WorkerGroup(world) as group:
-                # A throwaway load first, so lazy imports do not count against the first variant's memory.
-                Engine(model, variants(world)["replicated"][0], workers=group).close()
-                step += step_rows(group, model, args.shapes, args.steps)
-                if world == 2:
-                    throughput = throughput_rows(
-                        group, model, args.shapes[-1], max(2, args.steps - 1), args.requests
-                    )
+    rows = []
+    for world in args.worlds:
+        with WorkerGroup(world) as group:
+            per_rank = group.run(
+                run_rank, args.width, args.layers, args.ffn, args.tokens, args.repeats, timeout_s=3600
+            )
+        rows += summarize(per_rank, world, args.layers)
+        print(table(rows), flush=True)
     report = {
-        "command": "python benchmarks/inference.py " + " ".join(f"{k}={v}" for k, v in vars(args).items()),
-        "model": {"width": args.width, "layers": args.layers},
+        "command": "python benchmarks/inference.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "model": wan_config(args.width, args.layers, args.ffn),
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "seconds": time.perf_counter() - started,
-        "step": step,
-        "throughput": throughput,
+        "rows": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(table(step, throughput))
-    print(f"wrote {args.json} ({report['seconds']:.0f}s)")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output} ({report['seconds']:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -143,3 +143,12 @@ def test_wan_pipeline_int8_psnr_and_exact_against_fake_quantized(tmp_path, dist_
         path, shardable, "A cat playing piano", 5, {**call, "max_sequence_length": 16}
     )
     np.testing.assert_array_equal(frames["int8"], expected)
+
+
+def test_serve_flags_reach_the_engine_settings():
+    from hsdp.cli import build_parser
+    from hsdp.serve.cli import settings_from_args
+
+    argv = ["serve", "tiny-wan", "--use-hsdp", "--hsdp-shard-size", "2", "--weight-dtype", "int8"]
+    settings = settings_from_args(build_parser().parse_args([*argv, "--device-memory", "2GiB"]))
+    assert (settings.weight_dtype, settings.device_memory) == ("int8", "2GiB")
