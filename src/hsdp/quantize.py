@@ -58,7 +58,12 @@ def quantize_rows(weight: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q * scale`` in ``dtype``; the one formula the sharded path and the single-process reference share (the
     product is fp32: 8-bit values convert exactly, then one rounding into ``dtype``)."""
-    return torch.mul(q, scale).to(dtype)
+    return _product(q, scale).to(dtype)
+
+
+def _product(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # int8 x fp32 promotes to fp32 in the multiply itself; float8 has no type promotion, so it converts first.
+    return torch.mul(q if q.dtype == torch.int8 else q.to(_SCALE_DTYPE), scale)
 
 
 def fake_quantize(weight: torch.Tensor, qdtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +147,7 @@ class QuantizedWeight(torch.Tensor):
             if (
                 out is not None
             ):  # a later gather: FSDP2 re-allocated the full weight; fill it in place, rounding
-                out.copy_(torch.mul(qdata, scale))  # the fp32 product into its dtype as dequantize_rows does
+                out.copy_(_product(qdata, scale))  # the fp32 product into its dtype as dequantize_rows does
             else:
                 full = dequantize_rows(qdata, scale, param_dtype)
                 result = (full, (full,))
