@@ -13,6 +13,9 @@ A Wan-architecture ``diffusers`` transformer (Wan 2.1 1.3B's block: width 1536, 
   window and activations every sharded variant needs come on top (the planner's estimate of them).
 * ``int8``: ``weight_dtype="int8"`` shards (:mod:`hsdp.quantize`) with one block of prefetch.
 
+``--throughput`` adds requests per minute of same-request vs request-parallel HSDP through the engine
+(docs/layouts/request-parallel.md).
+
 Timing: each round times every variant once, round-robin (rotating the order), so background load on a shared
 host hits them alike; a round's time is the slowest rank's. The table shows each variant's fastest round (the one
 least disturbed by other work on the host) and its ratio to ``plain``'s fastest; the JSON also has every round
@@ -247,6 +250,50 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def throughput_rows(world: int, requests: int = 4, steps: int = 3) -> list[dict]:
+    """Requests per minute, same-request vs request-parallel HSDP (docs/layouts/request-parallel.md): a Wan
+    pipeline with a width-768, 4-block transformer, ``requests`` requests of 128 x 128 x 13 frames, no guidance;
+    the faster of two batches after a warm-up."""
+    import tempfile
+
+    from hsdp import ParallelConfig
+    from hsdp.engine import Engine, SamplingParams
+    from hsdp.launch import WorkerGroup
+    from hsdp.models.tiny_wan import build_tiny_wan_pipeline, write_generation_defaults
+
+    params = SamplingParams(seed=0, num_inference_steps=steps, height=128, width=128, num_frames=13)
+    prompts = [f"request {i}" for i in range(requests)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, WorkerGroup(world) as group:
+        folder = Path(tmp) / "wan-768"
+        build_tiny_wan_pipeline(
+            num_attention_heads=12, attention_head_dim=64, ffn_dim=3072, num_layers=4
+        ).save_pretrained(folder)
+        write_generation_defaults(folder, {"guidance_scale": 1.0, "max_sequence_length": 32})
+        for name, request_parallel in [("same-request HSDP", False), ("request-parallel HSDP", True)]:
+            config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world, request_parallel=request_parallel)
+            with Engine(folder, config, workers=group) as engine:
+                engine.generate(prompts[:world], params)  # warm-up
+                elapsed = float("inf")
+                for _ in range(2):
+                    started = time.perf_counter()
+                    outputs = engine.generate(prompts, params)
+                    elapsed = min(elapsed, time.perf_counter() - started)
+            rows.append(
+                dict(
+                    world=world,
+                    mode=name,
+                    requests=len(outputs),
+                    seconds=elapsed,
+                    requests_per_minute=60 * len(outputs) / elapsed,
+                    s_per_step=statistics.median(s for o in outputs for s in o.timings.step_s),
+                    peak_mib_per_rank=[b / MIB for b in outputs[0].peak_memory_bytes],
+                )
+            )
+            print(f"  world {world} {name}: {rows[-1]['requests_per_minute']:.1f} requests/min", flush=True)
+    return rows
+
+
 def main() -> None:
     from hsdp.launch import WorkerGroup
 
@@ -258,6 +305,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per token count")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/inference.json"))
+    parser.add_argument(
+        "--throughput",
+        action="store_true",
+        help="also requests per minute, same-request vs request-parallel HSDP, at world 2 (a Wan pipeline)",
+    )
     args = parser.parse_args()
     if any(math.isqrt(t) ** 2 != t for t in args.tokens):
         parser.error(f"--tokens must be square numbers (a square latent of 2x2 patches), got {args.tokens}")
@@ -277,6 +329,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
         "seconds": time.perf_counter() - started,
         "rows": rows,
+        "throughput": throughput_rows(2) if args.throughput else [],
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
