@@ -168,10 +168,6 @@ def _split(x: QuantizedWeight, split: int | list[int], dim: int = 0) -> list[Qua
     return [x._like(q, s) for q, s in zip(x.qdata.split(split), x.scale.split(split), strict=True)]
 
 
-def _split_with_sizes(x: QuantizedWeight, sizes: list[int], dim: int = 0) -> list[QuantizedWeight]:
-    return _split(x, list(sizes), dim)
-
-
 def _slice(
     x: QuantizedWeight, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
 ) -> QuantizedWeight:
@@ -208,33 +204,28 @@ def _view(x: QuantizedWeight, size: list[int]) -> QuantizedWeight:
     return QuantizedWeight(x.qdata, x.scale, x.dtype, torch.Size([x.numel()]) if len(size) == 1 else x.shape)
 
 
-def _alias(x: QuantizedWeight) -> QuantizedWeight:
+def _detach(x: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(x.qdata, x.scale, x.dtype, x.shape)
 
 
-def _clone(x: QuantizedWeight, **kwargs: Any) -> QuantizedWeight:
-    return QuantizedWeight(x.qdata.clone(), x.scale.clone(), x.dtype, x.shape)
-
-
-def _to_copy(x: QuantizedWeight, **kwargs: Any) -> torch.Tensor:
-    dtype = kwargs.get("dtype")
-    if dtype is not None and dtype != x.dtype:  # a floating copy in another dtype: dequantize
-        return x.dequantize().to(dtype=dtype, device=kwargs.get("device") or x.device)
+def _to_copy(x: QuantizedWeight, **kwargs: Any) -> QuantizedWeight:
+    # FSDP2's CPU offload moves shards between host and device; a change of dtype is not a move.
+    if kwargs.get("dtype") not in (None, x.dtype):
+        raise NotImplementedError(
+            f"an 8-bit weight shard (--weight-dtype) cannot be cast to {kwargs['dtype']}"
+        )
     device = kwargs.get("device") or x.device
     return QuantizedWeight(x.qdata.to(device), x.scale.to(device), x.dtype, x.shape)
 
 
 _OPS: dict[Any, Callable[..., Any]] = {
     aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split_with_sizes,
     aten.slice.Tensor: _slice,
     aten.new_zeros.default: _new_zeros,
     aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy,
     aten.view.default: _view,
-    aten.detach.default: _alias,
-    aten.alias.default: _alias,
-    aten.clone.default: _clone,
+    aten.detach.default: _detach,
     aten._to_copy.default: _to_copy,
 }
 
