@@ -3,8 +3,8 @@
 * The predicted per-rank peak is within 10 % of the measured one (torch's ``MemTracker``: every live tensor
   storage) for budgets that keep 0, 2 and 3 of the 4 blocks of a Wan transformer gathered, at world 2 (with
   all 4 gathered the planner over-predicts by 15 %: it still counts a gather window no block then needs).
-* Through the engine: the planned blocks stay gathered (each rank then holds exactly their full weights instead
-  of their shards) and the output is the same as without a budget.
+* Through the engine, for a Wan pipeline and a causal LM: the planned blocks stay gathered (each rank then holds
+  exactly their full weights instead of their shards) and the output is the same as without a budget.
 * A budget below the smallest layout is refused before any process starts, naming the flag, the need and the
   smallest layout that fits; ``hsdp plan`` prints the command that runs its recommendation.
 """
@@ -121,3 +121,21 @@ def test_engine_keeps_the_planned_blocks_gathered_and_outputs_are_unchanged(mode
     full = sum(u.unsharded_bytes() for u in blocks)
     first = sum(u.shard_bytes(2) for u in blocks)
     assert [b - a for a, b in zip(held[None], held[budget], strict=True)] == [full - first, first]
+
+
+@pytest.mark.slow
+def test_causal_lm_budget_keeps_layers_gathered_and_tokens_unchanged(model_cache, dist_run):
+    path = builtin("tiny-llama", model_cache)
+    profiles = engine_profiles(path, None, ("model",))
+    budget = _need(profiles, resident=2)
+    params = SamplingParams(seed=0, max_new_tokens=8)
+    tokens, held = {}, {}
+    for device_memory in (None, budget):
+        with Engine(path, HSDP2, workers=dist_run.group(2), device_memory=device_memory) as engine:
+            [out] = engine.generate("hello", params)
+            tokens[device_memory] = out.token_ids
+            held[device_memory] = engine.memory_report()[0]["param_bytes"]
+    assert engine.memory_plan.resident_modules == ("model.layers.0", "model.layers.1")
+    assert tokens[budget] == tokens[None]
+    layers = [u for u in profiles[0].blocks if u.name in engine.memory_plan.resident_modules]
+    assert held[budget] - held[None] == sum(u.unsharded_bytes() - u.shard_bytes(2) for u in layers)
