@@ -9,9 +9,9 @@ if os.environ.get("HSDP_TEST_POISON") == "1":
 
     _generate = diffusion.DiffusionRunner.generate
 
-    def _generate_or_die(self, request, *args, **kwargs):
-        if "poison" in request.prompt:
+    def _generate_or_die(self, requests, *args, **kwargs):
+        if any("poison" in request.prompt for request in requests):
             os._exit(3)
-        return _generate(self, request, *args, **kwargs)
+        return _generate(self, requests, *args, **kwargs)
 
     diffusion.DiffusionRunner.generate = _generate_or_die
