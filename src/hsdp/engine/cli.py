@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "add_engine_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +63,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="video: .mp4 or .gif (default output.mp4); images: .png, .jpg or .webp (default output.png; "
         "several images get numbered names); text: a file (default: print)",
     )
-    parser.add_argument("--dtype", default=None, help="convert the sharded weights (bf16, fp16, fp32)")
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--comm-stats",
+        action="store_true",
+        help="count every collective and compare with the minimum (slower: the counter sees every op)",
+    )
+    add_parallel_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine loads and holds the sharded weights (shared by ``hsdp generate`` and ``hsdp serve``)."""
+    parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
     parser.add_argument(
         "--weight-dtype",
         choices=["int8", "fp8"],
         default=None,
-        help="store the sharded Linear weights in 8 bits (per-output-channel scales) and all-gather them so: about half "
-        "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
+        help="store the sharded Linear weights in 8 bits (per-output-channel scales) and all-gather them so: "
+        "about half the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
     )
     parser.add_argument(
         "--device-memory",
@@ -81,12 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
-    parser.add_argument(
-        "--comm-stats",
-        action="store_true",
-        help="count every collective and compare with the minimum (slower: the counter sees every op)",
-    )
-    add_parallel_arguments(parser)
 
 
 def _comm_line(comm: dict) -> str:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.engine.cli import add_engine_arguments
 from hsdp.serve.settings import ServeLimits, ServeSettings
 
 logger = logging.getLogger("hsdp")
@@ -37,24 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-dir", type=Path, default=Path("outputs/serve"), help="job records and videos"
     )
-    parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
-    parser.add_argument(
-        "--weight-dtype",
-        choices=["int8", "fp8"],
-        default=None,
-        help="store the sharded Linear weights in 8 bits (per-output-channel scales) and all-gather them so: about half "
-        "the weight memory and gathered bytes of bf16; fp8 needs a GPU with fp8 kernels",
-    )
-    parser.add_argument(
-        "--device-memory",
-        default=None,
-        metavar="SIZE",
-        help="memory per rank, e.g. 24GiB: keep as many blocks gathered between forwards as fit and prefetch the "
-        "rest (planned as hsdp plan does; refused with the smallest fitting layout when nothing fits)",
-    )
-    parser.add_argument(
-        "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
-    )
+    add_engine_arguments(parser)
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     parser.add_argument(
         "--job-timeout", type=float, default=600.0, help="seconds per engine call before the workers restart"
