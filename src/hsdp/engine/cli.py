@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="other __call__ arguments as JSON, e.g. '{\"strength\": 0.6}'",
     )
     video.add_argument("--fps", type=int, default=8, help="frame rate of the written video")
+    video.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="run up to this many prompts (per rank) as one pipeline batch, each with its own seed; within 1e-5 "
+        "of one at a time",
+    )
     text = parser.add_argument_group("causal LM")
     text.add_argument("--max-new-tokens", type=int, default=32)
     text.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from hsdp.engine import Engine, SamplingParams
     from hsdp.engine.model_info import inspect_model
     from hsdp.engine.outputs import output_suffix_problem
-    from hsdp.engine.params import build_requests
+    from hsdp.engine.params import batch_size_problem, build_requests
     from hsdp.launch import WorkerError
     from hsdp.models.builtin import resolve_model
 
@@ -162,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
         )
         build_requests(info, config, args.prompt, params)
+        problem = batch_size_problem(info.kind, args.batch_size)
+        if problem:
+            raise ValueError(problem)
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype,
             device_memory=args.device_memory,
         ) as engine:
-            outputs = engine.generate(args.prompt, params, measure_comm=args.comm_stats)
+            outputs = engine.generate(
+                args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size
+            )
     except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from hsdp.engine import worker
 from hsdp.engine.control import CancelBoard
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
-from hsdp.engine.params import SamplingParams, build_requests, request_slots
+from hsdp.engine.params import SamplingParams, batch_size_problem, build_requests, request_slots
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
 
@@ -315,13 +315,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be an integer >= 1 (--max-batch-size)")
-        if batch_size > 1 and self.kind != "diffusion":
-            raise ValueError(
-                f"batch_size={batch_size}: causal LMs generate one request at a time per rank (per-request "
-                "sampling seeds); use --request-parallel to run several side by side"
-            )
+        problem = batch_size_problem(self.kind, batch_size)
+        if problem:
+            raise ValueError(problem)
         requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
         with self._lock:
             self._call_id += 1

@@ -16,7 +16,14 @@ from hsdp.config import ParallelConfig
 from hsdp.engine.images import load_image
 from hsdp.engine.model_info import ModelInfo
 
-__all__ = ["SamplingParams", "Request", "build_requests", "request_slots", "PIPELINE_ARGS"]
+__all__ = [
+    "SamplingParams",
+    "Request",
+    "build_requests",
+    "request_slots",
+    "batch_size_problem",
+    "PIPELINE_ARGS",
+]
 
 
 PER_REQUEST_INPUTS = ("negative_prompt", "image", "mask_image")
@@ -95,6 +102,18 @@ class Request:
     negative_prompt: str | None = None
     image: Any = None
     mask_image: Any = None
+
+
+def batch_size_problem(kind: str, batch_size: int) -> str | None:
+    """Why ``batch_size`` cannot be used for a model of ``kind`` (None when it can)."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        return f"batch_size={batch_size} must be an integer >= 1 (--batch-size / --max-batch-size)"
+    if batch_size > 1 and kind != "diffusion":
+        return (
+            f"batch_size={batch_size}: causal LMs generate one request at a time per rank (per-request sampling "
+            "seeds); use --request-parallel to run several side by side"
+        )
+    return None
 
 
 def request_slots(config: ParallelConfig) -> int:
