@@ -30,7 +30,13 @@ from hsdp.engine import worker
 from hsdp.engine.control import CancelBoard
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
-from hsdp.engine.params import SamplingParams, batch_size_problem, build_requests, request_slots
+from hsdp.engine.params import (
+    SamplingParams,
+    batch_size_problem,
+    build_requests,
+    request_slots,
+    uniform_inputs,
+)
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
 
@@ -319,6 +325,11 @@ class Engine:
         if problem:
             raise ValueError(problem)
         requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
+        if batch_size > 1 and not uniform_inputs(requests):
+            logger.info(
+                "these requests mix given and absent inputs (negative prompt, image, mask): one at a time"
+            )
+            batch_size = 1
         with self._lock:
             self._call_id += 1
             try:

@@ -116,6 +116,16 @@ def batch_size_problem(kind: str, batch_size: int) -> str | None:
     return None
 
 
+def uniform_inputs(requests: list[Request]) -> bool:
+    """Whether every optional input (negative prompt, image, mask) is given for all requests or for none: a
+    pipeline batch takes a list of them or none, and for true-CFG pipelines the negative prompt decides whether
+    the unconditional pass runs at all."""
+    return all(
+        len({getattr(r, name) is None for r in requests}) <= 1
+        for name in ("negative_prompt", "image", "mask_image")
+    )
+
+
 def request_slots(config: ParallelConfig) -> int:
     """How many requests run side by side: every HSDP rank in request-parallel mode, else one."""
     return config.data_parallel_size if config.request_parallel else 1

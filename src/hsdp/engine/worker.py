@@ -191,20 +191,10 @@ def generate(
 
 
 def batches(requests: list[Request], batch_size: int) -> list[list[Request]]:
-    """Consecutive groups of up to ``batch_size``; a group never mixes requests with and without a negative
-    prompt (for true-CFG pipelines the negative prompt decides whether the unconditional pass runs at all)."""
-    groups: list[list[Request]] = []
-    for request in requests:
-        last = groups[-1] if groups else None
-        if (
-            last
-            and len(last) < batch_size
-            and (last[0].negative_prompt is None) == (request.negative_prompt is None)
-        ):
-            last.append(request)
-        else:
-            groups.append([request])
-    return groups
+    """Consecutive groups of up to ``batch_size``: the same count on every rank, since request-parallel ranks
+    run their groups in lockstep (the engine batches only requests whose optional inputs are all given or all
+    absent, see :func:`hsdp.engine.params.uniform_inputs`)."""
+    return [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
 
 
 def _generate_group(
