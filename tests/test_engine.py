@@ -128,7 +128,10 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
         (["--image", "cat.png"], "image: WanPipeline takes no image (drop --image)"),
         (["--true-cfg-scale", "4"], "true_cfg_scale: WanPipeline takes no true_cfg_scale"),
         (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
-        (["--model", "tiny-llama", "--batch-size", "2"], "causal LMs generate one request at a time per rank"),
+        (
+            ["--model", "tiny-llama", "--batch-size", "2"],
+            "causal LMs generate one request at a time per rank",
+        ),
         (["--request-parallel", "--prompt", "b", "--prompt", "c"], "pass a multiple of 2 prompts"),
         (["--hsdp-shard-size", "-3"], "--hsdp-shard-size=-3 must be >= 1"),
     ],
