@@ -300,7 +300,7 @@ def _fused_origin(key: str, fused: FusedParam, index: CheckpointIndex) -> str:
     return f"{key} (fused from {len(keys)} keys such as {keys[0]} in {files})"
 
 
-def _local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's storage for ``tensor`` and the region of the full tensor it holds."""
     if isinstance(tensor, DTensor):
         shape, offset = compute_local_shape_and_global_offset(
@@ -348,7 +348,7 @@ def _fill_direct(targets: dict[str, torch.Tensor], plan: KeyPlan, reader: _Reade
         by_file.setdefault(reader.index.tensors[stored].file, []).append(key)
     for keys in by_file.values():
         for key in keys:
-            local, region = _local_slices(targets[key])
+            local, region = local_slices(targets[key])
             if local.numel() == 0:
                 continue
             local.copy_(reader.read(plan.direct[key], region).reshape(local.shape))
@@ -366,7 +366,7 @@ def _fill_fused(
     """
     if fused.stacks_rows():
         (key,) = fused.shapes
-        local, region = _local_slices(targets[key])
+        local, region = local_slices(targets[key])
         if local.numel() == 0:
             return
         rows, inner = region[0], (slice(None), *region[1:])
@@ -375,7 +375,7 @@ def _fill_fused(
         return
     tensors = {p: [reader.read(k) for k in keys] for p, keys in fused.sources.items()}
     for key, full in fused.convert(model, tensors).items():
-        local, region = _local_slices(targets[key])
+        local, region = local_slices(targets[key])
         if local.numel():
             local.copy_(full[region].reshape(local.shape))
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hsdp.loading import local_slices
 from hsdp.train.config import TrainConfig, TrainConfigError
 
 __all__ = [
@@ -141,15 +141,6 @@ def _check_adapter_file(folder: str, model: nn.Module, model_dir: Path, trained_
         )
 
 
-def _local_region(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
-        return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return param, tuple(slice(0, n) for n in param.shape)
-
-
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -> int:
     """Fill this rank's slice of every adapter tensor (peft's init from ``seed``, or ``adapter_dir``'s weights);
@@ -171,7 +162,7 @@ def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -
             nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
         else:
             full.zero_()
-        local, region = _local_region(param)
+        local, region = local_slices(param)
         local.copy_(full[region].reshape(local.shape))
         count += param.numel()
     return count
@@ -224,7 +215,7 @@ def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
             layer = modules[owner]
             a = _full(layer.lora_A[ADAPTER].weight).float()
             b = _full(layer.lora_B[ADAPTER].weight).float()
-            local, region = _local_region(tensor)
+            local, region = local_slices(tensor)
             scaling = layer.scaling[ADAPTER]
             merged = (local.float() + scaling * (b @ a)[region].reshape(local.shape)).to(local.dtype)
             if isinstance(tensor, DTensor):
