@@ -135,8 +135,8 @@ def reference_frames_fake_quantized(path: Path, shardable: list[str], prompt: st
     fake-quantized: the same selection rule (:func:`hsdp.quantize.quantize_linear_weights`) on each component."""
     from diffusers import DiffusionPipeline
 
-    from hsdp.plans import resolve_plan
     from hsdp.quantize import quantize_linear_weights
+    from hsdp.shard_rules import resolve_plan
     from hsdp.sharding import _unshardable_params
     from tests.engine_refs import one_thread
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from hsdp.config import ParallelConfig
 from hsdp.mesh import ParallelMeshes, build_meshes
-from hsdp.plans import resolve_plan
+from hsdp.shard_rules import resolve_plan
 from tests import core_fns
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import logging
 import pytest
 from torch import nn
 
-from hsdp.plans import resolve_plan
+from hsdp.shard_rules import resolve_plan
 from tests.train_fns import SizePlanModel, size_plan_step
 
 

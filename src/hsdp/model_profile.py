@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hsdp.config import DTYPES
-from hsdp.plans import resolve_plan
+from hsdp.shard_rules import resolve_plan
 from hsdp.sharding import _unshardable_params
 
 __all__ = [

@@ -232,7 +232,7 @@ def plan(
     if not main.blocks:
         raise PlanError(
             f"the shard plan matches no module of {main.class_name} ({main.name}), so it cannot be sharded: give "
-            "the model _no_split_modules naming its block class, or register a plan in hsdp.plans"
+            "the model _no_split_modules naming its block class, or register a plan in hsdp.shard_rules"
         )
     estimates = [
         estimate(profiles, lay, work, hw)

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes, build_meshes
-from hsdp.plans import ShardPlan, resolve_plan
+from hsdp.shard_rules import ShardPlan, resolve_plan
 
 logger = logging.getLogger("hsdp")
 
@@ -184,7 +184,7 @@ def apply_hsdp_to_model(
         if plan.tensor_parallel is None:
             raise ValueError(
                 f"--tensor-parallel-size={config.tensor_parallel_size}: no tensor-parallel plan is known for "
-                f"{type(model).__name__}; use --tensor-parallel-size 1 or register one in hsdp.plans"
+                f"{type(model).__name__}; use --tensor-parallel-size 1 or register one in hsdp.shard_rules"
             )
         plan.tensor_parallel(model, meshes.tp)
 

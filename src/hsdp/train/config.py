@@ -281,7 +281,7 @@ def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:
         return
     from transformers import AutoConfig
 
-    from hsdp.plans.hf_tensor_parallel import tp_plan_problem
+    from hsdp.shard_rules.hf_tensor_parallel import tp_plan_problem
 
     problem = tp_plan_problem(AutoConfig.from_pretrained(model_dir), tp)
     if problem:

@@ -14,7 +14,7 @@ Where a plan comes from, first match wins:
    units that follow the model's blocks are better (they gather exactly one block at a time).
 
 Tensor parallelism comes from a registered plan when it has one, else from transformers' own plan
-(``config.base_model_tp_plan``, :mod:`hsdp.plans.hf_tensor_parallel`) for every family that ships one.
+(``config.base_model_tp_plan``, :mod:`hsdp.shard_rules.hf_tensor_parallel`) for every family that ships one.
 
 The core never names a model family; family files in this package call :func:`register_plan`.
 """
@@ -116,7 +116,7 @@ def _load_family_plans() -> None:
 
 
 def _transformers_tp(model: nn.Module) -> TensorParallelFn | None:
-    from hsdp.plans.hf_tensor_parallel import hf_tensor_parallel, tp_plan_of
+    from hsdp.shard_rules.hf_tensor_parallel import hf_tensor_parallel, tp_plan_of
 
     return hf_tensor_parallel if tp_plan_of(getattr(model, "config", None)) else None
 

@@ -63,7 +63,7 @@ def tp_plan_problem(config: Any, tp: int) -> str | None:
         return (
             f"--tensor-parallel-size={tp}: {arch} has no tensor-parallel plan (transformers ships no "
             "base_model_tp_plan for it); use --tensor-parallel-size 1 and shard with --hsdp-shard-size, or register "
-            "a plan in hsdp.plans"
+            "a plan in hsdp.shard_rules"
         )
     unknown = sorted({s for s in plan.values() if s not in _STYLES})
     if unknown:
