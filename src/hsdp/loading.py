@@ -31,6 +31,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hsdp.config import DTYPES, ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes
+from hsdp.shard_rules import ShardPlan
 from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None, index: CheckpointIndex) -> t
     return dtype
 
 
-def _plan(model: nn.Module, index: CheckpointIndex) -> KeyPlan:
+def _key_plan(model: nn.Module, index: CheckpointIndex) -> KeyPlan:
     """Map checkpoint keys to model keys through transformers' load-time conversions (renamed and fused keys);
     raise naming every missing, unexpected or misshapen key, and the file it is in."""
     from hsdp.conversions import plan_keys
@@ -442,6 +443,7 @@ def load_pretrained(
     forward_prefetch: int = 0,
     prepare: Callable[[nn.Module], None] | None = None,
     weight_dtype: str | None = None,
+    plan: ShardPlan | Callable[[nn.Module], ShardPlan] | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
@@ -450,7 +452,9 @@ def load_pretrained(
     ``model.hsdp_report`` when sharded. ``resident_modules`` and ``forward_prefetch`` are passed to
     :func:`~hsdp.sharding.apply_hsdp_to_model`. ``prepare(model)`` runs on the empty (meta) model after the
     checkpoint is validated and before sharding, e.g. to inject LoRA adapters; parameters it adds are left
-    uninitialised for the caller to fill. ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
+    uninitialised for the caller to fill. ``plan`` overrides the shard plan
+    :func:`~hsdp.shard_rules.resolve_plan` would pick: a plan, or a function of the empty model that returns one
+    (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
     each rank quantizing its rows as it reads them (:mod:`hsdp.quantize`; needs ``use_hsdp``). Needs the process
     group to be initialised when the layout has more than one rank.
     """
@@ -465,14 +469,14 @@ def load_pretrained(
         )
     index = read_checkpoint_index(folder)
     model = build_empty_model(cls, folder, _resolve_dtype(dtype, index))
-    plan = _plan(model, index)  # validate before any allocation
+    keys = _key_plan(model, index)  # validate before any allocation
     moved = _run_prepare(model, prepare) if prepare is not None else {}
-    if plan.converted:
+    if keys.converted:
         logger.info(
             "%s: transformers' load-time conversions rename %d keys and build %d parameters from several keys",
             folder,
-            sum(model_key != stored for model_key, stored in plan.direct.items()),
-            len(plan.fused),
+            sum(model_key != stored for model_key, stored in keys.direct.items()),
+            len(keys.fused),
         )
     device = local_device()
     computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
@@ -482,6 +486,7 @@ def load_pretrained(
             model,
             config,
             meshes=meshes,
+            plan=plan(model) if callable(plan) else plan,
             training=training,
             resident_modules=resident_modules,
             forward_prefetch=forward_prefetch,
@@ -497,7 +502,7 @@ def load_pretrained(
         for name, buffer in model.named_buffers():
             if name in computed_buffers:
                 buffer.copy_(computed_buffers[name])
-    read = _fill(model, plan, index, moved)
+    read = _fill(model, keys, index, moved)
     if offload:
         _move_unsharded_state(model, device)
     model.eval()

@@ -1,5 +1,10 @@
 """Apply FSDP2 to a model from a :class:`~hsdp.config.ParallelConfig` and a shard plan.
 
+Small appliers, composed by :func:`apply_hsdp_to_model` in this order (torchtitan's ``parallelize`` shape):
+:func:`apply_tensor_parallel` over the ``tp`` mesh, :func:`apply_weight_dtype` (8-bit weight shards),
+:func:`apply_fsdp`, :func:`apply_prefetch`, and :func:`shard_report`. Each can be called alone by code that
+composes its own layout.
+
 ``fully_shard`` is applied leaf-first to every module the plan selects, then to the root, so each block's
 all-gather frees the block before the next one gathers. Parameters FSDP2 cannot shard (integer or 0-d) and the
 plan's ignored modules stay replicated. NO_SHARD uses FSDP2's composable ``replicate``.
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -29,7 +35,18 @@ from hsdp.shard_rules import ShardPlan, resolve_plan
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["apply_hsdp_to_model", "ShardReport", "parameter_bytes", "fsdp_units"]
+__all__ = [
+    "apply_hsdp_to_model",
+    "apply_tensor_parallel",
+    "apply_weight_dtype",
+    "apply_fsdp",
+    "apply_prefetch",
+    "shard_targets",
+    "shard_report",
+    "ShardReport",
+    "parameter_bytes",
+    "fsdp_units",
+]
 
 
 @dataclass
@@ -147,6 +164,129 @@ def _keep_output_capture(model: nn.Module) -> None:
             _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: ShardPlan) -> None:
+    """Tensor parallelism from the plan over the 1-D ``tp`` mesh; runs before FSDP, which then shards the DTensors
+    over the data-parallel mesh."""
+    if plan.tensor_parallel is None:
+        raise ValueError(
+            f"--tensor-parallel-size={tp_mesh.size()}: no tensor-parallel plan is known for {type(model).__name__}; "
+            "use --tensor-parallel-size 1 or register one in hsdp.shard_rules"
+        )
+    plan.tensor_parallel(model, tp_mesh)
+
+
+def shard_targets(model: nn.Module, plan: ShardPlan) -> list[tuple[str, nn.Module]]:
+    """The modules the plan makes FSDP units, leaf-first (the order ``fully_shard`` is applied in)."""
+    targets = [(n, m) for n, m in reversed(list(model.named_modules())) if n and plan.should_shard(n, m)]
+    if not targets:
+        candidates = sorted(
+            {type(m).__name__ for n, m in model.named_modules() if n and len(list(m.children()))}
+        )
+        raise ValueError(
+            f"the shard plan ({plan.source}) matched no module of {type(model).__name__}. Add "
+            f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
+            f"{', '.join(candidates[:20])}"
+        )
+    return targets
+
+
+def _check_resident(model: nn.Module, resident: set[str], targets: list[tuple[str, nn.Module]]) -> None:
+    if unknown := resident - {n for n, _ in targets} - {""}:
+        raise ValueError(
+            f"resident_modules {sorted(unknown)[:5]} are not FSDP units of {type(model).__name__}; name modules the "
+            f"shard plan selects, e.g. {targets[-1][0]!r}"
+        )
+
+
+def apply_weight_dtype(
+    model: nn.Module,
+    weight_dtype: str,
+    config: ParallelConfig,
+    *,
+    keep: Collection[nn.Parameter],
+    training: bool,
+) -> None:
+    """Store the Linear weights FSDP will shard in 8 bits (:mod:`hsdp.quantize`); before ``fully_shard``, which
+    then shards and all-gathers the 8-bit tensors."""
+    from hsdp.quantize import quantize_linear_weights, weight_dtype_problem
+
+    if problem := weight_dtype_problem(weight_dtype, local_device().type, training=training):
+        raise ValueError(problem)
+    if config.sharding_strategy is ShardingStrategy.NO_SHARD or config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits, so it needs weights sharded over 2 "
+            f"or more ranks (--hsdp-shard-size >= 2) and no tensor parallelism; got {config.describe()}"
+        )
+    quantize_linear_weights(model, weight_dtype, shard_size=config.hsdp_shard_size, skip=set(keep))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    targets: list[tuple[str, nn.Module]],
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    *,
+    keep: Collection[nn.Parameter] = (),
+    resident: Collection[str] = (),
+) -> None:
+    """``fully_shard`` each target leaf-first, then the root (NO_SHARD: FSDP2's composable ``replicate``).
+    ``resident`` units (``""`` for the root) keep their gathered weights between forwards."""
+    kwargs = {**_policies(config, local_device()), "ignored_params": set(keep)}
+    if config.sharding_strategy is ShardingStrategy.NO_SHARD:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
+        for _, module in targets:
+            replicate(module, mesh=replicate_mesh, **kwargs)
+        replicate(model, mesh=replicate_mesh, **kwargs)
+        return
+    for name, module in targets:
+        reshard = False if name in resident else config.reshard_after_forward
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+    # Passed explicitly: left as None, FSDP2 keeps the root gathered after forward, and inference wants the
+    # memory back unless the layout asks to keep weights gathered (reshard_after_forward=False).
+    root_reshard = False if "" in resident else config.reshard_after_forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, **kwargs)
+
+
+def apply_prefetch(model: nn.Module, targets: list[tuple[str, nn.Module]], depth: int) -> None:
+    """All-gather ``depth`` units ahead in forward order. Forward order is the reverse of leaf-first; the root
+    starts the first block's all-gather so it overlaps the root's own work (embeddings)."""
+    order = [model, *(module for _, module in reversed(targets))]
+    for i, module in enumerate(order[:-1]):
+        module.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + depth])
+
+
+def _move_replicated(keep: Collection[nn.Parameter]) -> None:
+    device = local_device()
+    for param in keep:
+        if not param.is_meta and param.device != device:
+            param.data = param.data.to(device)
+
+
+def shard_report(
+    model: nn.Module,
+    config: ParallelConfig,
+    rank: int,
+    plan: ShardPlan,
+    targets: list[tuple[str, nn.Module]],
+    keep: dict[str, nn.Parameter],
+) -> ShardReport:
+    local, total = parameter_bytes(model)
+    return ShardReport(
+        rank=rank,
+        world_size=config.world_size,
+        replicate_size=config.hsdp_replicate_size,
+        shard_size=config.hsdp_shard_size,
+        strategy=config.sharding_strategy.value,
+        plan_source=plan.source,
+        sharded_modules=[n for n, _ in targets],
+        replicated_params=sorted(keep),
+        local_param_bytes=local,
+        total_param_bytes=total,
+    )
+
+
 def apply_hsdp_to_model(
     model: nn.Module,
     config: ParallelConfig,
@@ -158,7 +298,8 @@ def apply_hsdp_to_model(
     forward_prefetch: int = 0,
     weight_dtype: str | None = None,
 ) -> ShardReport:
-    """Shard ``model`` in place over the layout's FSDP mesh and return a report for this rank.
+    """Shard ``model`` in place over the layout's meshes and return a report for this rank: tensor parallelism,
+    8-bit weights, FSDP2 and prefetch, each by its applier above.
 
     ``resident_modules`` (qualified names of plan-selected modules, ``""`` for the root) keep their gathered
     weights between forwards (``reshard_after_forward=False``): memory-budgeted inference, see
@@ -172,106 +313,36 @@ def apply_hsdp_to_model(
     if not config.use_hsdp:
         raise ValueError("apply_hsdp_to_model needs use_hsdp=True (--use-hsdp) in the ParallelConfig")
     meshes = meshes or build_meshes(config)
-    plan = plan or resolve_plan(model)
-    mesh = meshes.fsdp
-    if mesh is None:
+    if meshes.fsdp is None:
         raise ValueError(
             "the meshes passed to apply_hsdp_to_model have no FSDP mesh; build them from a config with use_hsdp=True"
         )
-    device = local_device()
-
+    plan = plan or resolve_plan(model)
     if config.tensor_parallel_size > 1:
-        if plan.tensor_parallel is None:
-            raise ValueError(
-                f"--tensor-parallel-size={config.tensor_parallel_size}: no tensor-parallel plan is known for "
-                f"{type(model).__name__}; use --tensor-parallel-size 1 or register one in hsdp.shard_rules"
-            )
-        plan.tensor_parallel(model, meshes.tp)
-
-    targets = [(n, m) for n, m in reversed(list(model.named_modules())) if n and plan.should_shard(n, m)]
-    if not targets:
-        candidates = sorted(
-            {type(m).__name__ for n, m in model.named_modules() if n and len(list(m.children()))}
-        )
-        raise ValueError(
-            f"the shard plan ({plan.source}) matched no module of {type(model).__name__}. Add "
-            f"_hsdp_shard_conditions to the model, or _no_split_modules naming one of its block classes: "
-            f"{', '.join(candidates[:20])}"
-        )
+        apply_tensor_parallel(model, meshes.tp, plan)
+    targets = shard_targets(model, plan)
     resident = set(resident_modules)
-    if unknown := resident - {n for n, _ in targets} - {""}:
-        raise ValueError(
-            f"resident_modules {sorted(unknown)[:5]} are not FSDP units of {type(model).__name__}; name modules the "
-            f"shard plan selects, e.g. {targets[-1][0]!r}"
-        )
+    _check_resident(model, resident, targets)
     keep = _unshardable_params(model, plan, training)
-    ignored = set(keep.values())
-    strategy = config.sharding_strategy
     if weight_dtype is not None:
-        from hsdp.quantize import quantize_linear_weights, weight_dtype_problem
-
-        if problem := weight_dtype_problem(weight_dtype, device.type, training=training):
-            raise ValueError(problem)
-        if strategy is ShardingStrategy.NO_SHARD or config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits, so it needs weights sharded over 2 "
-                f"or more ranks (--hsdp-shard-size >= 2) and no tensor parallelism; got {config.describe()}"
-            )
-        quantize_linear_weights(model, weight_dtype, shard_size=config.hsdp_shard_size, skip=ignored)
-    mode = "Training" if training else "Inference"
+        apply_weight_dtype(model, weight_dtype, config, keep=keep.values(), training=training)
     logger.info(
         "HSDP %s: replicate_size=%d, shard_size=%d, world_size=%d, rank=%d",
-        mode,
+        "Training" if training else "Inference",
         config.hsdp_replicate_size,
         config.hsdp_shard_size,
         config.world_size,
         meshes.rank,
     )
-    if strategy is ShardingStrategy.NO_SHARD:
-        if resident or forward_prefetch:
-            logger.warning(
-                "resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)"
-            )
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
-        kwargs = _policies(config, device)
-        for _, module in targets:
-            replicate(module, mesh=replicate_mesh, ignored_params=ignored, **kwargs)
-        replicate(model, mesh=replicate_mesh, ignored_params=ignored, **kwargs)
-    else:
-        kwargs = {**_policies(config, device), "mesh": mesh, "ignored_params": ignored}
-        for name, module in targets:
-            reshard = False if name in resident else config.reshard_after_forward
-            fully_shard(module, reshard_after_forward=reshard, **kwargs)
-        # Passed explicitly: left as None, FSDP2 keeps the root gathered after forward, and inference wants the
-        # memory back unless the layout asks to keep weights gathered (reshard_after_forward=False).
-        root_reshard = False if "" in resident else config.reshard_after_forward
-        fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
-        if forward_prefetch > 0:
-            # Forward order is the reverse of leaf-first; the root starts the first block's all-gather so it
-            # overlaps the root's own work (embeddings) before the first block runs.
-            order = [model, *(module for _, module in reversed(targets))]
-            for i, module in enumerate(order[:-1]):
-                module.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + forward_prefetch])
-    for param in ignored:
-        if not param.is_meta and param.device != device:
-            param.data = param.data.to(device)
+    apply_fsdp(model, targets, meshes.fsdp, config, keep=keep.values(), resident=resident)
+    if config.sharding_strategy is ShardingStrategy.NO_SHARD and (resident or forward_prefetch):
+        logger.warning("resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)")
+    elif forward_prefetch > 0:
+        apply_prefetch(model, targets, forward_prefetch)
+    _move_replicated(keep.values())
     _guard_inference_mode(model)
     _keep_output_capture(model)
     logger.info("Sharded %d modules + root", len(targets))
     if keep:
         logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))
-    local, total = parameter_bytes(model)
-    return ShardReport(
-        rank=meshes.rank,
-        world_size=config.world_size,
-        replicate_size=config.hsdp_replicate_size,
-        shard_size=config.hsdp_shard_size,
-        strategy=strategy.value,
-        plan_source=plan.source,
-        sharded_modules=[n for n, _ in targets],
-        replicated_params=sorted(keep),
-        local_param_bytes=local,
-        total_param_bytes=total,
-    )
+    return shard_report(model, config, meshes.rank, plan, targets, keep)

@@ -64,6 +64,11 @@ class ShardPlan:
     def is_ignored(self, name: str, module: nn.Module) -> bool:
         return any(cond(name, module) for cond in self.ignored)
 
+    def with_ignored(self, modules: Sequence[str | ShardCondition]) -> ShardPlan:
+        """This plan with more modules kept replicated (qualified names or predicates, as
+        ``_hsdp_ignored_modules`` takes)."""
+        return dataclasses.replace(self, ignored=(*self.ignored, *(_name_or_predicate(m) for m in modules)))
+
 
 _REGISTRY: dict[str, Callable[[nn.Module], ShardPlan]] = {}
 

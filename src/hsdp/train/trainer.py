@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -31,9 +32,10 @@ from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.comm import measure_comm
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device
-from hsdp.loading import load_pretrained, model_class_for
+from hsdp.loading import load_pretrained
 from hsdp.memory import peak_memory_bytes
 from hsdp.mesh import build_meshes
+from hsdp.shard_rules import ShardPlan, resolve_plan
 from hsdp.train import lora
 from hsdp.train.config import TrainConfig, TrainConfigError, preflight
 from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
@@ -142,7 +144,7 @@ class Trainer:
         self.model = load_pretrained(
             self.model_dir,
             self.parallel,
-            model_class=self._model_class(),
+            plan=self._shard_plan,
             # LoRA keeps the frozen base in its checkpoint dtype; full fine-tuning keeps fp32 masters.
             dtype="auto" if self.lora else torch.float32,
             meshes=self.meshes,
@@ -191,12 +193,8 @@ class Trainer:
             logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
 
     # -- setup -----------------------------------------------------------------------------------------------
-    def _model_class(self) -> type:
-        cls = model_class_for(self.model_dir)
-        if not self.cfg.replicated_modules:
-            return cls
-        # The shard plan reads _hsdp_ignored_modules from the model; a subclass carries it without editing it.
-        return type(cls.__name__, (cls,), {"_hsdp_ignored_modules": tuple(self.cfg.replicated_modules)})
+    def _shard_plan(self, model: nn.Module) -> ShardPlan:
+        return resolve_plan(model).with_ignored(self.cfg.replicated_modules)
 
     def _freeze(self) -> None:
         patterns = [re.compile(p) for p in self.cfg.freeze]
