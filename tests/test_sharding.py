@@ -68,6 +68,31 @@ def test_plan_matching_nothing_lists_candidates():
         apply_hsdp_to_model(Blocks(), config, meshes=meshes)
 
 
+def test_plan_with_ignored_keeps_module_replicated():
+    """``ShardPlan.with_ignored`` (what ``load_pretrained(plan=)`` and the trainer's --replicated-modules use)
+    leaves the named module's parameters whole while the rest become DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from hsdp.sharding import apply_hsdp_to_model
+
+    class Blocks(nn.Module):
+        _no_split_modules = ["Linear"]
+
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=1)
+    model = Blocks()
+    with _single_rank_meshes(config) as meshes:
+        report = apply_hsdp_to_model(
+            model, config, meshes=meshes, plan=resolve_plan(model).with_ignored(["second"])
+        )
+    assert report.replicated_params == ["second.bias", "second.weight"]
+    assert not any(isinstance(p, DTensor) for p in model.second.parameters())
+    assert all(isinstance(p, DTensor) for p in model.first.parameters())
+
+
 @contextlib.contextmanager
 def _single_rank_meshes(config: ParallelConfig) -> Iterator[ParallelMeshes]:
     """Real one-rank meshes over torch's fake process group (no peers, no threads), torn down afterwards."""
