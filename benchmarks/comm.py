@@ -4,7 +4,7 @@ Each row shards a model on real ranks, runs one warm step under :class:`hsdp.com
 mode counting collectives and the bytes each moves) and divides the bytes by :func:`hsdp.comm.minimum_bytes`:
 every gathered unit moving ``(N - 1) / N`` of its unpadded weights once per all-gather it needs, every gradient reduce-scattered
 once. Target 1.00 to 1.05; what is above 1.00 is FSDP2's dim-0 padding. ``planned`` is
-:func:`hsdp.planner.estimate`'s all-gather + reduce-scatter + all-reduce bytes for the same layout.
+:func:`hsdp.planning.estimate`'s all-gather + reduce-scatter + all-reduce bytes for the same layout.
 
     .venv/bin/python benchmarks/comm.py      # about a minute; writes bench_results/comm.json
 """
@@ -78,7 +78,7 @@ def measure(kwargs: dict, training: bool, resident: int) -> dict:
 
 def planned_bytes(kwargs: dict, training: bool, resident: int) -> int:
     from hsdp.config import ParallelConfig
-    from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module
+    from hsdp.planning import Hardware, Layout, Workload, estimate, profile_module
 
     layout = Layout(ParallelConfig(use_hsdp=True, **kwargs).resolved(), 0, resident)
     est = estimate([profile_module(_build(training))], layout, Workload(training=training), Hardware(2**40))

@@ -8,7 +8,7 @@ A Wan-architecture ``diffusers`` transformer (Wan 2.1 1.3B's block: width 1536, 
   The reference for time.
 * ``fsdp2``: FSDP2's defaults as vLLM-Omni configures them (blocks + root, reshard after forward, no prefetch).
 * ``prefetch``: the same with one block of explicit forward prefetch.
-* ``budget-0.5x`` / ``budget-0.75x``: :func:`hsdp.planner.residency_for_budget` when the weights a rank may hold
+* ``budget-0.5x`` / ``budget-0.75x``: :func:`hsdp.planning.residency_for_budget` when the weights a rank may hold
   between steps (its shards plus the blocks it keeps gathered) are 0.5x / 0.75x of the full weights; the gather
   window and activations every sharded variant needs come on top (the planner's estimate of them).
 * ``int8``: ``weight_dtype="int8"`` shards (:mod:`hsdp.quantize`) with one block of prefetch.
@@ -76,7 +76,7 @@ def inputs(tokens: int) -> tuple[torch.Tensor, ...]:
 def budget_policy(model: torch.nn.Module, world: int, tokens: int, fraction: float):
     """Residency for a rank that may hold ``fraction`` of the full weights between steps."""
     from hsdp.config import ParallelConfig
-    from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module, residency_for_budget
+    from hsdp.planning import Hardware, Layout, Workload, estimate, profile_module, residency_for_budget
 
     profile, work = profile_module(model), Workload(seq_len=tokens, guidance=False)
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world).resolved()
@@ -101,7 +101,7 @@ def build_variant(variant: str, width: int, layers: int, ffn: int, tokens: int) 
     resident: tuple[str, ...] = ()
     prefetch = 0 if variant == "fsdp2" else 1
     if variant in BUDGETS:
-        from hsdp.planner import PlanError
+        from hsdp.planning import PlanError
 
         try:
             policy, budget = budget_policy(model, world, tokens, BUDGETS[variant])

@@ -1,7 +1,7 @@
 """Planner accuracy: predicted vs measured per-rank peak memory for seven layouts (inference and training).
 
 Each layout runs on real ranks (CPU + gloo here, the same code on CUDA + NCCL). The prediction is
-:func:`hsdp.planner.estimate` on the unsharded model; the measurement is torch's ``MemTracker`` peak over one
+:func:`hsdp.planning.estimate` on the unsharded model; the measurement is torch's ``MemTracker`` peak over one
 steady step: every live tensor storage on the rank, by category (parameters, gradients, optimizer state,
 activations, temporaries), which is what ``torch.cuda.max_memory_allocated`` counts on a GPU, without the
 Python and allocator overheads that make CPU RSS useless for this. Target: within 10 %.
@@ -90,7 +90,7 @@ def measure(config_kwargs: dict, training: bool, resident: int, prefetch: int) -
 
 def predict(config_kwargs: dict, training: bool, resident: int, prefetch: int):
     from hsdp.config import ParallelConfig
-    from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module
+    from hsdp.planning import Hardware, Layout, Workload, estimate, profile_module
 
     profile = profile_module(_build(training))
     if training:

@@ -6,7 +6,7 @@ replicated model (every rank holds all weights, no communication):
 
 * ``fsdp2``: vLLM-Omni's configuration (blocks + root, reshard after forward, no prefetch);
 * ``prefetch``: the same with one block of explicit forward prefetch;
-* ``ours``: :func:`hsdp.planner.residency_for_budget` for a budget halfway between the fully sharded and the
+* ``ours``: :func:`hsdp.planning.residency_for_budget` for a budget halfway between the fully sharded and the
   all-resident need: as many blocks as fit keep their gathered weights between steps, the rest are prefetched.
 
 ``overlap`` is the share of the all-gather time hidden behind compute: ``1 - (t_sharded - t_replicated) /
@@ -48,7 +48,7 @@ def _inputs(side: int) -> tuple:
 def _policy(model, world: int, tokens: int):
     """Residency for a budget halfway between the fully sharded need and the all-resident need."""
     from hsdp.config import ParallelConfig
-    from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module, residency_for_budget
+    from hsdp.planning import Hardware, Layout, Workload, estimate, profile_module, residency_for_budget
 
     profile, work = profile_module(model), Workload(seq_len=tokens, guidance=False)
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world).resolved()

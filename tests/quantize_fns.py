@@ -177,8 +177,7 @@ def budgeted_peak(budget: int) -> dict:
 
     from hsdp.config import ParallelConfig
     from hsdp.engine.device_memory import plan_device_memory
-    from hsdp.plan_estimate import Workload
-    from hsdp.planner import profile_module
+    from hsdp.planning import Workload, profile_module
     from hsdp.sharding import apply_hsdp_to_model
 
     torch.set_num_threads(1)

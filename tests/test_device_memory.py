@@ -20,7 +20,7 @@ from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.device_memory import engine_profiles, plan_device_memory
 from hsdp.engine.model_info import inspect_model
-from hsdp.plan_estimate import Hardware, Layout, Workload, estimate
+from hsdp.planning import Hardware, Layout, Workload, estimate
 from tests import quantize_fns
 from tests.engine_refs import builtin
 
@@ -66,7 +66,7 @@ def test_generate_cli_refuses_a_budget_below_the_smallest_layout(model_cache, ca
 
 def test_plan_prints_the_command_that_runs_its_recommendation(capsys):
     from hsdp.cli import build_parser, main
-    from hsdp.planner import command_line, profile_module, residency_for_budget
+    from hsdp.planning import command_line, profile_module, residency_for_budget
 
     assert main(["plan", "tiny-llama", "--devices", "2", "--device-memory", "16MiB", "--seq-len", "64"]) == 0
     [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("run it: ")]
@@ -83,7 +83,7 @@ def test_plan_prints_the_command_that_runs_its_recommendation(capsys):
 
 @pytest.mark.slow
 def test_predicted_peak_within_10_percent_of_measured(dist_run):
-    from hsdp.planner import profile_module
+    from hsdp.planning import profile_module
 
     profiles = [profile_module(quantize_fns.plan_wan())]
     tokens = (quantize_fns.PLAN_SIDE // 2) ** 2

@@ -11,18 +11,17 @@ from torch import nn
 
 from hsdp.config import ParallelConfig
 from hsdp.memory import training_memory
-from hsdp.planner import (
+from hsdp.planning import (
     Hardware,
     Layout,
     PlanError,
     Workload,
-    add_arguments,
     estimate,
     parse_size,
     profile_module,
     residency_for_budget,
-    run,
 )
+from hsdp.planning.cli import add_arguments, run
 
 
 class Block(nn.Module):
@@ -96,7 +95,7 @@ def test_profile_counts_what_loading_builds(tied, tmp_path):
     """``hsdp plan``'s meta build of a saved folder counts the real model's parameters and bytes (tied weights
     once; the meta build used to untie them: tiny-llama 221,760 planned against 197,184 real)."""
     from hsdp.models.tiny import build_tiny_llama
-    from hsdp.planner import profile_model
+    from hsdp.planning import profile_model
 
     real = build_tiny_llama(tie_word_embeddings=tied)
     real.save_pretrained(tmp_path)
@@ -147,7 +146,7 @@ def test_candidates_are_valid_layouts_over_all_devices():
     from diffusers import WanTransformer3DModel
 
     from hsdp.models.tiny import tiny_wan_transformer_config
-    from hsdp.planner import candidate_layouts
+    from hsdp.planning import candidate_layouts
 
     with torch.device("meta"):
         profile = profile_module(WanTransformer3DModel(**tiny_wan_transformer_config()))
@@ -161,7 +160,7 @@ def test_candidates_are_valid_layouts_over_all_devices():
 
 
 def test_model_without_a_plan_is_refused():
-    from hsdp.planner import plan
+    from hsdp.planning import plan
 
     profile = profile_module(nn.Sequential(nn.Linear(4, 4)))
     assert profile.replicated_bytes == (16 + 4) * 4 and not profile.blocks
@@ -223,7 +222,7 @@ def test_config_only_component_folder(tmp_path, capsys):
     from diffusers import WanTransformer3DModel
 
     from hsdp.models.tiny import tiny_wan_transformer_config
-    from hsdp.planner import profile_model
+    from hsdp.planning import profile_model
 
     with torch.device("meta"):
         WanTransformer3DModel(**tiny_wan_transformer_config()).save_config(tmp_path)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from hsdp.config import ParallelConfig
-from hsdp.planner import Hardware, Layout, Workload, estimate, profile_module
-from hsdp.simulate import simulate, simulate_comm
+from hsdp.planning import Hardware, Layout, Workload, estimate, profile_module, simulate, simulate_comm
 
 # Wan 2.1 1.3B's transformer shape (30 blocks of width 1536): 5.3 GiB in fp32, so every dim-0 padding case
 # (1536 and 8960 rows over 1,024 ranks, 16-row embeddings over 64) is exercised.

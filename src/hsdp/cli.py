@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "fine-tune a causal LM on a text/JSONL file with FSDP2 (checkpoints, resume, export)",
     ),
     "plan": (
-        "hsdp.planner",
+        "hsdp.planning.cli",
         "will it fit, and how fast: per-rank memory and traffic of every layout, from the config",
     ),
 }

@@ -1,7 +1,7 @@
 """``--device-memory SIZE``: residency and prefetch of every sharded component, planned from a per-rank budget.
 
-The same planner as ``hsdp plan`` (:func:`hsdp.planner.residency_for_budget` over :func:`hsdp.planner.
-profile_model`'s meta-device profiles): the main component (a pipeline's denoiser, or the LM) keeps as many
+The same planner as ``hsdp plan`` (:func:`hsdp.planning.residency_for_budget` over
+:func:`hsdp.planning.profile_model`'s meta-device profiles): the main component (a pipeline's denoiser, or the LM) keeps as many
 blocks gathered between forwards as the budget allows and prefetches one block ahead; other sharded components
 gather with one block of prefetch, and components the engine keeps whole count in full on every rank. Planned in
 the caller from the model's config files alone, before any process starts, so a budget below the smallest
@@ -19,17 +19,22 @@ from pathlib import Path
 from torch import nn
 
 from hsdp.config import DTYPES, ConfigError, ParallelConfig
-from hsdp.model_profile import (
+from hsdp.planning import (
+    Estimate,
+    Hardware,
+    Layout,
     ModelProfile,
+    PlanError,
     UnitProfile,
+    Workload,
     build_meta_model,
     component_folders,
+    estimate,
     format_size,
     main_component,
     profile_module,
+    residency_for_budget,
 )
-from hsdp.plan_estimate import Estimate, Hardware, Layout, Workload, estimate
-from hsdp.planner import PlanError, residency_for_budget
 
 logger = logging.getLogger("hsdp")
 

@@ -128,8 +128,7 @@ def _memory_plan(
     if device_memory is None:
         return None
     from hsdp.engine.device_memory import engine_profiles, plan_device_memory
-    from hsdp.model_profile import parse_size
-    from hsdp.plan_estimate import Workload
+    from hsdp.planning import Workload, parse_size
 
     if not config.use_hsdp or config.hsdp_shard_size < 2:
         raise ValueError(

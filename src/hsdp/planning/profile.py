@@ -3,15 +3,16 @@
 The model is built on the meta device (no weights are read) and split into the units the real sharding code
 would make: the same shard plan, leaf-first ownership of parameters, and the same rule for parameters left
 whole. Every per-rank byte count derived from a :class:`ModelProfile` is exact arithmetic over these shapes,
-including FSDP2's padding of dim 0 to a multiple of the shard size.
+including FSDP2's padding of dim 0 to a multiple of the shard size. A model's kind comes from the class its
+folder's ``config.json`` names (or the module's own class), never from the class name.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ __all__ = [
     "PlanError",
     "parse_size",
     "format_size",
+    "format_ms",
     "UnitProfile",
     "ModelProfile",
     "main_component",
+    "model_kind",
     "profile_module",
     "build_meta_model",
     "component_folders",
@@ -57,6 +60,11 @@ def format_size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def format_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.2f}" if ms >= 0.01 else f"{ms:.1e}"
 
 
 # -- model profile -------------------------------------------------------------------------------------------
@@ -131,6 +139,27 @@ def _config_int(config: dict, *keys: str, default: int = 0) -> int:
     return default
 
 
+def model_kind(cls: type[nn.Module]) -> str:
+    """``diffusion`` for a diffusers denoiser (a model that is not an autoencoder, as the engine decides) whose
+    attention diffusers can split (a ``_cp_plan``: a DiT, where CFG and Ulysses apply); ``causal_lm`` for a class
+    transformers registers as a causal LM; ``encoder`` for anything else (text encoders, VAEs, a UNet).
+    :func:`profile_model` passes the class its folder's ``config.json`` names (``_class_name`` / ``architectures``).
+    """
+    # A class of either library means that library is imported: neither is imported here for a model of neither.
+    if "diffusers" in sys.modules:
+        from hsdp.engine.model_info import _is_denoiser
+
+        if _is_denoiser(cls) and getattr(cls, "_cp_plan", None):
+            return "diffusion"
+    if "transformers" in sys.modules:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        if cls.__name__ in {n for v in names for n in ([v] if isinstance(v, str) else v)}:
+            return "causal_lm"
+    return "encoder"
+
+
 def profile_module(model: nn.Module, name: str = "model", config: dict | None = None) -> ModelProfile:
     """Profile a module (on meta or real) by the plan :func:`hsdp.sharding.apply_hsdp_to_model` would use."""
     plan = resolve_plan(model)
@@ -157,17 +186,10 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
     hidden = _config_int(config, "hidden_size", "d_model", "n_embd")
     if not hidden and heads:
         hidden = heads * _config_int(config, "attention_head_dim", "head_dim", default=64)
-    class_name = type(model).__name__
-    if "Transformer" in class_name and hasattr(model, "register_to_config"):
-        kind = "diffusion"
-    elif class_name.endswith("ForCausalLM"):
-        kind = "causal_lm"
-    else:
-        kind = "encoder"
     return ModelProfile(
         name=name,
-        class_name=class_name,
-        kind=kind,
+        class_name=type(model).__name__,
+        kind=model_kind(type(model)),
         blocks=tuple(UnitProfile(t, tuple(owned[t])) for t in targets if owned[t]),
         root=UnitProfile("", tuple(owned[""])),
         replicated_bytes=replicated,
@@ -215,9 +237,6 @@ def component_folders(name_or_path: str) -> list[tuple[str, Path]]:
     """``[(name, folder)]``: the folder itself, or each model component of a diffusers pipeline folder."""
     from hsdp.models.builtin import resolve_model
 
-    for module in ("hsdp.models.tiny_wan",):  # built-ins register themselves on import
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
     try:
         folder = resolve_model(name_or_path)
     except FileNotFoundError as exc:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hsdp.config import DTYPES, ParallelConfig, ShardingStrategy
-from hsdp.model_profile import ModelProfile, main_component
+from hsdp.planning.profile import ModelProfile, main_component
 
 __all__ = ["Workload", "Hardware", "Layout", "Estimate", "estimate"]
 

@@ -1,0 +1,180 @@
+"""``hsdp plan``: will the model fit, and how fast, answered from its config alone.
+
+The command over :mod:`hsdp.planning`: its arguments, the table of every candidate layout, and the
+``hsdp generate`` / ``hsdp train`` command line that runs the recommendation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from hsdp.config import DTYPES, ShardingStrategy
+from hsdp.planning.estimate import Estimate, Hardware, Workload
+from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
+from hsdp.planning.search import Plan, plan
+
+__all__ = ["add_arguments", "run", "command_line"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="model folder (HF or diffusers pipeline / component) or a built-in name"
+    )
+    parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
+    parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 24GiB, 80GB")
+    parser.add_argument(
+        "--reserve",
+        default="10%",
+        help="memory kept free for the runtime, communication buffers and fragmentation: a size or a percentage",
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--infer", dest="training", action="store_false", help="plan inference (default)")
+    mode.add_argument("--train", dest="training", action="store_true", help="plan training (AdamW)")
+    parser.set_defaults(training=False)
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="samples per request (inference) or per rank (training)"
+    )
+    parser.add_argument(
+        "--no-guidance", dest="guidance", action="store_false", help="diffusion without CFG branches"
+    )
+    parser.add_argument("--dtype", default=None, help="stored weight dtype (default: the checkpoint's)")
+    parser.add_argument(
+        "--param-dtype", default=None, help="compute dtype of gathered weights (mixed precision)"
+    )
+    parser.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
+    parser.add_argument("--link-gbps", type=float, default=100.0, help="collective bandwidth per rank, GB/s")
+    parser.add_argument("--host-gbps", type=float, default=25.0, help="host-device copy bandwidth, GB/s")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    problems = [
+        f"{flag}={value} must be >= 1"
+        for flag, value in (("--devices", args.devices), ("--seq-len", args.seq_len), ("--batch", args.batch))
+        if value < 1
+    ]
+    problems += [
+        f"{flag}={value} must be > 0"
+        for flag, value in (
+            ("--device-tflops", args.device_tflops),
+            ("--link-gbps", args.link_gbps),
+            ("--host-gbps", args.host_gbps),
+        )
+        if not value > 0
+    ]
+    problems += [
+        f"{flag}={value!r} is not a dtype; use one of {', '.join(sorted(DTYPES))}"
+        for flag, value in (("--dtype", args.dtype), ("--param-dtype", args.param_dtype))
+        if value is not None and value not in DTYPES
+    ]
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
+def _parse_reserve(text: str, memory: int) -> int:
+    if str(text).strip().endswith("%"):
+        try:
+            percent = float(str(text).strip()[:-1])
+        except ValueError:
+            percent = -1.0
+        if not 0 <= percent < 100:
+            raise PlanError(f"--reserve={text!r}: a percentage must be in [0, 100), e.g. 10%")
+        return int(memory * percent / 100)
+    reserve = parse_size(text, "--reserve")
+    if reserve >= memory:
+        raise PlanError(f"--reserve={text} leaves nothing of --device-memory={format_size(memory)}")
+    return reserve
+
+
+def _table(result: Plan) -> str:
+    header = "layout weights gather grads+opt activations total fits host all-gather reduce step-ms samples/s"
+    rows = [tuple(header.split())]
+    for e in result.estimates:
+        mark = ("yes *" if e is result.recommended else "yes") if e.fits else "no"
+        sizes = (e.weights, e.gather, e.grads + e.optimizer, e.activations, e.total)
+        comm = (e.host, e.allgather_bytes, e.reduce_scatter_bytes + e.allreduce_bytes)
+        rows.append(
+            (
+                e.layout.label,
+                *map(format_size, sizes),
+                mark,
+                *map(format_size, comm),
+                format_ms(e.step_s),
+                f"{e.samples_per_s:.1f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+        memory = parse_size(args.device_memory)
+        reserve = _parse_reserve(args.reserve, memory)
+        hw = Hardware(memory - reserve, args.device_tflops, args.link_gbps, args.host_gbps)
+        work = Workload(
+            training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
+        )
+        profiles = profile_model(args.model, DTYPES[args.dtype] if args.dtype else None)
+        result = plan(profiles, args.devices, work, hw, args.param_dtype)
+    except PlanError as exc:
+        print(f"hsdp plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        for p in result.profiles:
+            print(
+                f"{p.name}: {p.class_name}, {p.num_params:,} parameters, {format_size(p.param_bytes)}, {len(p.blocks)} blocks"
+                + ("" if p.blocks else " (kept whole on every rank)")
+            )
+        mode = "training" if work.training else "inference"
+        print(
+            f"{mode} on {args.devices} devices of {format_size(memory)} ({format_size(hw.device_memory)} usable, "
+            f"--reserve {args.reserve}), batch {work.batch} x {work.seq_len} tokens\n"
+        )
+        print(_table(result))
+        print()
+    if result.recommended is None:
+        print(f"hsdp plan: {result.reason}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"recommended: {result.recommended.layout.label} ({result.reason})")
+        print(f"run it: {command_line(args.model, result.recommended, work.training)}")
+    return 0
+
+
+def command_line(model: str, chosen: Estimate, training: bool) -> str:
+    """The ``hsdp generate`` / ``hsdp train`` command that runs ``chosen``'s layout; the prompt and the data are
+    placeholders. Budgeted residency is passed as ``--device-memory``, from which the engine plans the same."""
+    c, layout = chosen.layout.config, chosen.layout
+    parts = ["hsdp", "train" if training else "generate", "--model", model]
+    if c.use_hsdp:
+        parts += ["--use-hsdp", "--hsdp-shard-size", str(c.hsdp_shard_size)]
+    for flag, value in (
+        ("--hsdp-replicate-size", c.hsdp_replicate_size if c.use_hsdp else 1),
+        ("--ulysses-degree", c.ulysses_degree),
+        ("--ring-degree", c.ring_degree),
+        ("--cfg-parallel-size", c.cfg_parallel_size),
+        ("--tensor-parallel-size", c.tensor_parallel_size),
+    ):
+        if value > 1:
+            parts += [flag, str(value)]
+    if c.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP:
+        parts += ["--strategy", c.sharding_strategy.value]
+    if c.param_dtype:
+        parts += ["--param-dtype", c.param_dtype]
+    if c.cpu_offload:
+        parts.append("--cpu-offload")
+    if not training and (layout.resident or layout.prefetch):
+        budget = chosen.device_memory
+        parts += ["--device-memory", f"{budget // 2**20}MiB" if budget % 2**20 == 0 else str(budget)]
+    parts += ["--data", "DATA"] if training else ["--prompt", "PROMPT"]
+    return shlex.join(parts)
