@@ -1,20 +1,30 @@
-"""Training throughput and per-rank peak memory: hsdp's strategies and LoRA vs DeepSpeed ZeRO-1/2/3 and Lightning FSDP2.
+"""Training throughput and per-rank peak memory: hsdp's strategies and LoRA vs DeepSpeed ZeRO and Lightning Fabric.
 
-Every run trains the same ~29M-parameter Llama (fp32 weights, AdamW, no mixed precision) on the same packed
-rows of the same text file (each rank takes the same rows in every framework), on fresh processes over CPU +
-gloo. Reported: tokens/s from the median step after warm-up; tokens per CPU-second (the ranks' summed process
-CPU time of the median step), which a shared, busy machine disturbs far less than wall time but which leaves
-out time spent waiting on communication; and per rank the peak resident set size
-(``hsdp.memory.peak_memory_bytes``) with its growth over the post-import baseline (what model, gradients,
-optimizer state and activations added). LoRA runs (``hsdp LoRA r16 FULL_SHARD``: peft adapters of rank 16 on every
-linear layer, fp32, the base frozen and sharded; ``DeepSpeed ZeRO-3 + peft LoRA r16``: the same peft adapters on a
-ZeRO-3 engine) train the same rows. DeepSpeed and Lightning are optional (``pip install -e .[bench]``);
-a framework that is not installed is skipped. Accelerate is left out on purpose: on CPU its FSDP plugin
-silently trains with plain DDP, so its figures would not be FSDP's.
+Every run trains the same ~30M-parameter Llama (fp32 weights, AdamW lr 1e-4, no weight decay, no clipping, no mixed
+precision) on the same rows of the same text file (each rank takes the same rows at every step in every framework:
+``TokenDataset.batch``, the trainer's own batches), on fresh processes over CPU + gloo. Reported: tokens/s from the
+median step after warm-up; tokens per CPU-second (the ranks' summed process CPU time of the median step), which a
+shared, busy machine disturbs far less than wall time but which leaves out time spent waiting on communication; per
+rank the peak resident set size (``hsdp.memory.peak_memory_bytes``) with its growth over the post-import baseline
+(what model, gradients, optimizer state and activations added); and the loss (mean over ranks) at the first and
+the last step, so the reader sees that every framework trained the same thing.
 
-    .venv/bin/python benchmarks/train.py                 # world 2: ~4 min on an idle 2-core CPU; bench_results/train.json
+LoRA rows train peft adapters of rank 16, alpha 32, dropout 0 on every linear layer but the output head (peft's
+``all-linear``, hsdp's default targets), fp32, on a frozen base: ``hsdp LoRA r16 FULL_SHARD`` (adapters injected
+before FSDP2 shards the base), ``DeepSpeed ZeRO-3 + peft LoRA r16`` (``get_peft_model`` then a ZeRO-3 engine) and
+``Lightning Fabric FSDP2 + peft LoRA r16`` (``get_peft_model`` then Fabric's ``ModelParallelStrategy``, which
+applies FSDP2 ``fully_shard`` per decoder layer). The competitors' adapters start from the values hsdp draws
+(``lora_A`` Kaiming-uniform from one generator seeded 0 in parameter order, ``lora_B`` zero), so losses compare.
+
+DeepSpeed and Lightning are optional (``pip install -e .[bench] torch==<installed version>``); a framework that is
+not installed, or a run that fails, is still a row of the table, with the reason. DeepSpeed runs with
+``DS_ACCELERATOR=cpu`` on the process group the workers already hold (gloo). Lightning Fabric runs its
+``ModelParallelStrategy`` (FSDP2) because its ``FSDPStrategy`` (FSDP1) needs CUDA. Accelerate is left out on
+purpose: on CPU its FSDP plugin silently trains with plain DDP, so its figures would not be FSDP's.
+
+    .venv/bin/python benchmarks/train.py                 # every row at world 2; benchmarks/results/train.json
     .venv/bin/python benchmarks/train.py --world 4 --only "hsdp HYBRID_SHARD,hsdp FULL_SHARD,DeepSpeed ZeRO-3"
-    .venv/bin/python benchmarks/train.py --only "hsdp FULL_SHARD,hsdp LoRA r16 FULL_SHARD,DeepSpeed ZeRO-3 + peft LoRA r16"
+    .venv/bin/python benchmarks/train.py --only lora --output benchmarks/results/train-lora.json
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -29,6 +40,9 @@ from pathlib import Path
 
 MIB = 2**20
 LORA_R = 16
+LORA_ALPHA = 2 * LORA_R
+LR = 1e-4
+SEED = 0
 MODEL = dict(
     vocab_size=8192,
     hidden_size=512,
@@ -46,7 +60,7 @@ def write_inputs(folder: Path) -> tuple[Path, Path]:
 
     from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
 
-    model_dir = folder / "llama-29m"
+    model_dir = folder / "llama-30m"
     build_tiny_llama(seed=0, **MODEL).save_pretrained(model_dir)
     build_byte_tokenizer().save_pretrained(model_dir)
     vocabulary = "sharded data parallel training splits parameters gradients and optimizer state over ranks"
@@ -57,37 +71,44 @@ def write_inputs(folder: Path) -> tuple[Path, Path]:
     return model_dir, data
 
 
-def _rows(spec: dict):
-    """This rank's micro-batches, identical for every framework."""
+def _batches(spec: dict) -> list[dict]:
+    """This rank's model inputs of every step: the rows, labels and order hsdp's trainer uses (seed 0)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from hsdp.train.data import PackedDataset
+    from hsdp.train.data import TokenDataset
 
-    data = PackedDataset.from_file(
-        spec["data"], AutoTokenizer.from_pretrained(spec["model"]), spec["seq_len"]
+    data = TokenDataset.from_file(
+        spec["data"], AutoTokenizer.from_pretrained(spec["model"]), spec["seq_len"], seed=SEED
     )
     world, rank = dist.get_world_size(), dist.get_rank()
     return [
-        data.micro_batch(
+        data.batch(
             step, 0, batch_size=spec["micro_batch"] * world, grad_accum=1, dp_rank=rank, dp_size=world
-        )
+        ).model_inputs()
         for step in range(spec["warmup"] + spec["steps"])
     ]
 
 
-def _timed_loop(spec: dict, step_fn) -> list[tuple[float, float]]:
-    """(wall seconds, CPU seconds of this process) of each step after warm-up."""
-    times = []
-    for batch in _rows(spec):
+def _timed_loop(spec: dict, step_fn) -> tuple[list[tuple[float, float]], list[float]]:
+    """(wall seconds, CPU seconds of this process) of each step after warm-up, and every step's loss averaged
+    over the ranks (``step_fn`` returns this rank's loss; the average is taken after the loop, untimed)."""
+    import torch
+    import torch.distributed as dist
+
+    times, losses = [], []
+    for batch in _batches(spec):
         wall, cpu = time.perf_counter(), time.process_time()
-        step_fn(batch)
+        losses.append(float(step_fn(batch)))
         times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return times[spec["warmup"] :]
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean)
+    return times[spec["warmup"] :], (mean / dist.get_world_size()).tolist()
 
 
 def _baseline() -> int:
     """Peak RSS once everything every framework needs is imported, so growth counts only the run itself."""
+    import peft  # noqa: F401
     import transformers  # noqa: F401
 
     import hsdp.train  # noqa: F401
@@ -96,7 +117,7 @@ def _baseline() -> int:
     return peak_memory_bytes()
 
 
-def _report(spec: dict, baseline: int, times: list[tuple[float, float]]) -> dict:
+def _report(baseline: int, times: list[tuple[float, float]], losses: list[float], trained: int) -> dict:
     from hsdp.memory import peak_memory_bytes
 
     peak = peak_memory_bytes()
@@ -105,7 +126,28 @@ def _report(spec: dict, baseline: int, times: list[tuple[float, float]]) -> dict
         "cpu_s": statistics.median(t[1] for t in times),
         "peak": peak,
         "growth": peak - baseline,
+        "losses": losses,
+        "trained_state": trained,
     }
+
+
+def _state_bytes(params, optimizer) -> int:
+    """This rank's bytes of trainable parameters (or their shards), their gradients' size and the optimizer state
+    (DeepSpeed's partitioned flat fp32 groups count as what its optimizer holds)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(t) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    state = sum(
+        local(v)
+        for s in optimizer.state.values()
+        for k, v in s.items()
+        if k != "step" and isinstance(v, torch.Tensor)
+    )
+    return 2 * sum(local(p) for p in params) + state
 
 
 def _load_model(spec: dict):
@@ -113,6 +155,28 @@ def _load_model(spec: dict):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).train()
+
+
+def _peft_lora(model, lora_r: int):
+    """peft LoRA on every linear layer but the head, started from the adapter values hsdp draws
+    (``hsdp.train.lora.init_adapters``: one generator seeded 0, ``lora_A`` in parameter order, ``lora_B`` zero)."""
+    import math
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora_r, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A.default." in name:
+                torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5), generator=generator)
+            elif ".lora_B.default." in name:
+                param.zero_()
+    return model
 
 
 def rank_hsdp(spec: dict, strategy: str, lora_r: int = 0) -> dict:
@@ -127,25 +191,12 @@ def rank_hsdp(spec: dict, strategy: str, lora_r: int = 0) -> dict:
     )
     cfg = TrainConfig(
         model=spec["model"], data=spec["data"], parallel=parallel, steps=spec["warmup"] + spec["steps"],
-        batch_size=spec["micro_batch"] * world, seq_len=spec["seq_len"], lr=1e-4, progress=False,
-        log_every=10**6, lora_r=lora_r, lora_alpha=2.0 * lora_r,
+        batch_size=spec["micro_batch"] * world, seq_len=spec["seq_len"], lr=LR, seed=SEED, progress=False,
+        log_every=10**6, lora_r=lora_r, lora_alpha=float(LORA_ALPHA),
     )  # fmt: skip
-    trainer = Trainer(cfg)  # it draws the same rows as _rows(spec), by step
-    report = _report(spec, baseline, _timed_loop(spec, lambda batch: trainer.train_step()))
-    return {**report, "trained_state": _trained_state_bytes(trainer)}
-
-
-def _trained_state_bytes(trainer) -> int:
-    """This rank's bytes of trainable parameter shards, their gradients' size and the optimizer state."""
-    from torch.distributed.tensor import DTensor
-
-    def local(t) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    params = sum(local(p) for p in trainer.params)
-    state = sum(local(v) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step")
-    return 2 * params + state
+    trainer = Trainer(cfg)  # it draws the same rows as _batches(spec), by step
+    times, losses = _timed_loop(spec, lambda batch: trainer.train_step().loss)
+    return _report(baseline, times, losses, _state_bytes(trainer.params, trainer.optimizer))
 
 
 def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
@@ -153,32 +204,39 @@ def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
     import torch
 
     baseline = _baseline()
+    torch.manual_seed(SEED)
     model = _load_model(spec)
     if lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear")
-        )
+        model = _peft_lora(model, lora_r)
     config = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,  # 0.19 clips to norm 1.0 by default; the other rows do not clip
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    engine, engine_optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(batch):
-        loss = engine(input_ids=batch, labels=batch, use_cache=False).loss
+        loss = engine(**batch, use_cache=False).loss
         engine.backward(loss)
         engine.step()
+        return loss.detach()
 
-    return _report(spec, baseline, _timed_loop(spec, step))
+    times, losses = _timed_loop(spec, step)
+    # ZeRO keeps fp32 flat partitions of the trainable parameters (their gradients alike) and the inner AdamW's
+    # state over them; stage 3 empties the inner optimizer's param groups between steps, so read its partitions.
+    inner = getattr(engine_optimizer, "optimizer", engine_optimizer)
+    flat = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None) or getattr(
+        engine_optimizer, "single_partition_of_fp32_groups", None
+    )
+    return _report(baseline, times, losses, _state_bytes(flat or params, inner))
 
 
-def rank_lightning(spec: dict) -> dict:
+def rank_lightning(spec: dict, lora_r: int = 0) -> dict:
     import torch
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
@@ -186,7 +244,8 @@ def rank_lightning(spec: dict) -> dict:
 
     def parallelize(model, device_mesh):
         mesh = device_mesh["data_parallel"]
-        for layer in model.model.layers:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in base.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
@@ -196,28 +255,80 @@ def rank_lightning(spec: dict) -> dict:
         parallelize_fn=parallelize, data_parallel_size=spec["world"], tensor_parallel_size=1
     )
     fabric = Fabric(accelerator="cpu", devices=spec["world"], strategy=strategy)
-    fabric.launch()
-    model = fabric.setup_module(_load_model(spec))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    fabric.launch()  # the workers' process group and RANK / LOCAL_RANK env: Fabric starts no processes
+    torch.manual_seed(SEED)
+    model = _load_model(spec)
+    if lora_r:
+        model = _peft_lora(model, lora_r)
+    model = fabric.setup_module(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(params, lr=LR, weight_decay=0.0))
 
     def step(batch):
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss = model(**batch, use_cache=False).loss
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
-    return _report(spec, baseline, _timed_loop(spec, step))
+    times, losses = _timed_loop(spec, step)
+    return _report(baseline, times, losses, _state_bytes(params, optimizer))
 
 
 def runs_for(world: int) -> dict[str, tuple]:
-    """name -> (rank function, extra args, required module)."""
+    """name -> (rank function, extra args, required modules)."""
+    lora = f"peft LoRA r{LORA_R}"
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"] + (["HYBRID_SHARD"] if world >= 4 else [])
-    runs = {f"hsdp {s}": (rank_hsdp, (s,), "hsdp") for s in strategies}
-    runs[f"hsdp LoRA r{LORA_R} FULL_SHARD"] = (rank_hsdp, ("FULL_SHARD", LORA_R), "peft")
-    runs |= {f"DeepSpeed ZeRO-{z}": (rank_deepspeed, (z,), "deepspeed") for z in (1, 2, 3)}
-    runs[f"DeepSpeed ZeRO-3 + peft LoRA r{LORA_R}"] = (rank_deepspeed, (3, LORA_R), "deepspeed")
-    runs["Lightning Fabric FSDP2"] = (rank_lightning, (), "lightning")
+    runs = {f"hsdp {s}": (rank_hsdp, (s,), ("hsdp",)) for s in strategies}
+    runs[f"hsdp LoRA r{LORA_R} FULL_SHARD"] = (rank_hsdp, ("FULL_SHARD", LORA_R), ("peft",))
+    runs |= {f"DeepSpeed ZeRO-{z}": (rank_deepspeed, (z,), ("deepspeed",)) for z in (1, 2, 3)}
+    runs[f"DeepSpeed ZeRO-3 + {lora}"] = (rank_deepspeed, (3, LORA_R), ("deepspeed", "peft"))
+    runs["Lightning Fabric FSDP2"] = (rank_lightning, (), ("lightning",))
+    runs[f"Lightning Fabric FSDP2 + {lora}"] = (rank_lightning, (LORA_R,), ("lightning", "peft"))
     return runs
+
+
+LORA_SET = (
+    "hsdp FULL_SHARD",
+    f"hsdp LoRA r{LORA_R} FULL_SHARD",
+    "DeepSpeed ZeRO-3",
+    f"DeepSpeed ZeRO-3 + peft LoRA r{LORA_R}",
+    "Lightning Fabric FSDP2",
+    f"Lightning Fabric FSDP2 + peft LoRA r{LORA_R}",
+)
+
+
+def first_line_of_exception(text: str) -> str:
+    """``Type: message`` (its first line) of the last exception in a worker's traceback."""
+    lines = text.splitlines()
+    pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Timeout)\b(: |$)")
+    for index in range(len(lines) - 1, -1, -1):
+        if pattern.match(lines[index]):
+            return lines[index].strip()
+    return next((line.strip() for line in reversed(lines) if line.strip()), text)
+
+
+def _select(runs: dict, only: str | None) -> dict:
+    if not only:
+        return runs
+    names = list(LORA_SET) if only == "lora" else [n.strip() for n in only.split(",")]
+    unknown = [n for n in names if n not in runs]
+    if unknown:
+        raise SystemExit(f"--only: unknown run(s) {unknown}; known: {', '.join(runs)}, or 'lora'")
+    return {n: runs[n] for n in names}
+
+
+def _loss_note(rows: list[dict]) -> list[str]:
+    """How far each row's last-step loss is from hsdp's of the same kind (full or LoRA)."""
+    ok = {r["name"]: r for r in rows if "ranks" in r}
+    out = []
+    for row in ok.values():
+        kind = f"hsdp LoRA r{LORA_R} FULL_SHARD" if "LoRA" in row["name"] else "hsdp FULL_SHARD"
+        if kind in ok and row["name"] != kind:
+            ref, mine = ok[kind]["losses"], row["losses"]
+            worst = max(abs(a - b) for a, b in zip(ref, mine, strict=True))
+            out.append(f"{row['name']}: largest loss difference to {kind} over all steps {worst:.2e}")
+    return out
 
 
 def main() -> None:
@@ -231,14 +342,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--only", default=None, help="comma-separated run names")
-    parser.add_argument("--output", default="bench_results/train.json")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated run names, or 'lora' (full vs LoRA in each framework)"
+    )
+    parser.add_argument("--output", default="benchmarks/results/train.json")
     args = parser.parse_args()
 
-    runs = runs_for(args.world)
-    if args.only:
-        runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+    runs = _select(runs_for(args.world), args.only)
     params = count_parameters(tiny_llama_config(**MODEL))
+    tokens = args.micro_batch * args.world * args.seq_len
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = write_inputs(Path(tmp))
@@ -246,53 +358,63 @@ def main() -> None:
             "model": str(model_dir), "data": str(data), "world": args.world, "steps": args.steps,
             "warmup": args.warmup, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         }  # fmt: skip
-        for name, (fn, extra, module) in runs.items():
-            if importlib.util.find_spec(module) is None:
-                print(f"skipping {name}: {module} is not installed (pip install -e .[bench])")
+        for name, (fn, extra, modules) in runs.items():
+            missing = [m for m in modules if importlib.util.find_spec(m) is None]
+            if missing:
+                reason = f"{', '.join(missing)} not installed (pip install -e .[bench])"
+                print(f"{name}: not run: {reason}", flush=True)
+                rows.append({"name": name, "error": reason})
                 continue
             try:
                 with WorkerGroup(args.world, env={"DS_ACCELERATOR": "cpu"}) as group:
                     results = group.run(fn, spec, *extra, timeout_s=600)
             except WorkerError as exc:
-                print(f"{name} failed: {str(exc).splitlines()[-1]}")
-                rows.append({"name": name, "error": str(exc)[-2000:]})
+                reason = first_line_of_exception(str(exc))
+                print(f"{name}: failed: {reason}", flush=True)
+                rows.append({"name": name, "error": reason, "traceback": str(exc)[-4000:]})
                 continue
             step_s = max(r["step_s"] for r in results)
-            tokens = args.micro_batch * args.world * args.seq_len
             cpu_s = sum(r["cpu_s"] for r in results)
+            losses = results[0]["losses"]
             rows.append(
                 {
                     "name": name,
                     "tokens_per_s": tokens / step_s,
                     "tokens_per_cpu_s": tokens / cpu_s,
+                    "losses": losses,
                     "ranks": results,
                 }
             )
-            print(f"{name}: {tokens / step_s:.0f} tokens/s", flush=True)
+            print(
+                f"{name}: {tokens / step_s:.0f} tokens/s, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+                flush=True,
+            )
 
-    ok = [r for r in rows if "error" not in r]
-    reference = next((r for r in ok if r["name"] == "hsdp FULL_SHARD"), None)
+    reference = next((r for r in rows if r["name"] == "hsdp FULL_SHARD" and "ranks" in r), None)
+    total = args.warmup + args.steps
     print(
         f"\nLlama {params / 1e6:.1f}M params, fp32 AdamW, seq {args.seq_len}, micro-batch {args.micro_batch}/rank, "
         f"world {args.world} (CPU + gloo), median of {args.steps} steps after {args.warmup} warm-up"
     )
     print(
-        "| run | tokens/s | vs hsdp FULL_SHARD | tokens per CPU-second | vs hsdp FULL_SHARD "
-        "| peak RSS per rank (MiB) | growth over imports (MiB) | trained params + grads + optimizer per rank (MiB) |"
+        "| run | tokens/s | tokens per CPU-second | vs hsdp FULL_SHARD | peak RSS per rank (MiB) "
+        f"| growth over imports (MiB) | trained params + grads + optimizer per rank (MiB) | loss step 1 -> {total} |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for row in ok:
-        ratio = f"{row['tokens_per_s'] / reference['tokens_per_s']:.2f} x" if reference else "-"
-        cpu_ratio = f"{row['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:.2f} x" if reference else "-"
+    for row in rows:
+        if "ranks" not in row:
+            print(f"| {row['name']} | not run: {row['error']} | | | | | | |")
+            continue
+        ratio = f"{row['tokens_per_cpu_s'] / reference['tokens_per_cpu_s']:.2f} x" if reference else "-"
         peaks = " / ".join(f"{r['peak'] / MIB:.0f}" for r in row["ranks"])
         growth = " / ".join(f"{r['growth'] / MIB:.0f}" for r in row["ranks"])
-        trained = " / ".join(
-            f"{r['trained_state'] / MIB:.1f}" if "trained_state" in r else "-" for r in row["ranks"]
-        )
+        trained = " / ".join(f"{r['trained_state'] / MIB:.1f}" for r in row["ranks"])
         print(
-            f"| {row['name']} | {row['tokens_per_s']:.0f} | {ratio} | {row['tokens_per_cpu_s']:.0f} | {cpu_ratio} "
-            f"| {peaks} | {growth} | {trained} |"
+            f"| {row['name']} | {row['tokens_per_s']:.0f} | {row['tokens_per_cpu_s']:.0f} | {ratio} | {peaks} "
+            f"| {growth} | {trained} | {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f} |"
         )
+    for line in _loss_note(rows):
+        print(line)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"params": params, "args": vars(args), "rows": rows}, indent=2))
