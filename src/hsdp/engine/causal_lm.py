@@ -85,16 +85,23 @@ class CausalLMRunner:
         forward_prefetch: bool = True,
         weight_dtype: str | None = None,
         load_options: dict[str, dict] | None = None,
+        lora: Path | None = None,
     ):
         from transformers import AutoTokenizer
 
         self.device = local_device()
+        prepare = None
+        if lora is not None:
+            from hsdp.train.lora import adapter_injector
+
+            prepare = adapter_injector(lora)
         self.model = load_pretrained(
             folder,
             config if config.use_hsdp else ParallelConfig(),
             meshes=meshes if config.use_hsdp else None,
             dtype=dtype or "auto",
             weight_dtype=weight_dtype,
+            prepare=prepare,
             **(
                 {
                     **overlap_options(config, forward_prefetch=forward_prefetch),
@@ -104,6 +111,11 @@ class CausalLMRunner:
                 else {}
             ),
         )
+        if lora is not None:
+            from hsdp.train.lora import init_adapters
+
+            count = init_adapters(self.model, seed=0, adapter_dir=str(lora))
+            logger.info("LoRA adapter %s: %d parameters, unmerged", lora, count)
         self.sharded = ["model"] if config.use_hsdp else []
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.synced = current_world_size() > 1

@@ -99,6 +99,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-prefetch", dest="forward_prefetch", action="store_false", help="no explicit all-gather prefetch"
     )
+    parser.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="apply this peft LoRA adapter folder (hsdp train --export, PeftModel.save_pretrained) to the sharded "
+        "causal LM, or to a pipeline's one denoiser: unmerged, adapters in fp32 as peft loads them",
+    )
 
 
 def _comm_line(comm: dict) -> str:
@@ -184,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             progress=True,
             weight_dtype=args.weight_dtype,
             device_memory=args.device_memory,
+            lora=args.lora,
         ) as engine:
             outputs = engine.generate(
                 args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size

@@ -44,6 +44,7 @@ class DiffusionRunner:
         forward_prefetch: bool = True,
         weight_dtype: str | None = None,
         load_options: dict[str, dict] | None = None,
+        lora: Path | None = None,
     ):
         import diffusers
 
@@ -57,15 +58,27 @@ class DiffusionRunner:
             "weight_dtype": weight_dtype,
             **overlap_options(config, forward_prefetch=forward_prefetch),
         }
+        # --lora adapts the one denoiser (the engine checked that there is one and that the adapter fits it).
+        adapted, prepare = None, None
+        if lora is not None:
+            from hsdp.train.lora import adapter_injector
+
+            adapted, prepare = self.info.denoisers[0], adapter_injector(lora)
         components = {
             name: load_pretrained(
                 folder / name,
                 config if config.use_hsdp else ParallelConfig(),
                 dtype=dtype or "auto",
+                prepare=prepare if name == adapted else None,
                 **({**shard, **(load_options or {}).get(name, {})} if config.use_hsdp else {}),
             )
             for name in self.info.shardable
         }
+        if adapted is not None:
+            from hsdp.train.lora import init_adapters
+
+            count = init_adapters(components[adapted], seed=0, adapter_dir=str(lora))
+            logger.info("LoRA adapter %s on %s: %d parameters, unmerged", lora, adapted, count)
         self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(folder, **components)
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:

@@ -152,6 +152,41 @@ def _load_options(info: ModelInfo, plan: DeviceMemoryPlan | None) -> dict[str, d
     return {"model": options[plan.component]} if info.kind == "causal_lm" else options
 
 
+def lora_target(info: ModelInfo) -> Path:
+    """The folder of the model a ``--lora`` adapter applies to: a causal LM's own, or a pipeline's one denoiser."""
+    return info.path / info.denoisers[0] if info.kind == "diffusion" else info.path
+
+
+def _check_lora(
+    info: ModelInfo, config: ParallelConfig, weight_dtype: str | None, lora: str | os.PathLike | None
+) -> Path | None:
+    """``--lora``: a peft LoRA adapter folder that fits the model and layout, checked before any process starts
+    (reads the adapter's config and safetensors header and the model's config only)."""
+    if lora is None:
+        return None
+    if info.kind == "diffusion" and len(info.denoisers) != 1:
+        raise ValueError(
+            f"--lora {lora}: {info.class_name} has {len(info.denoisers)} denoisers ({', '.join(info.denoisers)}), "
+            "and a peft adapter folder adapts one model; fuse the adapters into the pipeline (diffusers' "
+            "load_lora_weights, fuse_lora, save_pretrained) and pass that folder without --lora"
+        )
+    if config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"--lora with --tensor-parallel-size {config.tensor_parallel_size}: the TP plans shard nn.Linear "
+            "layers, which LoRA wraps; use --tensor-parallel-size 1 (HSDP shards the base and the adapters)"
+        )
+    if weight_dtype is not None:
+        raise ValueError(
+            f"--lora with --weight-dtype {weight_dtype}: the 8-bit path would quantize the adapters' own Linear "
+            "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
+            "then save_pretrained) and pass that folder without --lora"
+        )
+    from hsdp.train.lora import adapter_config
+
+    adapter_config(lora, lora_target(info), "--lora")
+    return Path(lora).resolve()
+
+
 class _TorchrunRanks:
     """The ranks this script already runs on (``torchrun``), with :class:`WorkerGroup`'s ``run`` interface."""
 
@@ -210,6 +245,7 @@ class Engine:
         cancellable: bool = False,
         weight_dtype: str | None = None,
         device_memory: int | str | None = None,
+        lora: str | os.PathLike | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -222,7 +258,8 @@ class Engine:
         ``weight_dtype`` (``int8``; ``fp8`` on devices with fp8 kernels) stores the sharded Linear weights in 8 bits
         and all-gathers them so (:mod:`hsdp.quantize`). ``device_memory`` (bytes or a size such as ``"24GiB"``)
         plans which blocks stay gathered and the prefetch depth from that budget per rank
-        (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`)."""
+        (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`). ``lora``: a peft LoRA adapter
+        folder applied, unmerged, to a causal LM or to a pipeline's one denoiser (:func:`hsdp.train.lora.adapter_injector`)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
@@ -230,6 +267,7 @@ class Engine:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
+        self.lora = _check_lora(self.info, self.config, weight_dtype, lora)
         self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype)
         self.progress = progress
         self.call_timeout_s = call_timeout_s
@@ -266,6 +304,7 @@ class Engine:
             cancel_address=self._board.address if self._board else None,
             weight_dtype=weight_dtype,
             load_options=_load_options(self.info, self.memory_plan),
+            lora=self.lora,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)

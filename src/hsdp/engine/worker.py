@@ -54,6 +54,8 @@ class LoadSpec:
     """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
     load_options: dict[str, dict] | None = None
     """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
+    lora: Path | None = None
+    """A peft LoRA adapter folder (``--lora``) for the causal LM or the pipeline's denoiser, checked by the caller."""
 
 
 @dataclass
@@ -128,6 +130,7 @@ def load(spec: LoadSpec) -> dict:
         forward_prefetch=spec.forward_prefetch,
         weight_dtype=spec.weight_dtype,
         load_options=spec.load_options,
+        lora=spec.lora,
     )
     watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
     worker_state()[_KEY] = (runner, config, meshes, watch)

@@ -236,9 +236,15 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=server.name, created=int(server.info.path.stat().st_mtime), kind=server.kind)]
+        adapter = server.adapter
+        card = ModelCard(
+            id=server.name,
+            created=int(server.info.path.stat().st_mtime),
+            kind=server.kind,
+            root=str(adapter) if adapter else None,
+            parent=str(server.settings.model) if adapter else None,
         )
+        return ModelList(data=[card])
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="the name clients pass as 'model' (default: MODEL)"
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as 'model' (default: MODEL, or the --lora folder's name)",
     )
     parser.add_argument(
         "--output-dir", type=Path, default=Path("outputs/serve"), help="job records and videos"
@@ -96,6 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
         device_memory=args.device_memory,
+        lora=args.lora,
         forward_prefetch=args.forward_prefetch,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,

@@ -298,6 +298,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "hsdp"
     kind: Literal["diffusion", "causal_lm"]
+    root: str | None = None
+    """With ``--lora``: the adapter folder (vLLM's card for a LoRA module)."""
+    parent: str | None = None
+    """With ``--lora``: the base model the adapter is applied to."""
 
 
 class ModelList(BaseModel):

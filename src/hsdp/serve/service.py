@@ -75,6 +75,7 @@ class Server:
             weight_dtype=s.weight_dtype,
             device_memory=s.device_memory,
             forward_prefetch=s.forward_prefetch,
+            lora=s.lora,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
             cancellable=True,
@@ -119,14 +120,21 @@ class Server:
     def name(self) -> str:
         return self.settings.name
 
+    @property
+    def adapter(self) -> Path | None:
+        """The ``--lora`` adapter folder applied to the served model, if any."""
+        return Path(self.settings.lora).resolve() if self.settings.lora else None
+
     # -- checks ----------------------------------------------------------------------------------------------
+    def _model_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` may say. With ``--lora`` the base's own names are not among them: only the
+        adapted model is served, and a client asking for the base must not get the adapter's outputs."""
+        if self.adapter:
+            return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.lora), str(self.adapter))
+        return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.model), str(self.info.path))
+
     def check_model(self, requested: str | None, needs: str) -> None:
-        if requested is not None and requested not in (
-            DEFAULT_MODEL_ALIAS,
-            self.name,
-            str(self.settings.model),
-            str(self.info.path),
-        ):
+        if requested is not None and requested not in self._model_names():
             raise ApiError(
                 404,
                 f"model {requested!r} is not served here; this server runs {self.name!r} (GET /v1/models)",

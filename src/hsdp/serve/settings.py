@@ -51,6 +51,9 @@ class ServeSettings:
     """``int8`` / ``fp8``: 8-bit weight shards (``--weight-dtype``, :mod:`hsdp.quantize`)."""
     device_memory: str | None = None
     """Memory per rank (``--device-memory``, e.g. ``24GiB``): residency and prefetch planned from it."""
+    lora: str | None = None
+    """A peft LoRA adapter folder applied to the model (``--lora``); the server then serves only the adapted
+    model, under the adapter folder's name unless ``served_model_name`` is given."""
     forward_prefetch: bool = True
     """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
     max_queue: int = 64
@@ -69,7 +72,9 @@ class ServeSettings:
 
     @property
     def name(self) -> str:
-        return self.served_model_name or str(self.model)
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.lora).resolve().name if self.lora else str(self.model)
 
     def problems(self) -> list[str]:
         """Everything wrong with the settings, each naming its flag."""

@@ -14,6 +14,7 @@ the same at every world size (:func:`init_adapters`; the parity tests give a one
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from collections.abc import Callable
@@ -32,6 +33,8 @@ __all__ = [
     "lora_config",
     "injector",
     "check_lora",
+    "adapter_config",
+    "adapter_injector",
     "init_adapters",
     "adapter_state",
     "save_adapter",
@@ -80,50 +83,110 @@ def injector(config) -> Callable[[nn.Module], None]:
     return inject
 
 
+def adapter_injector(folder: str | Path) -> Callable[[nn.Module], None]:
+    """:func:`injector` for the saved adapter of ``folder`` applied at inference (``--lora``; fill the adapters
+    with :func:`init_adapters` after loading).
+
+    The adapters stay unmerged, sharded with the layer they adapt, as in training: the base is used exactly as
+    stored, and merging would rewrite every adapted weight on every rank for a small saving. They are held in
+    fp32 whatever the base's dtype (``injector`` casts them), because ``PeftModel.from_pretrained`` does the same by
+    default (``autocast_adapter_dtype`` upcasts bf16 / fp16 adapters), so outputs equal peft's; the adapters are a
+    small fraction of the weights. ``lora_dropout`` is inactive: the loaded model is in eval mode.
+    """
+    from peft import LoraConfig
+
+    return injector(LoraConfig.from_pretrained(folder))
+
+
 def peft_key(name: str) -> str:
     """The key of an adapter tensor in a saved peft adapter (``PeftModel.save_pretrained``)."""
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
 def _meta_model(model_dir: Path) -> nn.Module:
-    from transformers import AutoConfig
+    """The model of ``model_dir`` (a causal LM or a diffusers component folder) on meta."""
+    from hsdp.loading import build_empty_model, model_class_for
 
-    from hsdp.loading import model_class_for
-
-    with torch.device("meta"):
-        return model_class_for(model_dir)._from_config(AutoConfig.from_pretrained(model_dir))
+    return build_empty_model(model_class_for(model_dir), model_dir, None)
 
 
-def _target_error(cfg: TrainConfig, model: nn.Module, exc: Exception) -> TrainConfigError:
-    linear = sorted(
-        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    )
-    flag = f"--lora-adapter {cfg.lora_adapter}" if cfg.lora_adapter else "--lora-target-modules"
-    return TrainConfigError(
-        f"{flag}: {' '.join(cfg.lora_target_modules) or 'all-linear'} matched no layer of "
-        f"{type(model).__name__} ({exc}); its linear layers are named {', '.join(linear)}"
+def _linear_names(model: nn.Module) -> str:
+    return ", ".join(
+        sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
     )
 
 
 def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
     """Inject the adapters into a meta copy of the model: the targets must match, and a ``--lora-adapter`` must
     hold exactly the adapter tensors of this base model, in the same shapes. Reads only small files."""
-    config = lora_config(cfg, str(model_dir))
+    if cfg.lora_adapter:
+        try:
+            adapter_config(cfg.lora_adapter, model_dir, "--lora-adapter")
+        except ValueError as exc:
+            raise TrainConfigError(str(exc)) from exc
+        return
+    model = _meta_model(model_dir)
+    try:
+        injector(lora_config(cfg, str(model_dir)))(model)
+    except ValueError as exc:
+        raise TrainConfigError(
+            f"--lora-target-modules: {' '.join(cfg.lora_target_modules) or 'all-linear'} matched no layer of "
+            f"{type(model).__name__} ({exc}); its linear layers are named {_linear_names(model)}"
+        ) from exc
+
+
+def adapter_config(folder: str | Path, model_dir: Path, flag: str):
+    """The ``peft.LoraConfig`` of a peft adapter folder, checked against the base model in ``model_dir``: the
+    folder holds a LoRA ``adapter_config.json`` whose targets match the base, and its tensors are exactly the
+    adapter tensors of that base, in the same shapes. Reads only small files (configs and safetensors headers);
+    problems are ``ValueError`` naming ``flag``."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(
+            f"{flag} {folder}: no such folder; pass a peft adapter folder (adapter_config.json and "
+            f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or hsdp train --export write)"
+        )
+    if not (path / "adapter_config.json").is_file():
+        hint = ""
+        if (path / "pytorch_lora_weights.safetensors").is_file():
+            hint = " (pytorch_lora_weights.safetensors is diffusers' LoRA format, which is not supported)"
+        raise ValueError(
+            f"{flag} {folder}: no adapter_config.json, so not a peft adapter folder{hint}; pass the folder that "
+            "PeftModel.save_pretrained or hsdp train --export wrote"
+        )
+    peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
+    if peft_type != "LORA":
+        raise ValueError(f"{flag} {folder}: a {peft_type} adapter; only peft LoRA adapters are supported")
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        raise ValueError(f"{flag} needs peft: pip install 'hsdp[train]'") from exc
+    config = LoraConfig.from_pretrained(path)
     model = _meta_model(model_dir)
     try:
         injector(config)(model)
     except ValueError as exc:
-        raise _target_error(cfg, model, exc) from exc
-    if cfg.lora_adapter:
-        _check_adapter_file(cfg.lora_adapter, model, model_dir, config.base_model_name_or_path)
+        raise ValueError(
+            f"{flag} {folder} does not fit the model {model_dir}: its target modules {config.target_modules} "
+            f"match no layer of {type(model).__name__} ({exc}), whose linear layers are named "
+            f"{_linear_names(model)}. Pass the base model it was trained on "
+            f"({config.base_model_name_or_path or 'unknown'})"
+        ) from exc
+    problem = _fit_problem(flag, str(folder), model, model_dir, config.base_model_name_or_path)
+    if problem:
+        raise ValueError(problem)
+    return config
 
 
-def _check_adapter_file(folder: str, model: nn.Module, model_dir: Path, trained_on: str | None) -> None:
+def _fit_problem(
+    flag: str, folder: str, model: nn.Module, model_dir: Path, trained_on: str | None
+) -> str | None:
+    """Why the adapter file in ``folder`` does not fit the adapters injected into ``model``, or None."""
     from safetensors import safe_open
 
     path = Path(folder) / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise TrainConfigError(f"--lora-adapter {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)")
+        return f"{flag} {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)"
     with safe_open(path, framework="pt") as handle:
         stored = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
     expected = {peft_key(n): tuple(p.shape) for n, p in model.named_parameters() if _LORA_KEY.search(n)}
@@ -134,11 +197,12 @@ def _check_adapter_file(folder: str, model: nn.Module, model_dir: Path, trained_
         for k, v in expected.items()
         if k in stored and stored[k] != v
     ][:3]
-    if problems:
-        raise TrainConfigError(
-            f"--lora-adapter {folder} does not fit --model {model_dir} (the adapter was trained on "
-            f"{trained_on or 'an unknown base'}): {'; '.join(problems)}. Pass the base model it was trained on"
-        )
+    if not problems:
+        return None
+    return (
+        f"{flag} {folder} does not fit the model {model_dir} (the adapter was trained on "
+        f"{trained_on or 'an unknown base'}): {'; '.join(problems)}. Pass the base model it was trained on"
+    )
 
 
 @torch.no_grad()
