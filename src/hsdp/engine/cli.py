@@ -135,7 +135,9 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
     steps = ", ".join(f"{o.timings.seconds_per_step:.3f}" for o in outputs)
     lines = [
         f"layout: {engine.config.describe()}",
-        f"model: {engine.model_path} ({engine.info.class_name}), loaded in {engine.load_s:.1f}s",
+        f"model: {engine.model_path} ({engine.info.class_name})"
+        + (f" with the LoRA adapter {engine.lora}" if engine.lora else "")
+        + f", loaded in {engine.load_s:.1f}s",
         f"{unit} (median per request): {steps}; total {sum(o.timings.total_s for o in outputs):.2f}s",
         f"peak memory ({first.memory_kind}): {per_rank}",
     ]
