@@ -198,6 +198,9 @@ def test_resume_equals_uninterrupted_and_keeps_last_k(world2):
         assert torch.equal(resumed["state"][name], tensor), name
     kept = [p.name for p in complete_checkpoints(world2["root"] / "full")]
     assert kept == ["step-00000002", "step-00000003"]
+    # Training again on a layout already built leaves no process group behind: the trainer destroys its
+    # checkpointer's group, and the meshes' groups are reused (the test session reuses one process group).
+    assert full["leaked_groups"] == 0 and resumed["leaked_groups"] == 0
 
 
 def test_resume_with_warmup_and_cosine_schedule_is_exact(world2):

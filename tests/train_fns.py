@@ -57,14 +57,20 @@ def measured_bytes(trainer: Trainer) -> dict[str, int]:
     return out
 
 
+def _live_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+
 def train_configs(configs: list[TrainConfig], measure: bool = False) -> list[dict]:
     """Train each config in turn; return losses, grad norms, rank 0's full weights and (optionally) bytes."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = []
     for cfg in configs:
-        trainer = Trainer(cfg)
-        result = trainer.fit()
-        full = trainer.full_state()
+        groups_before = _live_groups()
+        with Trainer(cfg) as trainer:  # collectives (full_state, measured_bytes) before it closes its groups
+            result = trainer.fit()
+            full = trainer.full_state()
+            measured = measured_bytes(trainer) if measure else None
         entry = {
             "losses": result.losses,
             "norms": [s.grad_norm for s in result.steps],
@@ -82,7 +88,8 @@ def train_configs(configs: list[TrainConfig], measure: bool = False) -> list[dic
             ),
         }
         if measure:
-            entry["bytes"] = measured_bytes(trainer)
+            entry["bytes"] = measured
+        entry["leaked_groups"] = _live_groups() - groups_before  # the trainer destroys the groups it created
         out.append(entry)
         del trainer
         gc.collect()

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from hsdp.distributed import rank
 from hsdp.loading import CheckpointError
 
 logger = logging.getLogger("hsdp")
@@ -56,10 +57,6 @@ __all__ = [
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -134,8 +131,25 @@ class Checkpointer:
         self._options = StateDictOptions(ignore_frozen_params=trainable_only)
         # DCP already fails on a key the checkpoint lacks; the frozen keys are absent on purpose.
         self._load_options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
-        # A CPU group of its own: the background writer must not interleave collectives with training.
+        # A CPU group of its own: the background writer must not interleave collectives with training. Owned
+        # here and destroyed by close(), so a process that keeps running after training does not leak it.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    def close(self, *, finish_pending: bool = True) -> None:
+        """Finish a pending save (unless ``finish_pending`` is False: after a failure its barriers could only
+        wait for the collective timeout) and destroy the checkpoint group."""
+        if finish_pending:
+            self.wait()
+        self._pending = None
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(finish_pending=exc_type is None)
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
@@ -143,13 +157,13 @@ class Checkpointer:
         """Checkpoint after optimizer step ``step``; collective (every rank calls it)."""
         self.wait()
         tmp = self.root / f".tmp-step-{step:08d}"
-        if _rank() == 0:
+        if rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-step-*"):  # interrupted saves
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier(self._group)
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), tmp / "rng" / f"rank{_rank()}.pt")
+        torch.save(_rng_state(), tmp / "rng" / f"rank{rank()}.pt")
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._options)
         app_state = {"model": self._saved_part(model, model_sd), "optim": optim_sd}
         if self.async_save:
@@ -178,7 +192,7 @@ class Checkpointer:
     def _commit(self, step: int, tmp: Path, state: dict[str, Any]) -> Path:
         final = self.root / f"step-{step:08d}"
         _barrier(self._group)  # every rank's shards are on disk
-        if _rank() == 0:
+        if rank() == 0:
             (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=1))
             (tmp / COMPLETE).write_text(f"{step}\n")
             if final.exists():
@@ -187,7 +201,7 @@ class Checkpointer:
             for old in complete_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier(self._group)
-        if _rank() == 0:
+        if rank() == 0:
             logger.info("Saved checkpoint %s", final)
         return final
 
@@ -210,7 +224,7 @@ class Checkpointer:
             optim_state_dict=app_state["optim"],
             options=self._load_options,
         )
-        rng_file = path / "rng" / f"rank{_rank()}.pt"
+        rng_file = path / "rng" / f"rank{rank()}.pt"
         if rng_file.exists():  # a resharded resume has ranks the checkpoint did not have
             _set_rng_state(torch.load(rng_file, weights_only=True))  # tensors only: no pickle code
         return state
@@ -247,7 +261,7 @@ def export_safetensors(
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
@@ -264,7 +278,7 @@ def export_safetensors(
         fqn_to_index_mapping=dict.fromkeys(state, 1),
     )
     dcp.save(state, storage_writer=writer)
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         if hasattr(model, "config"):
             config = copy.deepcopy(model.config)
@@ -288,6 +302,6 @@ def export_safetensors(
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     _barrier()
-    if _rank() == 0:
+    if rank() == 0:
         logger.info("Exported %d tensors (%s) to %s", len(state), dtype or "as trained", out_dir)
     return out_dir

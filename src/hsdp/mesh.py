@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hsdp.config import ParallelConfig
 from hsdp.distributed import device_type
+from hsdp.distributed import rank as global_rank
 
 __all__ = ["ParallelMeshes", "build_meshes"]
 
@@ -29,7 +30,7 @@ class ParallelMeshes:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
+        return global_rank()
 
     @cached_property
     def data_parallel_rank(self) -> int:
@@ -50,12 +51,6 @@ class ParallelMeshes:
         return None
 
 
-def _fsdp_shape(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    if config.hsdp_replicate_size == 1:
-        return (config.hsdp_shard_size,), ("shard",)
-    return (config.hsdp_replicate_size, config.hsdp_shard_size), ("replicate", "shard")
-
-
 def build_meshes(config: ParallelConfig) -> ParallelMeshes:
     """Build every mesh the layout needs on this machine's device type. Needs an initialised process group."""
     config = config.resolved()
@@ -71,25 +66,54 @@ def build_meshes(config: ParallelConfig) -> ParallelMeshes:
         raise RuntimeError(
             "build_meshes needs torch.distributed to be initialised (see hsdp.init_distributed)"
         )
-    kind = device_type()
-    fsdp = compute = tp = None
-    if config.tensor_parallel_size > 1:
-        shape, names = (
-            _fsdp_shape(config) if config.use_hsdp else ((world // config.tensor_parallel_size,), ("dp",))
-        )
-        world_mesh = init_device_mesh(
-            kind, (*shape, config.tensor_parallel_size), mesh_dim_names=(*names, "tp")
-        )
-        tp = world_mesh["tp"]
-        fsdp = world_mesh[names] if config.use_hsdp else None
-        return ParallelMeshes(config, fsdp=fsdp, compute=None, tp=tp)
-    if config.compute_parallel_size > 1:
-        compute = init_device_mesh(
-            kind,
-            (config.cfg_parallel_size, config.ring_degree, config.ulysses_degree),
-            mesh_dim_names=("cfg", "ring", "ulysses"),
-        )
-    if config.use_hsdp:
-        shape, names = _fsdp_shape(config)
-        fsdp = init_device_mesh(kind, shape, mesh_dim_names=names)
+    fsdp, compute, tp = _device_meshes(_mesh_shape(config))
     return ParallelMeshes(config, fsdp=fsdp, compute=compute, tp=tp)
+
+
+_MeshShape = tuple[int, int, int, int, int, int, bool]
+_Meshes = tuple[DeviceMesh | None, DeviceMesh | None, DeviceMesh | None]
+_BUILT: dict[_MeshShape, _Meshes] = {}
+"""Meshes already built in this process by shape: the process groups of a layout are created once and reused by
+every later model on that layout (a long-lived worker, a test session), never accumulated. Destroyed with the
+default group (:func:`hsdp.distributed.destroy_distributed`); entries whose groups are gone are rebuilt."""
+
+
+def _mesh_shape(config: ParallelConfig) -> _MeshShape:
+    return (
+        config.hsdp_replicate_size,
+        config.hsdp_shard_size,
+        config.cfg_parallel_size,
+        config.ring_degree,
+        config.ulysses_degree,
+        config.tensor_parallel_size,
+        config.use_hsdp,
+    )
+
+
+def _alive(meshes: _Meshes) -> bool:
+    live = dist.distributed_c10d._world.pg_map  # torch keeps no public registry of live groups
+    return all(group in live for mesh in meshes if mesh is not None for group in mesh.get_all_groups())
+
+
+def _device_meshes(shape: _MeshShape) -> _Meshes:
+    if (built := _BUILT.get(shape)) is not None and _alive(built):
+        return built
+    replicate, shard, cfg, ring, ulysses, tp_size, use_hsdp = shape
+    kind = device_type()
+    fsdp_shape, fsdp_names = (
+        ((shard,), ("shard",)) if replicate == 1 else ((replicate, shard), ("replicate", "shard"))
+    )
+    fsdp = compute = tp = None
+    if tp_size > 1:
+        if not use_hsdp:
+            fsdp_shape, fsdp_names = (dist.get_world_size() // tp_size,), ("dp",)
+        world_mesh = init_device_mesh(kind, (*fsdp_shape, tp_size), mesh_dim_names=(*fsdp_names, "tp"))
+        tp = world_mesh["tp"]
+        fsdp = world_mesh[fsdp_names] if use_hsdp else None
+    else:
+        if cfg * ring * ulysses > 1:
+            compute = init_device_mesh(kind, (cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+        if use_hsdp:
+            fsdp = init_device_mesh(kind, fsdp_shape, mesh_dim_names=fsdp_names)
+    _BUILT[shape] = (fsdp, compute, tp)
+    return _BUILT[shape]

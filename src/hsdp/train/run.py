@@ -17,8 +17,9 @@ __all__ = ["run_training", "train_on_rank"]
 
 
 def train_on_rank(cfg: TrainConfig) -> TrainResult:
-    """Rank-side entry point: build a trainer and train to the end."""
-    return Trainer(cfg).fit()
+    """Rank-side entry point: build a trainer, train to the end, release what it owns."""
+    with Trainer(cfg) as trainer:
+        return trainer.fit()
 
 
 def run_training(cfg: TrainConfig, *, collective_timeout_s: float | None = None) -> TrainResult:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.comm import measure_comm
 from hsdp.config import DTYPES
-from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device
+from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
 from hsdp.loading import load_pretrained
 from hsdp.memory import peak_memory_bytes
 from hsdp.mesh import build_meshes
@@ -79,12 +79,6 @@ class TrainResult:
         return [s.loss for s in self.steps]
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _rows(cfg: TrainConfig, encoded: list, tokenizer, source: str) -> TokenDataset:
     if cfg.packing:
         return TokenDataset.pack(encoded, cfg.seq_len, seed=cfg.seed, source=source)
@@ -129,7 +123,7 @@ class Trainer:
         self.cfg = cfg
         checks = preflight(cfg)  # before any collective: every rank fails alike on bad input
         self.parallel = cfg.effective_parallel()
-        self.rank, self.world_size = _world()
+        self.rank, self.world_size = rank(), world_size()
         self.device = local_device()
         self.model_dir = checks.model_dir
         self.fingerprint = checks.fingerprint
@@ -191,6 +185,18 @@ class Trainer:
             if state.get("scheduler"):
                 self.scheduler.load_state_dict(state["scheduler"])
             logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
+
+    def close(self, *, finish_pending: bool = True) -> None:
+        """Release the process group the trainer owns (the checkpointer's; the meshes' groups belong to the
+        process and are reused by the next model on the same layout, :func:`hsdp.mesh.build_meshes`)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close(finish_pending=finish_pending)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(finish_pending=exc_type is None)
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _shard_plan(self, model: nn.Module) -> ShardPlan:
