@@ -19,6 +19,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from hsdp.loading import local_slices
 from hsdp.train.config import TrainConfig, TrainConfigError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 __all__ = [
     "ADAPTER_WEIGHTS",
@@ -135,7 +139,7 @@ def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
         ) from exc
 
 
-def adapter_config(folder: str | Path, model_dir: Path, flag: str):
+def adapter_config(folder: str | Path, model_dir: Path, flag: str) -> LoraConfig:
     """The ``peft.LoraConfig`` of a peft adapter folder, checked against the base model in ``model_dir``: the
     folder holds a LoRA ``adapter_config.json`` whose targets match the base, and its tensors are exactly the
     adapter tensors of that base, in the same shapes. Reads only small files (configs and safetensors headers);
