@@ -90,20 +90,29 @@ def _batches(spec: dict) -> list[dict]:
     ]
 
 
-def _timed_loop(spec: dict, step_fn) -> tuple[list[tuple[float, float]], list[float]]:
-    """(wall seconds, CPU seconds of this process) of each step after warm-up, and every step's loss averaged
-    over the ranks (``step_fn`` returns this rank's loss; the average is taken after the loop, untimed)."""
+def _timed_loop(spec: dict, step_fn) -> dict:
+    """``times``: (wall seconds, CPU seconds of this process) of each step after warm-up; ``losses``: every step's
+    loss averaged over the ranks (``step_fn`` returns this rank's loss; averaged after the loop, untimed);
+    ``setup_peak``: peak RSS before the first step."""
     import torch
     import torch.distributed as dist
 
+    from hsdp.memory import peak_memory_bytes
+
+    batches = _batches(spec)
+    setup_peak = peak_memory_bytes()  # after loading and sharding: is the peak set by setup or by the steps?
     times, losses = [], []
-    for batch in _batches(spec):
+    for batch in batches:
         wall, cpu = time.perf_counter(), time.process_time()
         losses.append(float(step_fn(batch)))
         times.append((time.perf_counter() - wall, time.process_time() - cpu))
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean)
-    return times[spec["warmup"] :], (mean / dist.get_world_size()).tolist()
+    return {
+        "times": times[spec["warmup"] :],
+        "losses": (mean / dist.get_world_size()).tolist(),
+        "setup_peak": setup_peak,
+    }
 
 
 def _baseline() -> int:
@@ -117,16 +126,17 @@ def _baseline() -> int:
     return peak_memory_bytes()
 
 
-def _report(baseline: int, times: list[tuple[float, float]], losses: list[float], trained: int) -> dict:
+def _report(baseline: int, loop: dict, trained: int) -> dict:
     from hsdp.memory import peak_memory_bytes
 
     peak = peak_memory_bytes()
     return {
-        "step_s": statistics.median(t[0] for t in times),
-        "cpu_s": statistics.median(t[1] for t in times),
+        "step_s": statistics.median(t[0] for t in loop["times"]),
+        "cpu_s": statistics.median(t[1] for t in loop["times"]),
         "peak": peak,
         "growth": peak - baseline,
-        "losses": losses,
+        "setup_peak": loop["setup_peak"],
+        "losses": loop["losses"],
         "trained_state": trained,
     }
 
@@ -195,8 +205,8 @@ def rank_hsdp(spec: dict, strategy: str, lora_r: int = 0) -> dict:
         log_every=10**6, lora_r=lora_r, lora_alpha=float(LORA_ALPHA),
     )  # fmt: skip
     trainer = Trainer(cfg)  # it draws the same rows as _batches(spec), by step
-    times, losses = _timed_loop(spec, lambda batch: trainer.train_step().loss)
-    return _report(baseline, times, losses, _state_bytes(trainer.params, trainer.optimizer))
+    loop = _timed_loop(spec, lambda batch: trainer.train_step().loss)
+    return _report(baseline, loop, _state_bytes(trainer.params, trainer.optimizer))
 
 
 def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
@@ -226,14 +236,14 @@ def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
         engine.step()
         return loss.detach()
 
-    times, losses = _timed_loop(spec, step)
+    loop = _timed_loop(spec, step)
     # ZeRO keeps fp32 flat partitions of the trainable parameters (their gradients alike) and the inner AdamW's
     # state over them; stage 3 empties the inner optimizer's param groups between steps, so read its partitions.
     inner = getattr(engine_optimizer, "optimizer", engine_optimizer)
     flat = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None) or getattr(
         engine_optimizer, "single_partition_of_fp32_groups", None
     )
-    return _report(baseline, times, losses, _state_bytes(flat or params, inner))
+    return _report(baseline, loop, _state_bytes(flat or params, inner))
 
 
 def rank_lightning(spec: dict, lora_r: int = 0) -> dict:
@@ -271,8 +281,8 @@ def rank_lightning(spec: dict, lora_r: int = 0) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    times, losses = _timed_loop(spec, step)
-    return _report(baseline, times, losses, _state_bytes(params, optimizer))
+    loop = _timed_loop(spec, step)
+    return _report(baseline, loop, _state_bytes(params, optimizer))
 
 
 def runs_for(world: int) -> dict[str, tuple]:
