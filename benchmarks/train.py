@@ -5,7 +5,7 @@ precision) on the same rows of the same text file (each rank takes the same rows
 ``TokenDataset.batch``, the trainer's own batches), on fresh processes over CPU + gloo. Reported: tokens/s from the
 median step after warm-up; tokens per CPU-second (the ranks' summed process CPU time of the median step), which a
 shared, busy machine disturbs far less than wall time but which leaves out time spent waiting on communication; per
-rank the peak resident set size (``hsdp.memory.peak_memory_bytes``) with its growth over the post-import baseline
+rank the peak resident set size (``hsdp.measure.peak_memory``) with its growth over the post-import baseline
 (what model, gradients, optimizer state and activations added); and the loss (mean over ranks) at the first and
 the last step, so the reader sees that every framework trained the same thing.
 
@@ -18,9 +18,11 @@ applies FSDP2 ``fully_shard`` per decoder layer). The competitors' adapters star
 
 DeepSpeed and Lightning are optional (``pip install -e .[bench] torch==<installed version>``); a framework that is
 not installed, or a run that fails, is still a row of the table, with the reason. DeepSpeed runs with
-``DS_ACCELERATOR=cpu`` on the process group the workers already hold (gloo). Lightning Fabric runs its
-``ModelParallelStrategy`` (FSDP2) because its ``FSDPStrategy`` (FSDP1) needs CUDA. Accelerate is left out on
-purpose: on CPU its FSDP plugin silently trains with plain DDP, so its figures would not be FSDP's.
+``DS_ACCELERATOR=cpu`` on the process group the workers already hold (gloo), with ``gradient_clipping`` 0 (its
+default clips to norm 1.0; no other row clips). Lightning Fabric runs its ``ModelParallelStrategy``, which shards
+with FSDP2 ``fully_shard`` as hsdp does (its ``FSDPStrategy`` wraps the older FSDP1 and is not measured).
+Accelerate is left out on purpose: on CPU its FSDP plugin silently trains with plain DDP, so its figures would not
+be FSDP's.
 
     .venv/bin/python benchmarks/train.py                 # every row at world 2; benchmarks/results/train.json
     .venv/bin/python benchmarks/train.py --world 4 --only "hsdp HYBRID_SHARD,hsdp FULL_SHARD,DeepSpeed ZeRO-3"
@@ -97,10 +99,12 @@ def _timed_loop(spec: dict, step_fn) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hsdp.memory import peak_memory_bytes
+    from hsdp.measure import peak_memory
 
     batches = _batches(spec)
-    setup_peak = peak_memory_bytes()  # after loading and sharding: is the peak set by setup or by the steps?
+    setup_peak = peak_memory(
+        "cpu"
+    ).bytes  # after loading and sharding: is the peak set by setup or by the steps?
     times, losses = [], []
     for batch in batches:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -121,15 +125,15 @@ def _baseline() -> int:
     import transformers  # noqa: F401
 
     import hsdp.train  # noqa: F401
-    from hsdp.memory import peak_memory_bytes
+    from hsdp.measure import peak_memory
 
-    return peak_memory_bytes()
+    return peak_memory("cpu").bytes
 
 
 def _report(baseline: int, loop: dict, trained: int) -> dict:
-    from hsdp.memory import peak_memory_bytes
+    from hsdp.measure import peak_memory
 
-    peak = peak_memory_bytes()
+    peak = peak_memory("cpu").bytes
     return {
         "step_s": statistics.median(t[0] for t in loop["times"]),
         "cpu_s": statistics.median(t[1] for t in loop["times"]),

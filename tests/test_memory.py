@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdp.memory import count_parameters, model_training_memory, peak_memory_bytes, training_memory
+from hsdp.measure import peak_memory, reset_peak_memory
+from hsdp.memory import count_parameters, model_training_memory, training_memory
 from hsdp.models.tiny import build_tiny_llama, tiny_llama_config
 
 P = 7_000_000_000
@@ -61,11 +62,24 @@ def test_cpu_peak_is_the_resident_high_water_mark_in_bytes():
     assert rss_after - rss_before >= 60 * 2**20
     # The kernel syncs its per-thread RSS counters lazily, so the figures agree to within a few pages, not exactly.
     slack = 4 * 2**20
-    peak = peak_memory_bytes()
+    peak, kind = peak_memory(torch.device("cpu"))
+    assert kind == "cpu peak RSS"
     assert peak >= rss_after - slack
     assert abs(peak - _status_bytes("VmHWM")) <= slack
-    assert abs(peak_memory_bytes(torch.device("cpu")) - peak) <= slack
     del ballast
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="resets Linux's RSS high-water mark")
+def test_cpu_peak_resets_to_the_current_resident_set():
+    """After a reset the peak follows what is resident now, not the process's past (generate and each training
+    step report their own peak)."""
+    ballast = torch.ones(128 * 2**20 // 4)
+    high = peak_memory(torch.device("cpu")).bytes
+    del ballast
+    reset_peak_memory(torch.device("cpu"))
+    after = peak_memory(torch.device("cpu")).bytes
+    assert after <= high - 100 * 2**20, (high, after)
+    assert abs(after - _status_bytes("VmRSS")) <= 8 * 2**20
 
 
 def _status_bytes(field: str) -> int:

@@ -16,16 +16,12 @@ HYBRID_SHARD    as FULL_SHARD with N = ranks in one shard group
 =============== ============================== ============ ==================
 
 FULL_SHARD also gathers one block at a time during forward and backward (a transient of one block's size,
-left out here). :func:`peak_memory_bytes` reads what this rank actually used, on CPU or an accelerator.
+left out here). :func:`hsdp.measure.peak_memory` reads what a rank actually used, on CPU or an accelerator.
 """
 
 from __future__ import annotations
 
-import resource
-import sys
 from dataclasses import asdict, dataclass
-
-import torch
 
 from hsdp.config import ShardingStrategy
 
@@ -33,7 +29,6 @@ __all__ = [
     "MemoryEstimate",
     "training_memory",
     "model_training_memory",
-    "peak_memory_bytes",
     "count_parameters",
 ]
 
@@ -145,11 +140,3 @@ def model_training_memory(
     )
     logits = 2 * b * s * config.vocab_size * 4
     return MemoryEstimate(estimate.params, estimate.grads, estimate.optimizer, activations=blocks + logits)
-
-
-def peak_memory_bytes(device: torch.device | None = None) -> int:
-    """This process's peak memory: allocated accelerator memory, or peak resident set size on the CPU."""
-    if device is not None and device.type != "cpu":
-        return int(torch.accelerator.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux

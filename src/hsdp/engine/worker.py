@@ -7,9 +7,7 @@ many :func:`generate` calls. Functions are module-level (they are pickled by ref
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +16,12 @@ import torch
 
 from hsdp.comm import CommAccounting
 from hsdp.config import ParallelConfig
-from hsdp.distributed import local_device, rank
+from hsdp.distributed import rank
 from hsdp.engine.control import CancelWatch, RequestCancelled
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, request_slots
 from hsdp.launch import worker_state
+from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
 from hsdp.mesh import build_meshes
 
 __all__ = [
@@ -33,8 +32,6 @@ __all__ = [
     "memory_report",
     "unload",
     "ping",
-    "peak_memory",
-    "reset_peak_memory",
 ]
 
 _KEY = "hsdp.engine.runner"
@@ -68,42 +65,6 @@ class RankResult:
     comm: dict | None = None
     """With ``measure_comm``: collectives counted over the call (:meth:`hsdp.comm.CommReport.to_dict`) and the
     number of sharded-model forwards they served."""
-
-
-def peak_memory() -> tuple[int, str]:
-    """(bytes, kind): peak accelerator memory allocated since the last reset, or peak RSS on CPU."""
-    device = local_device()
-    if device.type != "cpu":
-        return torch.accelerator.max_memory_allocated(device), f"{device.type} max_memory_allocated"
-    try:  # VmHWM can be reset (see reset_peak_memory); ru_maxrss is the whole life of the process
-        status = Path("/proc/self/status").read_text()
-        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
-        return kib * 1024, "cpu peak RSS"
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu peak RSS (process lifetime)"
-
-
-def resident_memory() -> int:
-    """Bytes resident now: accelerator memory allocated, or this process's RSS on CPU (0 if unknown)."""
-    device = local_device()
-    if device.type != "cpu":
-        return torch.accelerator.memory_allocated(device)
-    with contextlib.suppress(OSError, StopIteration):
-        status = Path("/proc/self/status").read_text()
-        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")) * 1024
-    return 0
-
-
-def reset_peak_memory() -> None:
-    """Start a new peak measurement (per ``generate`` call)."""
-    device = local_device()
-    if device.type != "cpu":
-        torch.accelerator.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS follows live memory
-    with contextlib.suppress(OSError):  # Linux: reset the RSS high-water mark to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
 
 
 def load(spec: LoadSpec) -> dict:

@@ -33,7 +33,7 @@ from hsdp.comm import measure_comm
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
 from hsdp.loading import load_pretrained
-from hsdp.memory import peak_memory_bytes
+from hsdp.measure import peak_memory, reset_peak_memory
 from hsdp.mesh import build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
 from hsdp.train import lora
@@ -234,6 +234,9 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         cfg = self.cfg
+        reset_peak_memory(
+            self.device
+        )  # each step's peak (weights, optimizer state, activations of this step)
         started = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         total = torch.zeros((), device=self.device)
@@ -277,7 +280,7 @@ class Trainer:
             # Ranks of one TP group hold the same loss, so the world mean is the data-parallel mean.
             dist.all_reduce(total)
             total /= self.world_size
-        peaks = torch.tensor([peak_memory_bytes(self.device)], device=self.device)
+        peaks = torch.tensor([peak_memory(self.device).bytes], device=self.device)
         if dist.is_initialized():
             gathered = [torch.zeros_like(peaks) for _ in range(self.world_size)]
             dist.all_gather(gathered, peaks)
