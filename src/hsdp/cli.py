@@ -96,10 +96,9 @@ _GROUP_ADDERS: dict[ParallelGroup, Callable[[argparse._ArgumentGroup], None]] = 
 }
 
 
-def add_parallel_arguments(
-    parser: argparse.ArgumentParser, *, groups: Collection[ParallelGroup] = ALL_PARALLEL_GROUPS
-) -> None:
-    """Add the parallel flags of ``groups`` only, so ``--help`` lists just what the subcommand can use."""
+def add_parallel_arguments(parser: argparse.ArgumentParser, *, groups: Collection[ParallelGroup]) -> None:
+    """Add the parallel flags of ``groups`` only, so ``--help`` lists just what the subcommand can use (each
+    command names its groups: a new group is offered nowhere until a command says it runs it)."""
     unknown = set(groups) - ALL_PARALLEL_GROUPS
     assert not unknown, f"unknown parallel flag groups {sorted(unknown)}"
     group = parser.add_argument_group("parallelism (see docs/parallel-config.md)")

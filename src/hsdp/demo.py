@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
 from hsdp.config import ParallelConfig
 
 
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="tiny-llama", help="built-in name or a Hugging Face causal-LM folder"
     )
-    add_parallel_arguments(parser)
+    add_parallel_arguments(parser, groups=ALL_PARALLEL_GROUPS)
     parser.set_defaults(use_hsdp=True, hsdp_shard_size=2)
 
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
 
 __all__ = ["add_arguments", "add_engine_arguments", "run"]
 
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count every collective and compare with the minimum (slower: the counter sees every op)",
     )
-    add_parallel_arguments(parser)
+    add_parallel_arguments(parser, groups=ALL_PARALLEL_GROUPS)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
 from hsdp.engine.cli import add_engine_arguments
 from hsdp.serve.settings import ServeLimits, ServeSettings
 
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    add_parallel_arguments(parser)
+    add_parallel_arguments(parser, groups=ALL_PARALLEL_GROUPS)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
