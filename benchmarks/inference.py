@@ -21,7 +21,8 @@ host hits them alike; a round's time is the slowest rank's. The table shows each
 least disturbed by other work on the host) and its ratio to ``plain``'s fastest; the JSON also has every round
 and the median of the per-round ratios. Memory per rank is torch's ``MemTracker`` peak over the first forward
 (every live tensor storage: weights held, gathered weights, activations; resident blocks are gathered in that
-call), which is what ``max_memory_allocated`` counts on a GPU. Gathered bytes are counted by
+call), which is what ``max_memory_allocated`` counts on a GPU; beside it, the planner's prediction
+(:func:`hsdp.planning.estimate` for the variant's layout at that length). Gathered bytes are counted by
 :class:`hsdp.comm.CommCounter` in the last timed round (steady state) against :func:`hsdp.comm.minimum_bytes`,
 the unpadded compute-dtype weights every resharded unit must gather.
 
@@ -108,7 +109,7 @@ def build_variant(variant: str, width: int, layers: int, ffn: int, tokens: int) 
         except PlanError as exc:  # e.g. 0.5x at world 2: the shards alone are half the weights
             return None, dict(info, refused=str(exc))
         resident, prefetch = policy.resident_modules, policy.prefetch
-        info.update(budget_bytes=budget, predicted_peak=policy.estimate.total)
+        info.update(budget_bytes=budget, planned_peak=policy.estimate.total)
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world)
     apply_hsdp_to_model(
         model,
@@ -118,6 +119,19 @@ def build_variant(variant: str, width: int, layers: int, ffn: int, tokens: int) 
         weight_dtype="int8" if variant == "int8" else None,
     )
     return model, dict(info, resident=len(resident), prefetch=prefetch)
+
+
+def predicted_peak(profile, world: int, tokens: int, info: dict) -> int | None:
+    """The planner's per-rank peak for a sharded variant's layout (resident blocks, prefetch, 8-bit shards)."""
+    from hsdp.config import ParallelConfig
+    from hsdp.planning import Hardware, Layout, Workload, estimate
+
+    if info["variant"] == "plain":
+        return None
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=world).resolved()
+    weight_dtype = "int8" if info["variant"] == "int8" else None
+    layout = Layout(config, info["prefetch"], info["resident"], weight_dtype)
+    return estimate([profile], layout, Workload(seq_len=tokens, guidance=False), Hardware(2**40)).total
 
 
 def _timed(model: torch.nn.Module, x: tuple) -> float:
@@ -149,12 +163,16 @@ def _tracked_peak(model: torch.nn.Module, x: tuple) -> int:
 
 def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats: int) -> list[dict]:
     """Every variant on this rank at every token count (see the module docstring for what is measured)."""
+    import torch.distributed as dist
+
     from hsdp.comm import CommCounter, minimum_bytes
+    from hsdp.planning import profile_module
     from hsdp.sharding import parameter_bytes
 
     torch.set_num_threads(1)  # one core per rank: ranks do not compete for each other's cores
     variants = [build_variant(v, width, layers, ffn, max(token_counts)) for v in VARIANTS]
     built = [(model, info) for model, info in variants if model is not None]
+    profile = profile_module(variants[0][0])  # plain: the unsharded model
     rows = [dict(info, tokens=tokens) for _, info in variants if "refused" in info for tokens in token_counts]
     with torch.no_grad():
         for tokens in token_counts:
@@ -177,6 +195,7 @@ def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats
                         tokens=tokens,
                         times=times[info["variant"]],
                         peak_bytes=peaks[info["variant"]],
+                        predicted_peak=predicted_peak(profile, dist.get_world_size(), tokens, info),
                         param_bytes=parameter_bytes(model)[0],
                         all_gather_bytes=comm[info["variant"]],
                         minimum_all_gather_bytes=minimum_bytes(model).get("all_gather", 0),
@@ -215,7 +234,8 @@ def summarize(per_rank: list[list[dict]], world: int, layers: int) -> list[dict]
                     resident_blocks=first["resident"],
                     prefetch=first["prefetch"],
                     budget_bytes=first["budget_bytes"],
-                    predicted_peak_bytes=first.get("predicted_peak"),
+                    planned_peak_bytes=first.get("planned_peak"),
+                    predicted_peak_bytes=first["predicted_peak"],
                     s_per_step=min(slowest[variant]),
                     s_per_step_rounds=slowest[variant],
                     vs_plain=min(slowest[variant]) / min(slowest["plain"]),
@@ -232,9 +252,9 @@ def summarize(per_rank: list[list[dict]], world: int, layers: int) -> list[dict]
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| world | tokens | variant | resident / prefetch | s/step | vs plain | peak MiB/rank | weights held MiB/rank "
-        "| gathered MiB/step | vs minimum |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| world | tokens | variant | resident / prefetch | s/step | vs plain | peak MiB/rank | predicted MiB/rank "
+        "| weights held MiB/rank | gathered MiB/step | vs minimum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "refused" in r:
@@ -242,9 +262,12 @@ def table(rows: list[dict]) -> str:
             continue
         vs_min = f"{r['gathered_vs_minimum']:.2f}x" if r["gathered_vs_minimum"] is not None else "-"
         held = "-" if r["variant"] == "plain" else f"{r['resident_blocks']}/{r['layers']}, {r['prefetch']}"
+        peak = max(r["peak_bytes_per_rank"])
+        predicted = r["predicted_peak_bytes"]
+        planned = "-" if predicted is None else f"{predicted / MIB:.0f} ({predicted / peak - 1:+.1%})"
         lines.append(
             f"| {r['world']} | {r['tokens']} | {r['variant']} | {held} | {r['s_per_step']:.3f} | "
-            f"{r['vs_plain']:.2f}x | {max(r['peak_bytes_per_rank']) / MIB:.0f} | "
+            f"{r['vs_plain']:.2f}x | {peak / MIB:.0f} | {planned} | "
             f"{max(r['param_bytes_per_rank']) / MIB:.0f} | {r['all_gather_bytes'] / MIB:.1f} | {vs_min} |"
         )
     return "\n".join(lines)

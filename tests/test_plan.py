@@ -90,6 +90,46 @@ def test_keep_gathered_inference_moves_nothing_after_the_first_step():
     )
 
 
+def test_int8_counts_the_weights_quantize_stores():
+    """``--weight-dtype int8``: the Linear weights :mod:`hsdp.quantize` stores in 8 bits (rows dividing by the
+    shard size, not tied) count 1 byte per value plus an fp32 scale per row, per rank and gathered."""
+    from hsdp.quantize import quantize_linear_weights
+
+    class Even(Toy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(6) for _ in range(3))
+
+    odd, even = profile_module(Toy()), profile_module(Even())
+    assert odd.blocks[0].linear == even.blocks[0].linear == (True, False)  # the weight, not the bias
+    assert odd.root.linear == (False,)  # an embedding
+    # 5 rows do not split over 2 ranks: quantize.py keeps such a weight in its dtype.
+    assert odd.blocks[0].shard_bytes(2, weight_dtype="int8") == odd.blocks[0].shard_bytes(2)
+    block = even.blocks[0]
+    assert block.shard_bytes(2, weight_dtype="int8") == 3 * 8 + 3 * 4 + 3 * 4  # int8 rows, fp32 scales, bias
+    assert block.gathered_bytes(2, weight_dtype="int8") == 6 * 8 + 6 * 4 + 6 * 4
+    replaced = quantize_linear_weights(Even(), "int8", shard_size=2)
+    assert replaced == [f"{b.name}.proj.weight" for b in even.blocks]
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
+    work, hw = Workload(seq_len=4), Hardware(2**30)
+    full, int8 = (estimate([even], Layout(config, weight_dtype=w), work, hw) for w in (None, "int8"))
+    assert full.weights - int8.weights == 3 * (3 * 8 * 4 - (3 * 8 + 3 * 4))
+    assert full.allgather_bytes - int8.allgather_bytes == 3 * (6 * 8 * 4 - (6 * 8 + 6 * 4)) // 2
+    assert int8.layout.label == "hsdp 1x2 int8"
+
+
+def test_plan_command_int8(capsys):
+    argv = ("tiny-llama", "--devices", "2", "--device-memory", "16MiB", "--seq-len", "64")
+    assert _run(*argv, "--weight-dtype", "int8") == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if x.startswith("run it: ")]
+    assert "--weight-dtype int8" in line and "recommended: hsdp 1x2 int8" in out
+    assert _run(*argv, "--weight-dtype", "int8", "--train") == 2
+    assert "training needs full-precision weights: drop --weight-dtype" in capsys.readouterr().err
+    assert _run(*argv, "--weight-dtype", "int4") == 2
+    assert "--weight-dtype 'int4' is not one of int8, fp8" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_profile_counts_what_loading_builds(tied, tmp_path):
     """``hsdp plan``'s meta build of a saved folder counts the real model's parameters and bytes (tied weights

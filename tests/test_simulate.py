@@ -101,3 +101,33 @@ def test_simulated_traffic_matches_the_plan(shards):
     assert report.bytes["all_gather"] == planned.allgather_bytes
     # dim-0 padding: 1536-row weights pad to 2048 rows over 1,024 ranks; over 64 they divide evenly.
     assert report.ratio < 1.02 if shards == 64 else report.ratio > 1.3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("build", "shards"), [(_wan, 64), (_llama, 2)], ids=["wan-64", "llama-2"])
+def test_int8_plan_matches_fsdp2_allocation(build, shards):
+    """``--weight-dtype int8``: per rank and per unit, the plan's bytes equal the 8-bit shards FSDP2 holds (the
+    Linear weights hsdp.quantize selects: 1 byte per value and an fp32 scale per row; the rest as stored)."""
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=shards).resolved()
+    with torch.device("meta"):
+        profile = profile_module(build())
+    planned = estimate([profile], Layout(config, weight_dtype="int8"), Workload(), Hardware(2**40))
+    sim = simulate(build, config, rank=shards - 1, weight_dtype="int8")
+    assert sim.weights == planned.weights
+    assert sim.unit_bytes == {u.name: u.shard_bytes(shards, weight_dtype="int8") for u in profile.units}
+    full = estimate([profile], Layout(config), Workload(), Hardware(2**40))
+    assert planned.weights < 0.5 * full.weights  # fp32 models: about a quarter plus what stays fp32
+
+
+@pytest.mark.slow
+def test_int8_simulated_traffic_matches_the_plan():
+    """One forward at 64 ranks with 8-bit shards: the all-gather bytes (8-bit rows and scales) equal the plan's."""
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=64).resolved()
+    report = simulate_comm(_wan_4_blocks, config, _wan_step, rank=63, weight_dtype="int8")
+    with torch.device("meta"):
+        profile = profile_module(_wan_4_blocks())
+    planned = estimate([profile], Layout(config, weight_dtype="int8"), Workload(), Hardware(2**40))
+    assert report.calls == {"all_gather": len(profile.units)}
+    assert report.bytes["all_gather"] == planned.allgather_bytes
+    full = estimate([profile], Layout(config), Workload(), Hardware(2**40))
+    assert planned.allgather_bytes < 0.3 * full.allgather_bytes  # fp32 weights gathered in 8 bits

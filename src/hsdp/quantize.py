@@ -33,6 +33,9 @@ __all__ = [
     "dequantize_rows",
     "fake_quantize",
     "quantize_linear_weights",
+    "quantizable_linears",
+    "rows_split_evenly",
+    "quantized_bytes",
     "weight_dtype_problem",
 ]
 
@@ -253,6 +256,40 @@ def weight_dtype_problem(weight_dtype: str | None, device_type: str, *, training
     return None
 
 
+def quantizable_linears(
+    model: nn.Module, *, skip: Collection[nn.Parameter] = ()
+) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules of ``model`` whose weight :func:`quantize_linear_weights` stores in 8 bits when its
+    rows split evenly over the shard size: not in ``skip``, not tied to another module, floating point. The one
+    rule both quantizing and the planner's 8-bit budget (:mod:`hsdp.planning`) use."""
+    skip_ids = {id(p) for p in skip}
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or not isinstance(weight, nn.Parameter):
+            continue
+        if id(weight) in skip_ids or uses[id(weight)] > 1 or not weight.is_floating_point():
+            continue
+        found.append((name, module))
+    return found
+
+
+def rows_split_evenly(rows: int, shard_size: int) -> bool:
+    """Whether a weight of ``rows`` rows is stored in 8 bits over ``shard_size`` ranks: FSDP2 pads uneven shards,
+    and its all-gather extension then needs every gathered tensor in the weight's padded shape, which the
+    per-row scales cannot have."""
+    return rows % shard_size == 0
+
+
+def quantized_bytes(rows: int, cols: int, weight_dtype: str) -> int:
+    """Bytes of ``rows`` rows of ``cols`` 8-bit values and their per-row scales: what a rank stores for its shard
+    of a quantized weight, and (over all rows) what the all-gather moves."""
+    return rows * cols * WEIGHT_DTYPES[weight_dtype].itemsize + rows * _SCALE_DTYPE.itemsize
+
+
 def quantize_linear_weights(
     model: nn.Module, weight_dtype: str, *, shard_size: int, skip: Collection[nn.Parameter] = ()
 ) -> list[str]:
@@ -266,18 +303,10 @@ def quantize_linear_weights(
     extension then needs every gathered tensor to have the weight's padded shape, which the scales cannot).
     """
     qdtype = WEIGHT_DTYPES[weight_dtype]
-    skip_ids = {id(p) for p in skip}
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
     replaced, uneven = [], []
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or not isinstance(weight, nn.Parameter):
-            continue
-        if id(weight) in skip_ids or uses[id(weight)] > 1 or not weight.is_floating_point():
-            continue
-        if weight.shape[0] % shard_size:
+    for name, module in quantizable_linears(model, skip=skip):
+        weight = module.weight
+        if not rows_split_evenly(weight.shape[0], shard_size):
             uneven.append(name)
             continue
         with torch.no_grad():

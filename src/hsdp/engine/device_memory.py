@@ -3,7 +3,9 @@
 The same planner as ``hsdp plan`` (:func:`hsdp.planning.residency_for_budget` over
 :func:`hsdp.planning.profile_model`'s meta-device profiles): the main component (a pipeline's denoiser, or the LM) keeps as many
 blocks gathered between forwards as the budget allows and prefetches one block ahead; other sharded components
-gather with one block of prefetch, and components the engine keeps whole count in full on every rank. Planned in
+gather with one block of prefetch, and components the engine keeps whole count in full on every rank. With
+``--weight-dtype int8`` the sharded ``nn.Linear`` weights count as 8-bit shards and gathers, dequantized into the
+compute dtype while their block is gathered (the rule of :mod:`hsdp.quantize`). Planned in
 the caller from the model's config files alone, before any process starts, so a budget below the smallest
 layout is refused at once, with the smallest layout that would fit.
 """
@@ -55,6 +57,8 @@ class DeviceMemoryPlan:
     """Blocks of the main component."""
     estimate: Estimate
     """The planner's per-rank prediction for this choice."""
+    weight_dtype: str | None = None
+    """``--weight-dtype`` the plan counted (8-bit shards), or None."""
 
     def load_options(self) -> dict[str, dict]:
         """Component -> sharding options for :func:`hsdp.loading.load_pretrained` (others keep the defaults)."""
@@ -64,8 +68,9 @@ class DeviceMemoryPlan:
 
     def describe(self) -> str:
         e = self.estimate
+        shards = f" with {self.weight_dtype} weight shards" if self.weight_dtype else ""
         return (
-            f"--device-memory {format_size(self.budget)}: {self.component} keeps {len(self.resident_modules)} of "
+            f"--device-memory {format_size(self.budget)}{shards}: {self.component} keeps {len(self.resident_modules)} of "
             f"{self.blocks} blocks gathered, prefetch {self.prefetch}; predicted peak per rank "
             f"{format_size(e.total)} (weights {format_size(e.weights)}, gathered {format_size(e.gather)}, "
             f"activations {format_size(e.activations)})"
@@ -105,15 +110,20 @@ def _whole(model: nn.Module, name: str) -> ModelProfile:
 
 
 def plan_device_memory(
-    profiles: Sequence[ModelProfile], config: ParallelConfig, budget: int, work: Workload
+    profiles: Sequence[ModelProfile],
+    config: ParallelConfig,
+    budget: int,
+    work: Workload,
+    weight_dtype: str | None = None,
 ) -> DeviceMemoryPlan:
-    """The most resident blocks that fit ``budget`` bytes per rank; ``ValueError`` naming ``--device-memory``,
-    what the layout needs and the smallest layout that would fit when nothing does."""
+    """The most resident blocks that fit ``budget`` bytes per rank (``weight_dtype``: with 8-bit weight shards);
+    ``ValueError`` naming ``--device-memory``, what the layout needs and the smallest layout that would fit when
+    nothing does."""
     config = config.resolved()
     try:
-        policy = residency_for_budget(profiles, config, budget, work)
+        policy = residency_for_budget(profiles, config, budget, work, weight_dtype=weight_dtype)
     except PlanError:
-        raise ValueError(_refusal(profiles, config, budget, work)) from None
+        raise ValueError(_refusal(profiles, config, budget, work, weight_dtype)) from None
     main = main_component(profiles)
     return DeviceMemoryPlan(
         budget=budget,
@@ -122,12 +132,19 @@ def plan_device_memory(
         prefetch=policy.prefetch,
         blocks=len(main.blocks),
         estimate=policy.estimate,
+        weight_dtype=weight_dtype,
     )
 
 
-def _refusal(profiles: Sequence[ModelProfile], config: ParallelConfig, budget: int, work: Workload) -> str:
+def _refusal(
+    profiles: Sequence[ModelProfile],
+    config: ParallelConfig,
+    budget: int,
+    work: Workload,
+    weight_dtype: str | None,
+) -> str:
     hw = Hardware(budget)
-    need = estimate(profiles, Layout(config, 1, 0), work, hw)
+    need = estimate(profiles, Layout(config, 1, 0, weight_dtype), work, hw)
     message = (
         f"--device-memory {format_size(budget)} is below what {config.describe()} needs fully sharded: "
         f"{format_size(need.total)} per rank (weights {format_size(need.weights)}, gathered "
@@ -141,7 +158,7 @@ def _refusal(profiles: Sequence[ModelProfile], config: ParallelConfig, budget: i
             ).resolved()
         except ConfigError:  # e.g. a combined layout whose shard size follows its Ulysses / CFG degrees
             break
-        fits = estimate(profiles, Layout(wider, 1, 0), work, hw)
+        fits = estimate(profiles, Layout(wider, 1, 0, weight_dtype), work, hw)
         if fits.fits:
             return (
                 f"{message}. The smallest layout that fits is --hsdp-shard-size {shard} "

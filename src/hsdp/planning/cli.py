@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--param-dtype", default=None, help="compute dtype of gathered weights (mixed precision)"
     )
+    parser.add_argument(
+        "--weight-dtype",
+        default=None,
+        help="int8 or fp8: Linear weights of the sharded units stored and all-gathered in 8 bits (inference)",
+    )
     parser.add_argument("--device-tflops", type=float, default=300.0, help="sustained TFLOP/s per device")
     parser.add_argument("--link-gbps", type=float, default=100.0, help="collective bandwidth per rank, GB/s")
     parser.add_argument("--host-gbps", type=float, default=25.0, help="host-device copy bandwidth, GB/s")
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
         )
         profiles = profile_model(args.model, DTYPES[args.dtype] if args.dtype else None)
-        result = plan(profiles, args.devices, work, hw, args.param_dtype)
+        result = plan(profiles, args.devices, work, hw, args.param_dtype, args.weight_dtype)
     except PlanError as exc:
         print(f"hsdp plan: {exc}", file=sys.stderr)
         return 2
@@ -173,6 +178,8 @@ def command_line(model: str, chosen: Estimate, training: bool) -> str:
         parts += ["--param-dtype", c.param_dtype]
     if c.cpu_offload:
         parts.append("--cpu-offload")
+    if layout.weight_dtype:
+        parts += ["--weight-dtype", layout.weight_dtype]
     if not training and (layout.resident or layout.prefetch):
         budget = chosen.device_memory
         parts += ["--device-memory", f"{budget // 2**20}MiB" if budget % 2**20 == 0 else str(budget)]

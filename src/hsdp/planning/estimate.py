@@ -46,6 +46,9 @@ class Layout:
     """Blocks all-gathered ahead of the one computing (FSDP2 explicit forward prefetch)."""
     resident: int = 0
     """Blocks kept gathered between steps (inference with ``reshard_after_forward=False``)."""
+    weight_dtype: str | None = None
+    """``int8`` / ``fp8``: ``nn.Linear`` weights of the sharded units stored and all-gathered in 8 bits
+    (:mod:`hsdp.quantize`; inference)."""
 
     @property
     def label(self) -> str:
@@ -66,6 +69,8 @@ class Layout:
                 parts.append(f"{flag}{value}")
         if c.cpu_offload:
             parts.append("offload")
+        if self.weight_dtype:
+            parts.append(self.weight_dtype)
         if self.resident:
             parts.append(f"resident {self.resident}")
         if self.prefetch:
@@ -88,12 +93,16 @@ class Estimate:
     step_s: float
     samples_per_s: float
     device_memory: int
+    copy_out: int = 0
+    """Inference: gathered weights and buffers while a unit's all-gather is copied out, when no block's
+    activations are live (``gather`` is while a block computes, beside ``activations``)."""
 
     @property
     def total(self) -> int:
-        """Peak bytes per device. Gradients fill in as backward frees the activations and gathered weights,
-        so a training step peaks in whichever phase holds more."""
-        return self.weights + self.optimizer + max(self.grads, self.gather + self.activations)
+        """Peak bytes per device: the phase that holds the most. Gradients fill in as backward frees the
+        activations and gathered weights; in inference a copy-out holds two all-gather buffers and a block's
+        weights as they are allocated, a block's compute its weights, fewer buffers and its activations."""
+        return self.weights + self.optimizer + max(self.grads, self.gather + self.activations, self.copy_out)
 
     @property
     def fits(self) -> bool:
@@ -108,6 +117,7 @@ class Estimate:
             fits=self.fits,
             prefetch=self.layout.prefetch,
             resident_blocks=self.layout.resident,
+            weight_dtype=self.layout.weight_dtype,
             config={f.name: getattr(c, f.name) for f in dataclasses.fields(c) if not f.name.startswith("_")},
         )
         out["config"]["sharding_strategy"] = c.sharding_strategy.value if c.sharding_strategy else None
@@ -118,23 +128,33 @@ def _shard_size(config: ParallelConfig) -> int:
     return config.hsdp_shard_size if config.use_hsdp else 1
 
 
-def _forward_window(p: ModelProfile, shard: int, elem: int | None, prefetch: int) -> int:
-    """Peak gathered bytes around one block in forward, besides the root's weights.
+def _forward_window(p: ModelProfile, shard: int, elem: int | None, layout: Layout) -> tuple[int, int]:
+    """(gathered bytes while a block computes, gathered bytes while a unit's all-gather is copied out), each at
+    the block where it peaks, besides the root's weights and the resident blocks' (the caller counts those).
 
-    FSDP2 frees an all-gather's output buffer only after the *next* unit's copy-out (so the copy-out can overlap
-    the next all-gather), and explicit prefetch issues the next all-gathers before that. Around block ``i``:
-    its unsharded weights, the previous unit's buffer (the root's for the first block), its own buffer and the
-    buffers of the ``prefetch - 1`` further blocks already in flight.
+    FSDP2 (``FSDPParamGroup.wait_for_unshard``) keeps a unit's all-gather output buffer until the next unit's
+    copy-out has finished, and explicit prefetch issues the next ``prefetch`` all-gathers as a block starts:
+
+    * computing block ``i`` (beside its activations): its unsharded weights unless it is resident, its buffer
+      and the buffers of the ``prefetch`` blocks after it;
+    * copying block ``i`` out (no block's activations live): the previous unit's buffer (the root's for the
+      first block), its own, and its gathered weights as they are allocated (a resident block's are counted by
+      the caller), with 8-bit weights' dequantization (:meth:`UnitProfile.copy_out_bytes`).
     """
     order = [p.root, *p.blocks]
-    buffers = [u.gathered_bytes(shard, elem) for u in order]
-    return max(
-        (
-            order[i].unsharded_bytes(elem) + buffers[i - 1] + sum(buffers[i : i + max(1, prefetch)])
-            for i in range(1, len(order))
-        ),
-        default=0,
-    )
+    wd = layout.weight_dtype
+    buffers = [u.gathered_bytes(shard, elem, wd) for u in order]
+    # The root's own copy-out, before any block: its buffer and what its dequantization holds beyond its weights.
+    copy_out = buffers[0] + p.root.copy_out_bytes(shard, elem, wd) - p.root.unsharded_bytes(elem)
+    compute = 0
+    for i in range(1, len(order)):
+        full = order[i].unsharded_bytes(elem)
+        held = full if i - 1 < layout.resident else 0
+        compute = max(compute, full - held + sum(buffers[i : i + 1 + layout.prefetch]))
+        copy_out = max(
+            copy_out, buffers[i - 1] + buffers[i] + order[i].copy_out_bytes(shard, elem, wd) - held
+        )
+    return compute, copy_out
 
 
 def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[str, int]:
@@ -143,25 +163,27 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
     s, r = _shard_size(c), (c.hsdp_replicate_size if c.use_hsdp else 1)
     ce = DTYPES[c.param_dtype].itemsize if c.param_dtype else None
     re_ = DTYPES[c.reduce_dtype].itemsize if c.reduce_dtype else ce
-    shards = sum(u.shard_bytes(s) for u in p.units)
-    out = dict(weights=p.replicated_bytes, host=0, gather=0, grads=0, optimizer=0, ag=0, rs=0, ar=0)
+    wd = None if training else layout.weight_dtype
+    shards = sum(u.shard_bytes(s, weight_dtype=wd) for u in p.units)
+    out = dict(
+        weights=p.replicated_bytes, host=0, gather=0, copy_out=0, grads=0, optimizer=0, ag=0, rs=0, ar=0
+    )
     out["host" if c.cpu_offload else "weights"] += shards
     # A whole model in its stored dtype computes in place; otherwise units are gathered (or copied in) per use.
-    gathers = s > 1 or ce is not None or c.cpu_offload
+    gathers = s > 1 or ce is not None or c.cpu_offload or wd is not None
     frac = (s - 1) / s
     if not training:
         if c.reshard_after_forward is False:  # every unit keeps its weights gathered between steps
-            resident, moving = p.blocks, []
-        else:
-            resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
+            layout = dataclasses.replace(layout, resident=len(p.blocks))
+        resident, moving = p.blocks[: layout.resident], [*p.blocks[layout.resident :], p.root]
         if gathers:
-            out["gather"] = (
-                sum(u.unsharded_bytes(ce) for u in resident)
-                + p.root.unsharded_bytes(ce)
-                + _forward_window(p, s, ce, layout.prefetch)
-            )
-            out["ag"] = int(frac * sum(u.gathered_bytes(s, ce) for u in moving))
+            held = sum(u.unsharded_bytes(ce) for u in resident) + p.root.unsharded_bytes(ce)
+            compute, copy_out = _forward_window(p, s, ce, layout)
+            out["gather"], out["copy_out"] = held + compute, held + copy_out
+            moving = moving if c.reshard_after_forward is not False else []
+            out["ag"] = int(frac * sum(u.gathered_bytes(s, ce, wd) for u in moving))
         return out
+
     # Training: sharded grads (param dtype) and two AdamW states per sharded value.
     out["host" if c.cpu_offload else "grads"] += shards + p.replicated_bytes
     out["host" if c.cpu_offload else "optimizer"] += 2 * (shards + p.replicated_bytes)
@@ -249,6 +271,7 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
         layout=layout,
         weights=sum(x["weights"] for x in parts.values()),
         gather=max(x["gather"] for x in parts.values()),
+        copy_out=max(x["copy_out"] for x in parts.values()),
         grads=m["grads"],
         optimizer=m["optimizer"],
         activations=acts,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hsdp.config import DTYPES
+from hsdp.quantize import quantizable_linears, quantized_bytes, rows_split_evenly
 from hsdp.shard_rules import resolve_plan
 from hsdp.sharding import _unshardable_params
 
@@ -74,6 +75,9 @@ class UnitProfile:
 
     name: str
     params: tuple[tuple[int, int, int], ...]
+    linear: tuple[bool, ...] = ()
+    """Per parameter: an ``nn.Linear`` weight ``--weight-dtype`` stores in 8 bits when its rows split evenly over
+    the shard size (:func:`hsdp.quantize.quantizable_linears`); empty: none is."""
 
     @property
     def numel(self) -> int:
@@ -83,15 +87,55 @@ class UnitProfile:
     def nbytes(self) -> int:
         return sum(d0 * rest * b for d0, rest, b in self.params)
 
-    def shard_bytes(self, shard: int, elem: int | None = None) -> int:
-        """Bytes FSDP2 allocates per rank: dim 0 padded to a multiple of ``shard``, one chunk each."""
-        return sum(math.ceil(d0 / shard) * rest * (elem or b) for d0, rest, b in self.params)
+    def _eight_bit(self, shard: int, weight_dtype: str | None) -> list[bool]:
+        """Which parameters are stored and all-gathered in 8 bits over ``shard`` ranks."""
+        if weight_dtype is None or not self.linear:
+            return [False] * len(self.params)
+        return [
+            q and rows_split_evenly(d0, shard) for q, (d0, _, _) in zip(self.linear, self.params, strict=True)
+        ]
 
-    def gathered_bytes(self, shard: int, elem: int | None = None) -> int:
-        """Size of the padded all-gather output (in ``elem`` bytes per value, or the stored dtype)."""
-        return sum(math.ceil(d0 / shard) * shard * rest * (elem or b) for d0, rest, b in self.params)
+    def shard_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
+        """Bytes FSDP2 allocates per rank: dim 0 padded to a multiple of ``shard``, one chunk each (8-bit rows and
+        their scales for the weights ``weight_dtype`` quantizes)."""
+        return sum(
+            quantized_bytes(d0 // shard, rest, weight_dtype)
+            if q
+            else math.ceil(d0 / shard) * rest * (elem or b)
+            for q, (d0, rest, b) in zip(self._eight_bit(shard, weight_dtype), self.params, strict=True)
+        )
+
+    def gathered_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
+        """Size of the padded all-gather output (in ``elem`` bytes per value, or the stored dtype; 8-bit rows and
+        their scales for the weights ``weight_dtype`` quantizes)."""
+        return sum(
+            quantized_bytes(d0, rest, weight_dtype)
+            if q
+            else math.ceil(d0 / shard) * shard * rest * (elem or b)
+            for q, (d0, rest, b) in zip(self._eight_bit(shard, weight_dtype), self.params, strict=True)
+        )
+
+    def copy_out_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
+        """Peak bytes of the unit's gathered weights while FSDP2 copies its all-gather out: its unsharded weights;
+        8-bit weights are copied out as 8-bit rows and scales and dequantized one at a time into the compute
+        dtype through an fp32 product (:func:`hsdp.quantize.dequantize_rows`), each 8-bit copy freed after."""
+        eight = self._eight_bit(shard, weight_dtype)
+        live = sum(
+            quantized_bytes(d0, rest, weight_dtype) if q else d0 * rest * (elem or b)
+            for q, (d0, rest, b) in zip(eight, self.params, strict=True)
+        )
+        peak = live
+        for q, (d0, rest, b) in zip(eight, self.params, strict=True):
+            if q:
+                e = elem or b
+                product = d0 * rest * 4  # fp32; it is the result itself when the compute dtype is fp32
+                peak = max(peak, live + product + (d0 * rest * e if e != 4 else 0))
+                live += d0 * rest * e - quantized_bytes(d0, rest, weight_dtype)
+        return peak
 
     def unsharded_bytes(self, elem: int | None = None) -> int:
+        """The unit's weights gathered, in ``elem`` bytes per value or the stored dtype (8-bit weights are
+        dequantized into the compute dtype)."""
         return sum(d0 * rest * (elem or b) for d0, rest, b in self.params)
 
 
@@ -171,6 +215,9 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         else {n for n, _ in model.named_parameters()}
     )
     owned: dict[str, list[tuple[int, int, int]]] = {n: [] for n in [*targets, ""]}
+    linear: dict[str, list[bool]] = {n: [] for n in owned}
+    # The weights --weight-dtype would store in 8 bits (those left whole are skipped below, as quantizing skips them).
+    eight_bit = {f"{n}.weight" if n else "weight" for n, _ in quantizable_linears(model)}
     replicated = sum(b.numel() * b.element_size() for b in model.buffers())
     for pname, param in model.named_parameters():
         if pname in whole:
@@ -179,6 +226,7 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         # fully_shard runs leaf-first, so the deepest selected module that contains a parameter owns it.
         owner = max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
         owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
+        linear[owner].append(pname in eight_bit)
     if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
         found = getattr(model, "config", None)
         config = found.to_dict() if hasattr(found, "to_dict") else dict(found or {})
@@ -190,8 +238,8 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         name=name,
         class_name=type(model).__name__,
         kind=model_kind(type(model)),
-        blocks=tuple(UnitProfile(t, tuple(owned[t])) for t in targets if owned[t]),
-        root=UnitProfile("", tuple(owned[""])),
+        blocks=tuple(UnitProfile(t, tuple(owned[t]), tuple(linear[t])) for t in targets if owned[t]),
+        root=UnitProfile("", tuple(owned[""]), tuple(linear[""])),
         replicated_bytes=replicated,
         hidden=hidden,
         ffn=_config_int(config, "intermediate_size", "ffn_dim", "d_ff", "n_inner", default=4 * hidden),

@@ -23,6 +23,7 @@ from hsdp.planning.profile import (
     main_component,
     profile_module,
 )
+from hsdp.quantize import WEIGHT_DTYPES, weight_dtype_problem
 
 __all__ = ["candidate_layouts", "Plan", "plan", "ResidencyPolicy", "residency_for_budget"]
 
@@ -93,13 +94,15 @@ def residency_for_budget(
     budget: int,
     work: Workload | None = None,
     hw: Hardware | None = None,
+    weight_dtype: str | None = None,
 ) -> ResidencyPolicy:
     """Memory-budgeted inference: keep as many blocks gathered as ``budget`` bytes per device allow.
 
     A model that almost fits then pays almost no communication: resident blocks are gathered once and kept
     (``reshard_after_forward=False``), the rest are sharded and all-gathered each step with one block of forward
     prefetch. Pass the result to
-    ``apply_hsdp_to_model(..., resident_modules=policy.resident_modules, forward_prefetch=policy.prefetch)``.
+    ``apply_hsdp_to_model(..., resident_modules=policy.resident_modules, forward_prefetch=policy.prefetch)``
+    (with the same ``weight_dtype``: 8-bit shards and gathers, :mod:`hsdp.quantize`).
     Raises :class:`PlanError` when not even the fully sharded layout fits.
     """
     profiles = (
@@ -116,16 +119,18 @@ def residency_for_budget(
     # copy-out anyway; +6 % peak measured in benchmarks/plan_accuracy.py's model), so every layout with blocks
     # left to gather prefetches one, and the estimate counts its buffer.
     fitting = [
-        k for k in range(len(main.blocks) + 1) if estimate(profiles, Layout(config, 1, k), work, hw).fits
+        k
+        for k in range(len(main.blocks) + 1)
+        if estimate(profiles, Layout(config, 1, k, weight_dtype), work, hw).fits
     ]
     if not fitting:
-        need = estimate(profiles, Layout(config), work, hw).total
+        need = estimate(profiles, Layout(config, weight_dtype=weight_dtype), work, hw).total
         raise PlanError(
             f"{config.describe()} needs {format_size(need)} per device even fully sharded, over the budget of "
             f"{format_size(budget)}; shard over more ranks, use --param-dtype bf16 or --cpu-offload"
         )
     resident = max(fitting)
-    best = Layout(config, 0 if resident == len(main.blocks) else 1, resident)
+    best = Layout(config, 0 if resident == len(main.blocks) else 1, resident, weight_dtype)
     return ResidencyPolicy(
         resident_modules=tuple(u.name for u in main.blocks[: best.resident]),
         prefetch=best.prefetch,
@@ -139,24 +144,40 @@ def candidate_layouts(
     work: Workload,
     hw: Hardware,
     param_dtype: str | None = None,
+    weight_dtype: str | None = None,
 ) -> list[Layout]:
     """Every valid layout over ``devices`` ranks, each as FSDP2's defaults and, for inference, with the
-    budgeted residency and prefetch; CPU-offload variants are added where the layout does not fit without."""
+    budgeted residency and prefetch; CPU-offload variants are added where the layout does not fit without.
+    With ``weight_dtype`` (8-bit shards, inference) only the layouts that shard over 2 or more ranks."""
     main = main_component(profiles)
     layouts: list[Layout] = []
     for config in _base_configs(main, devices, work, param_dtype):
-        layouts.append(Layout(config))
         sharded = config.use_hsdp and config.hsdp_shard_size > 1
+        if weight_dtype is not None and not sharded:
+            continue
+        layouts.append(Layout(config, weight_dtype=weight_dtype))
         if not work.training and sharded:
             try:
-                policy = residency_for_budget(profiles, config, hw.device_memory, work, hw)
+                policy = residency_for_budget(profiles, config, hw.device_memory, work, hw, weight_dtype)
                 if (policy.estimate.layout.prefetch, policy.estimate.layout.resident) != (0, 0):
                     layouts.append(policy.estimate.layout)
             except PlanError:
                 pass
         if config.use_hsdp and not estimate(profiles, layouts[-1], work, hw).fits:
-            layouts.append(Layout(dataclasses.replace(config, cpu_offload=True, _resolved=False).resolved()))
+            offload = dataclasses.replace(config, cpu_offload=True, _resolved=False).resolved()
+            layouts.append(Layout(offload, weight_dtype=weight_dtype))
     return layouts
+
+
+def _check_weight_dtype(weight_dtype: str, devices: int, work: Workload) -> None:
+    """8-bit shards plan for inference over 2 or more devices (whether the target device has fp8 kernels is
+    checked where the model runs)."""
+    if weight_dtype not in WEIGHT_DTYPES or work.training:  # the name first, then training
+        raise PlanError(weight_dtype_problem(weight_dtype, "cpu", training=work.training))
+    if devices < 2:
+        raise PlanError(
+            f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits: plan 2 or more --devices"
+        )
 
 
 @dataclass(frozen=True)
@@ -196,18 +217,22 @@ def plan(
     work: Workload,
     hw: Hardware,
     param_dtype: str | None = None,
+    weight_dtype: str | None = None,
 ) -> Plan:
     """Estimate every candidate layout and pick the fastest that fits (inference: lowest step time of one
-    request, then throughput; training: highest throughput), fewer bytes per device breaking ties."""
+    request, then throughput; training: highest throughput), fewer bytes per device breaking ties.
+    ``weight_dtype`` (``int8`` / ``fp8``): 8-bit weight shards (inference only)."""
     main = main_component(profiles)
     if not main.blocks:
         raise PlanError(
             f"the shard plan matches no module of {main.class_name} ({main.name}), so it cannot be sharded: give "
             "the model _no_split_modules naming its block class, or register a plan in hsdp.shard_rules"
         )
+    if weight_dtype is not None:
+        _check_weight_dtype(weight_dtype, devices, work)
     estimates = [
         estimate(profiles, lay, work, hw)
-        for lay in candidate_layouts(profiles, devices, work, hw, param_dtype)
+        for lay in candidate_layouts(profiles, devices, work, hw, param_dtype, weight_dtype)
     ]
     fitting = [e for e in estimates if e.fits]
     if work.training:

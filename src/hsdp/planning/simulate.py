@@ -53,8 +53,11 @@ def allocated_bytes(model: nn.Module) -> tuple[dict[str, int], int]:
     """(padded shard bytes per FSDP unit, bytes of parameters and buffers not managed by FSDP) of a sharded model.
 
     Reads FSDP2's own per-parameter ``padded_sharded_param_size``: the storage it allocates, not the unpadded
-    local view that ``DTensor.to_local()`` shows.
+    local view that ``DTensor.to_local()`` shows; an 8-bit shard (:class:`hsdp.quantize.QuantizedWeight`, never
+    padded) counts its 8-bit rows and scales.
     """
+    from hsdp.quantize import QuantizedWeight
+
     units: dict[str, int] = {}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
@@ -62,7 +65,9 @@ def allocated_bytes(model: nn.Module) -> tuple[dict[str, int], int]:
         group = module._get_fsdp_state()._fsdp_param_group  # private: the only place the padded size lives
         if group is not None:
             units[name] = sum(
-                p.padded_sharded_param_size.numel() * p.sharded_param.element_size()
+                local.stored_bytes
+                if isinstance(local := p.sharded_param.to_local(), QuantizedWeight)
+                else p.padded_sharded_param_size.numel() * p.sharded_param.element_size()
                 for p in group.fsdp_params
             )
     whole = sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
@@ -102,15 +107,24 @@ def simulate(
     rank: int = 0,
     training: bool = False,
     resident_modules: tuple[str, ...] = (),
+    weight_dtype: str | None = None,
 ) -> SimulatedRank:
-    """Shard ``build()`` (called under ``torch.device("meta")``) as rank ``rank`` of ``config.world_size``.
+    """Shard ``build()`` (called under ``torch.device("meta")``) as rank ``rank`` of ``config.world_size``
+    (``weight_dtype``: with 8-bit weight shards, as :func:`hsdp.sharding.apply_hsdp_to_model` stores them).
 
     Needs a process with no process group of its own (it creates and destroys the fake one).
     """
     config = config.resolved()
     start = time.perf_counter()
     with _fake_world(config, rank) as meshes:
-        model = _sharded(build, config, meshes, training=training, resident_modules=resident_modules)
+        model = _sharded(
+            build,
+            config,
+            meshes,
+            training=training,
+            resident_modules=resident_modules,
+            weight_dtype=weight_dtype,
+        )
         units, whole = allocated_bytes(model)
     return SimulatedRank(
         world_size=config.world_size,
@@ -129,6 +143,7 @@ def simulate_comm(
     *,
     rank: int = 0,
     training: bool = False,
+    weight_dtype: str | None = None,
 ) -> CommReport:
     """Collectives of one ``step(model)`` at ``config.world_size`` ranks, counted by :class:`~hsdp.comm.CommCounter`.
 
@@ -141,7 +156,7 @@ def simulate_comm(
 
     config = config.resolved()
     with _fake_world(config, rank) as meshes:
-        model = _sharded(build, config, meshes, training=training)
+        model = _sharded(build, config, meshes, training=training, weight_dtype=weight_dtype)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=local_device())
             return measure_comm(model, lambda: step(model), training=training)[1]
