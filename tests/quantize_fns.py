@@ -166,35 +166,3 @@ def plan_wan() -> nn.Module:
     from hsdp.models.tiny import build_tiny_wan_transformer
 
     return build_tiny_wan_transformer(**PLAN_WAN)
-
-
-def budgeted_peak(budget: int) -> dict:
-    """Plan residency for ``budget`` bytes per rank, shard so, and measure the first forward's peak with torch's
-    ``MemTracker`` (every live tensor storage: what ``max_memory_allocated`` counts on a GPU; resident blocks are
-    gathered in that call and kept)."""
-    import torch.distributed as dist
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from hsdp.config import ParallelConfig
-    from hsdp.engine.device_memory import plan_device_memory
-    from hsdp.planning import Workload, profile_module
-    from hsdp.sharding import apply_hsdp_to_model
-
-    torch.set_num_threads(1)
-    model = plan_wan()
-    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=dist.get_world_size()).resolved()
-    work = Workload(seq_len=(PLAN_SIDE // 2) ** 2, guidance=False)
-    plan = plan_device_memory([profile_module(model)], config, budget, work)
-    apply_hsdp_to_model(model, config, resident_modules=plan.resident_modules, forward_prefetch=plan.prefetch)
-    g = torch.Generator().manual_seed(0)
-    inputs = (
-        torch.randn(1, 16, 1, PLAN_SIDE, PLAN_SIDE, generator=g),
-        torch.tensor([500]),
-        torch.randn(1, 16, 256),
-    )
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker, torch.no_grad():
-        model(*inputs)
-    measured = int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
-    return dict(predicted=plan.estimate.total, measured=measured, resident=len(plan.resident_modules))

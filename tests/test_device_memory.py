@@ -167,6 +167,20 @@ def test_int8_budget_counts_8_bit_shards():
     )
 
 
+def test_engine_budgets_with_its_weight_dtype(model_cache):
+    """``Engine(weight_dtype="int8", device_memory=...)`` plans with 8-bit shards (before any worker starts):
+    a budget sized for one gathered block in full precision keeps more blocks gathered with int8."""
+    from hsdp.engine.engine import _memory_plan
+
+    path = builtin("tiny-wan", model_cache)
+    info = inspect_model(path)
+    budget = _need(engine_profiles(path, None, info.shardable), resident=1)
+    full = _memory_plan(info, HSDP2, budget, None, None)
+    eight_bit = _memory_plan(info, HSDP2, budget, None, "int8")
+    assert eight_bit.estimate.layout.weight_dtype == "int8"
+    assert len(eight_bit.resident_modules) > len(full.resident_modules)
+
+
 @pytest.mark.slow
 def test_engine_keeps_the_planned_blocks_gathered_and_outputs_are_unchanged(model_cache, dist_run):
     path = builtin("tiny-wan", model_cache)

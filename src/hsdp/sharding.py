@@ -303,7 +303,7 @@ def apply_hsdp_to_model(
 
     ``resident_modules`` (qualified names of plan-selected modules, ``""`` for the root) keep their gathered
     weights between forwards (``reshard_after_forward=False``): memory-budgeted inference, see
-    :func:`hsdp.planner.residency_for_budget`. ``forward_prefetch`` all-gathers that many units ahead in forward
+    :func:`hsdp.planning.residency_for_budget`. ``forward_prefetch`` all-gathers that many units ahead in forward
     order. ``weight_dtype`` (``int8``, ``fp8``) stores the ``nn.Linear`` weights of the sharded units in 8 bits
     and all-gathers them so (:mod:`hsdp.quantize`); inference only.
 

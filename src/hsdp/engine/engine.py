@@ -122,7 +122,11 @@ def _weight_dtype_problems(weight_dtype: str | None, config: ParallelConfig) -> 
 
 
 def _memory_plan(
-    info: ModelInfo, config: ParallelConfig, device_memory: int | str | None, dtype: str | None
+    info: ModelInfo,
+    config: ParallelConfig,
+    device_memory: int | str | None,
+    dtype: str | None,
+    weight_dtype: str | None,
 ) -> DeviceMemoryPlan | None:
     """``--device-memory``: plan residency from the budget before any process starts (and log the choice)."""
     if device_memory is None:
@@ -139,7 +143,8 @@ def _memory_plan(
     # One request at the planner's default length (1,024 tokens). Pipelines that batch both guidance branches
     # into one denoiser call hold twice the activations; those that run them as separate passes do not.
     work = Workload(guidance=info.kind == "diffusion" and not info.separate_uncond_pass)
-    plan = plan_device_memory(engine_profiles(info.path, dtype, info.shardable), config, budget, work)
+    profiles = engine_profiles(info.path, dtype, info.shardable)
+    plan = plan_device_memory(profiles, config, budget, work, weight_dtype)
     logger.info("%s (planned for %d tokens per request)", plan.describe(), work.seq_len)
     return plan
 
@@ -268,7 +273,7 @@ class Engine:
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
         self.lora = _check_lora(self.info, self.config, weight_dtype, lora)
-        self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype)
+        self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype, weight_dtype)
         self.progress = progress
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
