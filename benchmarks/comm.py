@@ -1,7 +1,7 @@
 """Communication per step: measured bytes against the minimum, and against the planner's prediction.
 
-Each row shards a model on real ranks, runs one warm step under :class:`hsdp.comm.CommCounter` (a dispatch
-mode counting collectives and the bytes each moves) and divides the bytes by :func:`hsdp.comm.minimum_bytes`:
+Each row shards a model on real ranks, runs one warm step under :class:`hsdp.measure.comm.CommCounter` (a dispatch
+mode counting collectives and the bytes each moves) and divides the bytes by :func:`hsdp.measure.comm.minimum_bytes`:
 every gathered unit moving ``(N - 1) / N`` of its unpadded weights once per all-gather it needs, every gradient reduce-scattered
 once. Target 1.00 to 1.05; what is above 1.00 is FSDP2's dim-0 padding. ``planned`` is
 :func:`hsdp.planning.estimate`'s all-gather + reduce-scatter + all-reduce bytes for the same layout.
@@ -42,8 +42,8 @@ def _build(training: bool):
 
 
 def measure(kwargs: dict, training: bool, resident: int) -> dict:
-    from hsdp.comm import measure_comm
     from hsdp.config import ParallelConfig
+    from hsdp.measure.comm import measure_comm
     from hsdp.sharding import apply_hsdp_to_model
 
     model = _build(training)

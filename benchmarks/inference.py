@@ -23,7 +23,7 @@ and the median of the per-round ratios. Memory per rank is torch's ``MemTracker`
 (every live tensor storage: weights held, gathered weights, activations; resident blocks are gathered in that
 call), which is what ``max_memory_allocated`` counts on a GPU; beside it, the planner's prediction
 (:func:`hsdp.planning.estimate` for the variant's layout at that length). Gathered bytes are counted by
-:class:`hsdp.comm.CommCounter` in the last timed round (steady state) against :func:`hsdp.comm.minimum_bytes`,
+:class:`hsdp.measure.comm.CommCounter` in the last timed round (steady state) against :func:`hsdp.measure.comm.minimum_bytes`,
 the unpadded compute-dtype weights every resharded unit must gather.
 
     .venv/bin/python benchmarks/inference.py                   # world 2, 4 blocks: about 12 minutes on 2 cores
@@ -165,7 +165,7 @@ def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats
     """Every variant on this rank at every token count (see the module docstring for what is measured)."""
     import torch.distributed as dist
 
-    from hsdp.comm import CommCounter, minimum_bytes
+    from hsdp.measure.comm import CommCounter, minimum_bytes
     from hsdp.planning import profile_module
     from hsdp.sharding import parameter_bytes
 

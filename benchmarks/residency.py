@@ -13,7 +13,7 @@ replicated model (every rank holds all weights, no communication):
 t_gather``, where ``t_gather`` is the time to unshard every unit with no compute. Each round times every
 variant once, round-robin in one process per rank, so background load hits them alike; a round's time is the
 slowest rank's, and ratios are medians of per-round ratios. Steady-state bytes per step come from
-:class:`hsdp.comm.CommCounter`.
+:class:`hsdp.measure.comm.CommCounter`.
 
     .venv/bin/python benchmarks/residency.py      # about 3 minutes on 2 cores; writes bench_results/residency.json
 """
@@ -90,7 +90,7 @@ def _timed(fn) -> float:
 
 def run_all(width: int, layers: int, side: int, repeats: int) -> list[dict]:
     """Every variant on this rank, timed round-robin so background load hits them alike."""
-    from hsdp.comm import measure_comm
+    from hsdp.measure.comm import measure_comm
     from hsdp.sharding import fsdp_units
 
     inputs = _inputs(side)

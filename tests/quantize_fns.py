@@ -49,8 +49,8 @@ def wan_gathered_bytes(weight_dtype: str | None) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hsdp.comm import CommCounter
     from hsdp.config import ParallelConfig
+    from hsdp.measure.comm import CommCounter
     from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
 
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsdp.comm import CommReport, minimum_bytes
+from hsdp.measure.comm import CommReport, minimum_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def _sharded_wan(resident_blocks: int = 0, prefetch: int = 0, training: bool = F
 
 def forward_comm(resident_blocks: int, prefetch: int) -> dict:
     """Two forwards (cold, warm) under the counter; the warm output against the unsharded model."""
-    from hsdp.comm import measure_comm
+    from hsdp.measure.comm import measure_comm
 
     model, reference = _sharded_wan(resident_blocks, prefetch)
     inputs = _wan_inputs()
@@ -51,7 +51,7 @@ def forward_comm(resident_blocks: int, prefetch: int) -> dict:
 
 
 def train_comm() -> dict:
-    from hsdp.comm import measure_comm
+    from hsdp.measure.comm import measure_comm
 
     model, _ = _sharded_wan(training=True)
     inputs = _wan_inputs()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from hsdp.comm import CommAccounting
 from hsdp.config import ParallelConfig
 from hsdp.distributed import rank
 from hsdp.engine.control import CancelWatch, RequestCancelled
@@ -22,6 +21,7 @@ from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, request_slots
 from hsdp.launch import worker_state
 from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
+from hsdp.measure.comm import CommAccounting
 from hsdp.mesh import build_meshes
 
 __all__ = [
@@ -63,7 +63,7 @@ class RankResult:
     peak_memory_bytes: int
     memory_kind: str
     comm: dict | None = None
-    """With ``measure_comm``: collectives counted over the call (:meth:`hsdp.comm.CommReport.to_dict`) and the
+    """With ``measure_comm``: collectives counted over the call (:meth:`hsdp.measure.comm.CommReport.to_dict`) and the
     number of sharded-model forwards they served."""
 
 

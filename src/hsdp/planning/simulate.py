@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from hsdp.comm import CommReport, measure_comm
 from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
+from hsdp.measure.comm import CommReport, measure_comm
 from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.sharding import apply_hsdp_to_model
 
@@ -145,7 +145,7 @@ def simulate_comm(
     training: bool = False,
     weight_dtype: str | None = None,
 ) -> CommReport:
-    """Collectives of one ``step(model)`` at ``config.world_size`` ranks, counted by :class:`~hsdp.comm.CommCounter`.
+    """Collectives of one ``step(model)`` at ``config.world_size`` ranks, counted by :class:`~hsdp.measure.comm.CommCounter`.
 
     FSDP2 will not run with meta parameters, so the sharded model is materialised as fake tensors
     (``FakeTensorMode``: shapes and dtypes, no storage) and ``step`` runs there too; build its inputs inside

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
-from hsdp.comm import CommReport
 from hsdp.distributed import rank
 from hsdp.launch import WorkerError
+from hsdp.measure.comm import CommReport
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.report import REPORTERS
 from hsdp.train.run import run_training

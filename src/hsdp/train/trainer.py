@@ -29,11 +29,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
-from hsdp.comm import measure_comm
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
 from hsdp.loading import load_pretrained
 from hsdp.measure import peak_memory, reset_peak_memory
+from hsdp.measure.comm import measure_comm
 from hsdp.mesh import build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
 from hsdp.train import lora
