@@ -8,23 +8,17 @@ sampling) until every rank is done, so its tokens are the ones a single process 
 
 from __future__ import annotations
 
-import logging
 import time
-from pathlib import Path
 
 import torch
 
-from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.distributed import world_size as current_world_size
 from hsdp.engine.outputs import Timings
-from hsdp.engine.parallel import overlap_options
 from hsdp.engine.params import Request, SamplingParams
+from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event
-from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
-
-logger = logging.getLogger("hsdp")
 
 __all__ = ["CausalLMRunner", "generation_kwargs"]
 
@@ -75,49 +69,13 @@ class _TokenClock:
 class CausalLMRunner:
     kind = "causal_lm"
 
-    def __init__(
-        self,
-        folder: Path,
-        config: ParallelConfig,
-        meshes: ParallelMeshes,
-        *,
-        dtype: str | None = None,
-        forward_prefetch: bool = True,
-        weight_dtype: str | None = None,
-        load_options: dict[str, dict] | None = None,
-        lora: Path | None = None,
-    ):
+    def __init__(self, spec: LoadSpec, meshes: ParallelMeshes):
         from transformers import AutoTokenizer
 
         self.device = local_device()
-        prepare = None
-        if lora is not None:
-            from hsdp.train.lora import adapter_injector
-
-            prepare = adapter_injector(lora)
-        self.model = load_pretrained(
-            folder,
-            config if config.use_hsdp else ParallelConfig(),
-            meshes=meshes if config.use_hsdp else None,
-            dtype=dtype or "auto",
-            weight_dtype=weight_dtype,
-            prepare=prepare,
-            **(
-                {
-                    **overlap_options(config, forward_prefetch=forward_prefetch),
-                    **(load_options or {}).get("model", {}),
-                }
-                if config.use_hsdp
-                else {}
-            ),
-        )
-        if lora is not None:
-            from hsdp.train.lora import init_adapters
-
-            count = init_adapters(self.model, seed=0, adapter_dir=str(lora))
-            logger.info("LoRA adapter %s: %d parameters, unmerged", lora, count)
-        self.sharded = ["model"] if config.use_hsdp else []
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = load_component(spec, meshes, lora=spec.lora)
+        self.sharded = ["model"] if spec.config.use_hsdp else []
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
         self.synced = current_world_size() > 1
 
     def modules(self) -> list[torch.nn.Module]:

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
-from hsdp.config import ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import Timings
-from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses, overlap_options
+from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
+from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event
-from hsdp.loading import load_pretrained
 from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
@@ -34,52 +32,20 @@ __all__ = ["DiffusionRunner"]
 class DiffusionRunner:
     kind = "diffusion"
 
-    def __init__(
-        self,
-        folder: Path,
-        config: ParallelConfig,
-        meshes: ParallelMeshes,
-        *,
-        dtype: str | None = None,
-        forward_prefetch: bool = True,
-        weight_dtype: str | None = None,
-        load_options: dict[str, dict] | None = None,
-        lora: Path | None = None,
-    ):
+    def __init__(self, spec: LoadSpec, meshes: ParallelMeshes):
         import diffusers
 
-        self.config = config
+        self.config = config = spec.config
         self.device = local_device()
-        self.info = inspect_model(folder)
+        self.info = inspect_model(spec.path)
         self.sharded = list(self.info.shardable) if config.use_hsdp else []
-        # Without HSDP these load whole, through the same loader (fresh memory, the same dtype conversion).
-        shard = {
-            "meshes": meshes,
-            "weight_dtype": weight_dtype,
-            **overlap_options(config, forward_prefetch=forward_prefetch),
-        }
         # --lora adapts the one denoiser (the engine checked that there is one and that the adapter fits it).
-        adapted, prepare = None, None
-        if lora is not None:
-            from hsdp.train.lora import adapter_injector
-
-            adapted, prepare = self.info.denoisers[0], adapter_injector(lora)
+        adapted = self.info.denoisers[0] if spec.lora is not None else None
         components = {
-            name: load_pretrained(
-                folder / name,
-                config if config.use_hsdp else ParallelConfig(),
-                dtype=dtype or "auto",
-                prepare=prepare if name == adapted else None,
-                **({**shard, **(load_options or {}).get(name, {})} if config.use_hsdp else {}),
-            )
+            name: load_component(spec, meshes, name, lora=spec.lora if name == adapted else None)
             for name in self.info.shardable
         }
-        if adapted is not None:
-            from hsdp.train.lora import init_adapters
-
-            count = init_adapters(components[adapted], seed=0, adapter_dir=str(lora))
-            logger.info("LoRA adapter %s on %s: %d parameters, unmerged", lora, adapted, count)
-        self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(folder, **components)
+        self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(spec.path, **components)
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 module.to(self.device)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,12 +23,15 @@ from hsdp.engine.params import Request, SamplingParams, request_slots
 from hsdp.launch import worker_state
 from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
 from hsdp.measure.comm import CommAccounting
-from hsdp.mesh import build_meshes
+from hsdp.mesh import ParallelMeshes, build_meshes
+
+logger = logging.getLogger("hsdp")
 
 __all__ = [
     "LoadSpec",
     "RankResult",
     "load",
+    "load_component",
     "generate",
     "memory_report",
     "unload",
@@ -81,21 +85,53 @@ def load(spec: LoadSpec) -> dict:
         from hsdp.engine.causal_lm import CausalLMRunner as runner_cls
     reset_peak_memory()
     baseline = resident_memory()
-    config = spec.config.resolved()
-    meshes = build_meshes(config)
-    runner = runner_cls(
-        spec.path,
-        config,
-        meshes,
-        dtype=spec.dtype,
-        forward_prefetch=spec.forward_prefetch,
-        weight_dtype=spec.weight_dtype,
-        load_options=spec.load_options,
-        lora=spec.lora,
-    )
+    spec = replace(spec, config=spec.config.resolved())
+    meshes = build_meshes(spec.config)
+    runner = runner_cls(spec, meshes)
     watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
-    worker_state()[_KEY] = (runner, config, meshes, watch)
+    worker_state()[_KEY] = (runner, spec.config, meshes, watch)
     return {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
+
+
+def load_component(
+    spec: LoadSpec, meshes: ParallelMeshes, component: str | None = None, *, lora: Path | None = None
+) -> torch.nn.Module:
+    """Load the model of ``spec`` (a causal LM), or its pipeline's ``component`` folder, as a runner holds it.
+
+    With HSDP it is sharded over ``meshes`` with explicit forward prefetch (``spec.forward_prefetch``), the
+    8-bit ``spec.weight_dtype`` and the component's ``spec.load_options`` (a causal LM's are under ``model``);
+    without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: a peft
+    adapter folder applied to it, unmerged (:func:`hsdp.train.lora.adapter_injector`)."""
+    from hsdp.engine.parallel import overlap_options
+    from hsdp.loading import load_pretrained
+
+    config = spec.config
+    prepare = None
+    if lora is not None:
+        from hsdp.train.lora import adapter_injector
+
+        prepare = adapter_injector(lora)
+    shard = {}
+    if config.use_hsdp:
+        shard = {
+            "meshes": meshes,
+            **overlap_options(config, forward_prefetch=spec.forward_prefetch),
+            **(spec.load_options or {}).get(component or "model", {}),
+        }
+    model = load_pretrained(
+        spec.path / component if component else spec.path,
+        config if config.use_hsdp else ParallelConfig(),
+        dtype=spec.dtype or "auto",
+        weight_dtype=spec.weight_dtype,
+        prepare=prepare,
+        **shard,
+    )
+    if lora is not None:
+        from hsdp.train.lora import init_adapters
+
+        count = init_adapters(model, seed=0, adapter_dir=str(lora))
+        logger.info("LoRA adapter %s on %s: %d parameters, unmerged", lora, component or "the model", count)
+    return model
 
 
 def memory_report() -> dict:
