@@ -66,7 +66,6 @@ class ServeSettings:
     """Engine runs of a job interrupted by worker failures or restarts before it fails (--max-attempts)."""
     max_batch_size: int = 1
     """Compatible diffusion requests each rank runs as one batch (--max-batch-size); 1 = one at a time."""
-    """Engine runs of a job interrupted by worker failures or restarts before it fails (--max-attempts)."""
     engine_start_timeout_s: float = 300.0
     limits: ServeLimits = field(default_factory=ServeLimits)
 
