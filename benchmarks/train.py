@@ -20,13 +20,13 @@ DeepSpeed and Lightning are optional (``pip install -e .[bench] torch==<installe
 not installed, or a run that fails, is still a row of the table, with the reason. DeepSpeed runs with
 ``DS_ACCELERATOR=cpu`` on the process group the workers already hold (gloo), with ``gradient_clipping`` 0 (its
 default clips to norm 1.0; no other row clips). Lightning Fabric runs its ``ModelParallelStrategy``, which shards
-with FSDP2 ``fully_shard`` as hsdp does (its ``FSDPStrategy`` wraps the older FSDP1 and is not measured).
-Accelerate is left out on purpose: on CPU its FSDP plugin silently trains with plain DDP, so its figures would not
-be FSDP's.
+with FSDP2 ``fully_shard`` as hsdp does; its ``FSDPStrategy`` (the older FSDP1) has a row too, which says why it
+does not run here (Fabric allows it on GPUs only). Accelerate is left out on purpose: on CPU its FSDP plugin
+silently trains with plain DDP, so its figures would not be FSDP's.
 
     .venv/bin/python benchmarks/train.py                 # every row at world 2; benchmarks/results/train.json
     .venv/bin/python benchmarks/train.py --world 4 --only "hsdp HYBRID_SHARD,hsdp FULL_SHARD,DeepSpeed ZeRO-3"
-    .venv/bin/python benchmarks/train.py --only lora --output benchmarks/results/train-lora.json
+    .venv/bin/python benchmarks/train.py --only lora --repeat 3 --output benchmarks/results/train-lora.json
 """
 
 from __future__ import annotations
@@ -250,11 +250,14 @@ def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
     return _report(baseline, loop, _state_bytes(flat or params, inner))
 
 
-def rank_lightning(spec: dict, lora_r: int = 0) -> dict:
+def rank_lightning(spec: dict, lora_r: int = 0, fsdp1: bool = False) -> dict:
+    """Fabric's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` per decoder layer); ``fsdp1``: its
+    ``FSDPStrategy`` (FSDP1 wrapping each decoder layer), which Fabric refuses on the CPU."""
     import torch
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     def parallelize(model, device_mesh):
         mesh = device_mesh["data_parallel"]
@@ -265,9 +268,12 @@ def rank_lightning(spec: dict, lora_r: int = 0) -> dict:
         return model
 
     baseline = _baseline()
-    strategy = ModelParallelStrategy(
-        parallelize_fn=parallelize, data_parallel_size=spec["world"], tensor_parallel_size=1
-    )
+    if fsdp1:
+        strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, use_orig_params=True)
+    else:
+        strategy = ModelParallelStrategy(
+            parallelize_fn=parallelize, data_parallel_size=spec["world"], tensor_parallel_size=1
+        )
     fabric = Fabric(accelerator="cpu", devices=spec["world"], strategy=strategy)
     fabric.launch()  # the workers' process group and RANK / LOCAL_RANK env: Fabric starts no processes
     torch.manual_seed(SEED)
@@ -299,6 +305,7 @@ def runs_for(world: int) -> dict[str, tuple]:
     runs[f"DeepSpeed ZeRO-3 + {lora}"] = (rank_deepspeed, (3, LORA_R), ("deepspeed", "peft"))
     runs["Lightning Fabric FSDP2"] = (rank_lightning, (), ("lightning",))
     runs[f"Lightning Fabric FSDP2 + {lora}"] = (rank_lightning, (LORA_R,), ("lightning", "peft"))
+    runs[f"Lightning Fabric FSDPStrategy + {lora}"] = (rank_lightning, (LORA_R, True), ("lightning", "peft"))
     return runs
 
 
@@ -309,6 +316,7 @@ LORA_SET = (
     f"DeepSpeed ZeRO-3 + peft LoRA r{LORA_R}",
     "Lightning Fabric FSDP2",
     f"Lightning Fabric FSDP2 + peft LoRA r{LORA_R}",
+    f"Lightning Fabric FSDPStrategy + peft LoRA r{LORA_R}",
 )
 
 
@@ -345,8 +353,55 @@ def _loss_note(rows: list[dict]) -> list[str]:
     return out
 
 
-def main() -> None:
+def _run_row(name: str, run: tuple, spec: dict, world: int, tokens: int) -> dict:
+    """One row in fresh processes: its figures, or why it did not run."""
     from hsdp.launch import WorkerError, WorkerGroup
+
+    fn, extra, modules = run
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        reason = f"{', '.join(missing)} not installed (pip install -e .[bench])"
+        print(f"{name}: not run: {reason}", flush=True)
+        return {"name": name, "error": reason}
+    try:
+        with WorkerGroup(world, env={"DS_ACCELERATOR": "cpu"}) as group:
+            results = group.run(fn, spec, *extra, timeout_s=600)
+    except WorkerError as exc:
+        reason = first_line_of_exception(str(exc))
+        print(f"{name}: failed: {reason}", flush=True)
+        return {"name": name, "error": reason, "traceback": str(exc)[-4000:]}
+    step_s = max(r["step_s"] for r in results)
+    cpu_s = sum(r["cpu_s"] for r in results)
+    losses = results[0]["losses"]
+    print(
+        f"{name}: {tokens / step_s:.0f} tokens/s, {tokens / cpu_s:.0f} tokens per CPU-second, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+        flush=True,
+    )
+    return {
+        "name": name,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_cpu_s": tokens / cpu_s,
+        "losses": losses,
+        "ranks": results,
+    }
+
+
+def _median_round(name: str, rounds: list[dict]) -> dict:
+    """The round with the median tokens per CPU-second (the lower middle of an even count), with every round's
+    figure beside it; a row that failed in any round reports that failure."""
+    failed = next((r for r in rounds if "ranks" not in r), None)
+    if failed is not None:
+        return failed
+    ordered = sorted(rounds, key=lambda r: r["tokens_per_cpu_s"])
+    return {
+        **ordered[(len(ordered) - 1) // 2],
+        "rounds_tokens_per_cpu_s": [r["tokens_per_cpu_s"] for r in rounds],
+        "rounds_tokens_per_s": [r["tokens_per_s"] for r in rounds],
+    }
+
+
+def main() -> None:
     from hsdp.memory import count_parameters
     from hsdp.models.tiny import tiny_llama_config
 
@@ -359,56 +414,42 @@ def main() -> None:
     parser.add_argument(
         "--only", default=None, help="comma-separated run names, or 'lora' (full vs LoRA in each framework)"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds over the rows (each in a rotated order); median round reported",
+    )
     parser.add_argument("--output", default="benchmarks/results/train.json")
     args = parser.parse_args()
 
     runs = _select(runs_for(args.world), args.only)
     params = count_parameters(tiny_llama_config(**MODEL))
     tokens = args.micro_batch * args.world * args.seq_len
-    rows = []
+    names = list(runs)
+    found: dict[str, list[dict]] = {name: [] for name in names}  # each row's result in every round
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = write_inputs(Path(tmp))
         spec = {
             "model": str(model_dir), "data": str(data), "world": args.world, "steps": args.steps,
             "warmup": args.warmup, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         }  # fmt: skip
-        for name, (fn, extra, modules) in runs.items():
-            missing = [m for m in modules if importlib.util.find_spec(m) is None]
-            if missing:
-                reason = f"{', '.join(missing)} not installed (pip install -e .[bench])"
-                print(f"{name}: not run: {reason}", flush=True)
-                rows.append({"name": name, "error": reason})
-                continue
-            try:
-                with WorkerGroup(args.world, env={"DS_ACCELERATOR": "cpu"}) as group:
-                    results = group.run(fn, spec, *extra, timeout_s=600)
-            except WorkerError as exc:
-                reason = first_line_of_exception(str(exc))
-                print(f"{name}: failed: {reason}", flush=True)
-                rows.append({"name": name, "error": reason, "traceback": str(exc)[-4000:]})
-                continue
-            step_s = max(r["step_s"] for r in results)
-            cpu_s = sum(r["cpu_s"] for r in results)
-            losses = results[0]["losses"]
-            rows.append(
-                {
-                    "name": name,
-                    "tokens_per_s": tokens / step_s,
-                    "tokens_per_cpu_s": tokens / cpu_s,
-                    "losses": losses,
-                    "ranks": results,
-                }
-            )
-            print(
-                f"{name}: {tokens / step_s:.0f} tokens/s, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
-                flush=True,
-            )
+        for round_ in range(args.repeat):
+            # Each round starts one row later, so no row always runs first (while the machine is busiest).
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                found[name].append(_run_row(name, runs[name], spec, args.world, tokens))
+    rows = [_median_round(name, found[name]) for name in names]
 
     reference = next((r for r in rows if r["name"] == "hsdp FULL_SHARD" and "ranks" in r), None)
     total = args.warmup + args.steps
     print(
         f"\nLlama {params / 1e6:.1f}M params, fp32 AdamW, seq {args.seq_len}, micro-batch {args.micro_batch}/rank, "
         f"world {args.world} (CPU + gloo), median of {args.steps} steps after {args.warmup} warm-up"
+        + (
+            f"; each row's round with the median tokens per CPU-second of {args.repeat}"
+            if args.repeat > 1
+            else ""
+        )
     )
     print(
         "| run | tokens/s | tokens per CPU-second | vs hsdp FULL_SHARD | peak RSS per rank (MiB) "
@@ -427,6 +468,11 @@ def main() -> None:
             f"| {row['name']} | {row['tokens_per_s']:.0f} | {row['tokens_per_cpu_s']:.0f} | {ratio} | {peaks} "
             f"| {growth} | {trained} | {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f} |"
         )
+    if args.repeat > 1:
+        for row in rows:
+            if "rounds_tokens_per_cpu_s" in row:
+                every = " / ".join(f"{x:.0f}" for x in row["rounds_tokens_per_cpu_s"])
+                print(f"{row['name']}: tokens per CPU-second in each round {every}")
     for line in _loss_note(rows):
         print(line)
     out = Path(args.output)
