@@ -1,0 +1,17 @@
+"""The HTTP routes, one :class:`fastapi.APIRouter` per area; :func:`hsdp.serve.app.create_app` includes them in
+:data:`ROUTERS` order (which is also the order of the OpenAPI paths).
+
+- :mod:`~hsdp.serve.routes.system`: ``/health``, ``/v1/models``, ``/metrics``
+- :mod:`~hsdp.serve.routes.videos`: ``/v1/videos`` (asynchronous jobs) and ``/v1/videos/sync``
+- :mod:`~hsdp.serve.routes.images`: ``/v1/images/generations``, ``/v1/images/edits``
+- :mod:`~hsdp.serve.routes.completions`: ``/v1/completions``, ``/v1/chat/completions``
+
+Handlers read the :class:`~hsdp.serve.service.Server` from ``app.state`` through
+:data:`~hsdp.serve.routes.common.ServerDep`.
+"""
+
+from hsdp.serve.routes import completions, images, system, videos
+
+__all__ = ["ROUTERS"]
+
+ROUTERS = (system.router, videos.router, images.router, completions.router)

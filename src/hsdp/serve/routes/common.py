@@ -1,0 +1,130 @@
+"""What every router shares: the :class:`~hsdp.serve.service.Server` dependency, body parsing, and waiting for jobs.
+
+The server lives on ``app.state.server`` (set by :func:`hsdp.serve.app.create_app`); handlers take it as a
+``server: ServerDep`` parameter, which adds nothing to the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from hsdp.serve.http import describe_validation_errors
+from hsdp.serve.jobs import Job
+from hsdp.serve.schemas import ApiError
+from hsdp.serve.service import Server
+
+__all__ = [
+    "ServerDep",
+    "form_schema",
+    "get_server",
+    "is_form",
+    "json_object",
+    "read_form",
+    "run_jobs",
+    "validate",
+]
+
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
+DISCONNECT_POLL_S = 0.25
+"""How often a waiting request checks that its client is still there (a gone client cancels its jobs)."""
+
+
+async def get_server(request: Request) -> Server:
+    """The app's server (async, so FastAPI resolves it without a worker thread)."""
+    return request.app.state.server
+
+
+ServerDep = Annotated[Server, Depends(get_server)]
+
+
+# -- request bodies ------------------------------------------------------------------------------------------
+def form_schema(model: type[BaseModel], files: dict[str, str], required: tuple[str, ...]) -> dict:
+    """``model``'s fields plus file parts (name -> description), for the OpenAPI multipart body."""
+    schema = model.model_json_schema()
+    binary = {name: {"type": "string", "format": "binary", "description": d} for name, d in files.items()}
+    return {**schema, "properties": {**schema["properties"], **binary}, "required": list(required)}
+
+
+def is_form(request: Request) -> bool:
+    content_type = request.headers.get("content-type", "")
+    return content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded"))
+
+
+async def read_form(request: Request) -> tuple[dict[str, str], dict[str, list[bytes]]]:
+    """Text fields (empty ones count as unset, but an empty prompt stays, to be refused as empty) and file
+    parts by field name. File parts are read whatever their content type (vLLM-Omni's client sends
+    application/octet-stream); decoding decides whether they are images."""
+    fields: dict[str, str] = {}
+    files: dict[str, list[bytes]] = {}
+    async with request.form() as form:
+        for key, value in form.multi_items():
+            if isinstance(value, str):
+                if value != "" or key == "prompt":
+                    fields[key] = value
+            else:
+                files.setdefault(key, []).append(await value.read())
+    return fields, files
+
+
+async def json_object(request: Request) -> dict:
+    try:
+        data = json.loads(await request.body() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(
+            400, f"the body is not valid JSON ({exc}); send JSON or multipart form fields"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object with at least 'prompt', or multipart form fields")
+    return data
+
+
+def validate(model: type[BaseModelT], data: dict) -> BaseModelT:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(list(exc.errors()))
+        raise ApiError(400, message, param=param, code="invalid_request") from exc
+
+
+# -- waiting for jobs ----------------------------------------------------------------------------------------
+async def _finished_or_cancelled(server: Server, jobs: list[Job], request: Request) -> None:
+    """Wait for ``jobs``; a client that goes away cancels them, so the workers stop at their next step."""
+    store = server.store
+    waiting = asyncio.ensure_future(asyncio.gather(*(store.wait(job) for job in jobs)))
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if not waiting.done() and await request.is_disconnected():
+            for job in jobs:
+                store.cancel(job, "the client disconnected")
+            await waiting
+
+
+def _raise_failure(jobs: list[Job]) -> None:
+    failed = [j for j in jobs if j.status != "completed"]
+    if not failed:
+        return
+    error = failed[0].error or {"code": "failed", "message": "generation failed"}
+    if error["code"] == "invalid_request":
+        raise ApiError(400, error["message"], code=error["code"])
+    # Worker failures were already run again (--max-attempts); only a stopping server is worth a retry.
+    stopping = error["code"] == "server_stopped"
+    raise ApiError(
+        503 if stopping else 500,
+        error["message"],
+        code=error["code"],
+        kind="server_error",
+        headers={"Retry-After": "5"} if stopping else None,
+    )
+
+
+async def run_jobs(server: Server, jobs: list[Job], request: Request) -> list[Job]:
+    """Queue ``jobs`` and wait for all of them; any that did not complete becomes the error response."""
+    server.submit(jobs)
+    await _finished_or_cancelled(server, jobs, request)
+    _raise_failure(jobs)
+    return jobs

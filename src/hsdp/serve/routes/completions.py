@@ -1,0 +1,125 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: text (JSON or an SSE stream) from a causal LM, and, on a
+diffusion model, chat answered with images or a video as data URLs (vLLM-Omni's shape)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hsdp.serve.jobs import Job
+from hsdp.serve.media import chat_generation, chat_media_body, data_url
+from hsdp.serve.routes.common import ServerDep, run_jobs
+from hsdp.serve.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from hsdp.serve.service import Server
+from hsdp.serve.text import (
+    SseChunks,
+    TextChoice,
+    TextStream,
+    apply_stop,
+    chat_body,
+    completion_body,
+    finish_reason,
+)
+
+__all__ = ["router"]
+
+_TEXT_OR_SSE = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+
+router = APIRouter()
+
+
+def _text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Job]) -> list[TextChoice]:
+    budget = body.token_budget() if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    choices = []
+    for i, job in enumerate(jobs):
+        text, stopped = apply_stop(job.result.text or "", body.stop)
+        reason = finish_reason(len(job.result.token_ids), budget, stopped)
+        choices.append(TextChoice(i, text, reason, job.result.token_ids, job.meta["prompt_tokens"]))
+    return choices
+
+
+async def _stream_text(
+    server: Server, body: CompletionRequest | ChatCompletionRequest, jobs: list[Job], chat: bool
+) -> AsyncIterator[str]:
+    """Each choice's text as its tokens arrive; a client that goes away cancels what still runs."""
+    store = server.store
+    chunks = SseChunks(server.name, chat=chat)
+    budget = body.token_budget() if chat else body.max_tokens
+    choices = []
+    try:
+        for index, job in enumerate(jobs):
+            if (opening := chunks.start(index)) is not None:
+                yield opening
+            stream, count, finished = TextStream(server.tokenizer, body.stop), 0, False
+            while not (finished or stream.stopped):
+                new, finished = await store.tokens_after(job, count)
+                count += len(new)
+                if piece := stream.update(job.tokens[:count], final=finished):
+                    yield chunks.piece(index, piece)
+            if stream.stopped:
+                store.cancel(job, "a stop string ended the answer")  # the workers need not go on
+            elif job.status != "completed":
+                yield chunks.error(job.error or {"code": "failed", "message": "generation failed"})
+                yield chunks.done()
+                return
+            tokens = job.tokens[:count]
+            reason = finish_reason(len(tokens), budget, stream.stopped)
+            choices.append(TextChoice(index, "", reason, tokens, job.meta["prompt_tokens"]))
+            yield chunks.finish(index, reason)
+        if body.stream_options and body.stream_options.include_usage:
+            yield chunks.usage(choices)
+        yield chunks.done()
+    finally:
+        for job in jobs:
+            if not job.finished:
+                store.cancel(job, "the client disconnected")
+
+
+async def _text_response(
+    server: Server, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
+) -> Response:
+    jobs = server.text_jobs(body)
+    if body.stream:
+        server.submit(jobs)
+        return StreamingResponse(_stream_text(server, body, jobs, chat), media_type="text/event-stream")
+    choices = _text_choices(body, await run_jobs(server, jobs, request))
+    return JSONResponse(chat_body(server.name, choices[0]) if chat else completion_body(server.name, choices))
+
+
+async def _chat_media(server: Server, body: ChatCompletionRequest, request: Request) -> JSONResponse:
+    """Chat on a diffusion model, as vLLM-Omni: images (or, from a video pipeline, one mp4) as data URLs."""
+    server.check_model(body.model, "diffusion")
+    if body.stream:
+        raise ApiError(400, "stream: image and video generation answers in one response", param="stream")
+    params, image = chat_generation(body)
+    video = server.info.output == "video"
+    jobs = server.diffusion_jobs(
+        params,
+        "video_sync" if video else "image",
+        count=1 if video else params.num_outputs_per_prompt,
+        num_frames=params.num_frames,
+        fps=params.fps,
+        output_format=params.output_format,
+        image=image,
+        image_field="messages[].content image_url",
+    )
+    fmt = "mp4" if video else params.output_format
+    urls = [data_url(j.result, fmt) for j in await run_jobs(server, jobs, request)]
+    return JSONResponse(chat_media_body(server.name, params.prompt, urls))
+
+
+@router.post("/v1/completions", response_class=Response, responses=_TEXT_OR_SSE)
+async def completions(body: CompletionRequest, request: Request, server: ServerDep) -> Response:
+    server.check_model(body.model, "causal_lm")
+    return await _text_response(server, body, request, chat=False)
+
+
+@router.post("/v1/chat/completions", response_class=Response, responses=_TEXT_OR_SSE)
+async def chat_completions(body: ChatCompletionRequest, request: Request, server: ServerDep) -> Response:
+    """Text from a causal LM; on a diffusion model, images (vLLM-Omni's shape)."""
+    if server.kind == "diffusion":
+        return await _chat_media(server, body, request)
+    server.check_model(body.model, "causal_lm")
+    return await _text_response(server, body, request, chat=True)

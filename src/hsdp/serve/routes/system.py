@@ -1,0 +1,40 @@
+"""``/health``, ``/v1/models`` and ``/metrics``: what load balancers, clients and Prometheus ask about the server."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from hsdp.serve.metrics import CONTENT_TYPE, render_metrics
+from hsdp.serve.routes.common import ServerDep
+from hsdp.serve.schemas import Health, ModelCard, ModelList
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=Health, responses={503: {"model": Health}})
+async def health(server: ServerDep) -> JSONResponse:
+    """200 while the engine is ready; 503 while it starts or restarts (queued jobs still wait)."""
+    state = server.runner.stats.state
+    body = Health(status="ok" if state == "ready" else "unavailable", model=server.name, engine=state)
+    return JSONResponse(body.model_dump(), status_code=200 if state == "ready" else 503)
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(server: ServerDep) -> ModelList:
+    adapter = server.adapter
+    card = ModelCard(
+        id=server.name,
+        created=int(server.info.path.stat().st_mtime),
+        kind=server.kind,
+        root=str(adapter) if adapter else None,
+        parent=str(server.settings.model) if adapter else None,
+    )
+    return ModelList(data=[card])
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+async def metrics(server: ServerDep) -> Response:
+    return Response(render_metrics(server.name, server.store, server.runner.stats), media_type=CONTENT_TYPE)

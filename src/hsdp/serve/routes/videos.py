@@ -1,0 +1,137 @@
+"""``/v1/videos``: asynchronous video jobs (queue, poll, download, cancel or delete) and ``/v1/videos/sync``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, Response
+
+from hsdp.serve.jobs import Job
+from hsdp.serve.media import Upload, reference_upload
+from hsdp.serve.routes.common import (
+    ServerDep,
+    form_schema,
+    is_form,
+    json_object,
+    read_form,
+    run_jobs,
+    validate,
+)
+from hsdp.serve.schemas import ApiError, DeletedVideo, VideoJob, VideoList, VideoRequest, valid_job_id
+from hsdp.serve.service import Server
+
+__all__ = ["REFERENCE", "router"]
+
+REFERENCE = "input_reference"
+"""The input image of ``/v1/videos`` (OpenAI's and vLLM-Omni's name)."""
+
+
+_VIDEO_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": VideoRequest.model_json_schema()},
+            "multipart/form-data": {
+                "schema": form_schema(
+                    VideoRequest, {REFERENCE: "input image (image-to-video pipelines)"}, ("prompt",)
+                )
+            },
+        },
+    }
+}
+_MP4 = {200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}}}
+
+router = APIRouter()
+
+
+async def _video_request(request: Request) -> tuple[VideoRequest, Upload | None]:
+    """The body as JSON or as form fields (``curl -F``), and the input image: the ``input_reference`` file part,
+    or in JSON a data URL (``"input_reference": {"image_url": "data:..."}``)."""
+    if is_form(request):
+        fields, files = await read_form(request)
+        image = files.get(REFERENCE) and Upload(REFERENCE, "image", files[REFERENCE][0])
+        return validate(VideoRequest, fields), image or None
+    data = await json_object(request)
+    reference = data.pop(REFERENCE, None)
+    image = reference_upload(reference, REFERENCE) if reference is not None else None
+    return validate(VideoRequest, data), image
+
+
+async def _video_jobs(server: Server, request: Request, kind: str) -> list[Job]:
+    body, image = await _video_request(request)
+    server.check_model(body.model, "diffusion")
+    server.check_video_model()
+    return server.diffusion_jobs(
+        body,
+        kind,
+        num_frames=body.frames(server.info.temporal_factor),
+        fps=body.fps,
+        image=image,
+        image_field=REFERENCE,
+    )
+
+
+def _video_job(server: Server, video_id: str) -> Job:
+    job = server.store.get(video_id) if valid_job_id(video_id) else None
+    if job is None:
+        raise ApiError(
+            404,
+            f"no video job {video_id!r} (GET /v1/videos lists them)",
+            param="video_id",
+            code="not_found",
+        )
+    return job
+
+
+@router.post("/v1/videos", response_model=VideoJob, openapi_extra=_VIDEO_BODY)
+async def create_video(request: Request, server: ServerDep) -> VideoJob:
+    """Queue a video job; poll ``GET /v1/videos/{id}``, then download ``/content``."""
+    jobs = await _video_jobs(server, request, "video")
+    server.submit(jobs)
+    return server.video_view(jobs[0])
+
+
+@router.post("/v1/videos/sync", response_class=Response, responses=_MP4, openapi_extra=_VIDEO_BODY)
+async def create_video_sync(request: Request, server: ServerDep) -> Response:
+    """Generate and answer with the mp4 bytes (not stored)."""
+    [job] = await run_jobs(server, await _video_jobs(server, request, "video_sync"), request)
+    return Response(job.result, media_type="video/mp4", headers={"X-Video-Seed": str(job.seed)})
+
+
+@router.get("/v1/videos", response_model=VideoList)
+async def list_videos(
+    server: ServerDep,
+    limit: int = Query(20, ge=1, le=1000),
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+) -> VideoList:
+    jobs = server.store.list()
+    jobs = jobs[::-1] if order == "desc" else jobs
+    return VideoList(data=[server.video_view(j) for j in jobs[:limit]])
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob)
+async def get_video(video_id: str, server: ServerDep) -> VideoJob:
+    return server.video_view(_video_job(server, video_id))
+
+
+@router.get("/v1/videos/{video_id}/content", response_class=FileResponse, responses=_MP4)
+async def video_content(video_id: str, server: ServerDep) -> FileResponse:
+    job = _video_job(server, video_id)
+    if job.status != "completed" or not job.output:
+        why = f": {job.error['message']}" if job.error else ""
+        raise ApiError(
+            409,
+            f"video {video_id} is {job.status}{why}; its content exists once status is 'completed'",
+            code="not_ready",
+        )
+    return FileResponse(server.store.videos_dir / job.output, media_type="video/mp4", filename=job.output)
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoJob | DeletedVideo)
+async def delete_video(video_id: str, server: ServerDep) -> VideoJob | DeletedVideo:
+    """Cancel a queued or running job (it becomes ``cancelled``); delete a finished one and its video."""
+    job = _video_job(server, video_id)
+    if job.finished:
+        server.store.delete(job)
+        return DeletedVideo(id=job.id, deleted=True)
+    server.store.cancel(job, "cancelled by DELETE /v1/videos/{id}")
+    return server.video_view(job)
