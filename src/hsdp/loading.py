@@ -431,6 +431,18 @@ def _run_prepare(model: nn.Module, prepare: Callable[[nn.Module], None]) -> dict
     }
 
 
+def _allocate(model: nn.Module, device: torch.device) -> None:
+    """Give the empty model real (uninitialised) storage on ``device``, keeping what it computed at build time."""
+    computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}  # e.g. rotary inv_freq
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives each alias of a tied parameter its own storage
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in computed_buffers:
+                buffer.copy_(computed_buffers[name])
+
+
 def load_pretrained(
     path: str | Path,
     parallel_config: ParallelConfig | None = None,
@@ -479,7 +491,6 @@ def load_pretrained(
             len(keys.fused),
         )
     device = local_device()
-    computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
     report = None
     if config.use_hsdp:
         report = apply_hsdp_to_model(
@@ -495,13 +506,7 @@ def load_pretrained(
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
     # still belong on the device (moved after filling).
     offload = config.use_hsdp and config.cpu_offload and device.type != "cpu"
-    model.to_empty(device="cpu" if offload else device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty gives each alias of a tied parameter its own storage
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in computed_buffers:
-                buffer.copy_(computed_buffers[name])
+    _allocate(model, torch.device("cpu") if offload else device)
     read = _fill(model, keys, index, moved)
     if offload:
         _move_unsharded_state(model, device)
