@@ -289,17 +289,7 @@ class Engine:
                 )
             self._board = CancelBoard()
         started = time.perf_counter()
-        if workers is not None:
-            if workers.world_size != self.config.world_size or workers.broken:
-                raise ValueError(
-                    f"workers= has {workers.world_size} ranks (broken={workers.broken}), but the layout "
-                    f"({self.config.describe()}) needs {self.config.world_size}"
-                )
-            self._group = workers
-        elif distributed.launched_by_torchrun():
-            self._group: WorkerGroup | _TorchrunRanks = _TorchrunRanks()
-        else:
-            self._group = WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
+        self._group = self._ranks(workers, start_timeout_s)
         spec = worker.LoadSpec(
             self.info.path,
             self.info.kind,
@@ -318,6 +308,19 @@ class Engine:
             raise
         self.load_s = time.perf_counter() - started
         logger.info("Engine ready in %.1fs: %s, %s", self.load_s, self.info.path, self.config.describe())
+
+    def _ranks(self, workers: WorkerGroup | None, start_timeout_s: float) -> WorkerGroup | _TorchrunRanks:
+        """The ranks to load into: the caller's group, this script's own torchrun ranks, or new processes."""
+        if workers is not None:
+            if workers.world_size != self.config.world_size or workers.broken:
+                raise ValueError(
+                    f"workers= has {workers.world_size} ranks (broken={workers.broken}), but the layout "
+                    f"({self.config.describe()}) needs {self.config.world_size}"
+                )
+            return workers
+        if distributed.launched_by_torchrun():
+            return _TorchrunRanks()
+        return WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
 
     @property
     def model_path(self) -> Path:
