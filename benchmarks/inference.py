@@ -21,7 +21,8 @@ host hits them alike; a round's time is the slowest rank's. The table shows each
 least disturbed by other work on the host) and its ratio to ``plain``'s fastest; the JSON also has every round
 and the median of the per-round ratios. Memory per rank is torch's ``MemTracker`` peak over the first forward
 (every live tensor storage: weights held, gathered weights, activations; resident blocks are gathered in that
-call), which is what ``max_memory_allocated`` counts on a GPU; beside it, the planner's prediction
+call), which is what ``max_memory_allocated`` counts on a GPU (where one is present, the models and inputs are
+on it: the device comes from :func:`hsdp.distributed.local_device`, as in the engine); beside it, the planner's prediction
 (:func:`hsdp.planning.estimate` for the variant's layout at that length). Gathered bytes are counted by
 :class:`hsdp.measure.comm.CommCounter` in the last timed round (steady state) against :func:`hsdp.measure.comm.minimum_bytes`,
 the unpadded compute-dtype weights every resharded unit must gather.
@@ -92,12 +93,13 @@ def build_variant(variant: str, width: int, layers: int, ffn: int, tokens: int) 
     import torch.distributed as dist
 
     from hsdp.config import ParallelConfig
+    from hsdp.distributed import local_device
     from hsdp.sharding import apply_hsdp_to_model
 
     model = build(width, layers, ffn)
     info = dict(variant=variant, resident=0, prefetch=0, budget_bytes=None)
     if variant == "plain":
-        return model, info
+        return model.to(local_device()), info
     world = dist.get_world_size()
     resident: tuple[str, ...] = ()
     prefetch = 0 if variant == "fsdp2" else 1
@@ -140,6 +142,8 @@ def _timed(model: torch.nn.Module, x: tuple) -> float:
     dist.barrier()
     start = time.perf_counter()
     model(*x)
+    if x[0].device.type != "cpu":
+        torch.accelerator.synchronize()  # the kernels, not just their launch
     dist.barrier()
     return time.perf_counter() - start
 
@@ -158,13 +162,14 @@ def _tracked_peak(model: torch.nn.Module, x: tuple) -> int:
     tracker.track_external(model)
     with tracker:
         model(*x)
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return int(tracker.get_tracker_snapshot("peak")[x[0].device]["Total"])
 
 
 def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats: int) -> list[dict]:
     """Every variant on this rank at every token count (see the module docstring for what is measured)."""
     import torch.distributed as dist
 
+    from hsdp.distributed import local_device
     from hsdp.measure.comm import CommCounter, minimum_bytes
     from hsdp.planning import profile_module
     from hsdp.sharding import parameter_bytes
@@ -176,7 +181,7 @@ def run_rank(width: int, layers: int, ffn: int, token_counts: list[int], repeats
     rows = [dict(info, tokens=tokens) for _, info in variants if "refused" in info for tokens in token_counts]
     with torch.no_grad():
         for tokens in token_counts:
-            x = inputs(tokens)
+            x = tuple(t.to(local_device()) for t in inputs(tokens))
             peaks = {info["variant"]: _tracked_peak(model, x) for model, info in built}
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             comm: dict[str, int] = {}
