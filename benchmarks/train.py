@@ -173,7 +173,7 @@ def _load_model(spec: dict):
 
 def _peft_lora(model, lora_r: int):
     """peft LoRA on every linear layer but the head, started from the adapter values hsdp draws
-    (``hsdp.train.lora.init_adapters``: one generator seeded 0, ``lora_A`` in parameter order, ``lora_B`` zero)."""
+    (``hsdp.lora.init_adapters``: one generator seeded 0, ``lora_A`` in parameter order, ``lora_B`` zero)."""
     import math
 
     import torch

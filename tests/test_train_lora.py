@@ -1,7 +1,7 @@
 """LoRA with peft on a sharded base equals one process with peft; checkpoints, exports and bad input.
 
 The reference is a ``get_peft_model`` model trained by a plain loop in this process, started from the same adapter
-weights (:func:`hsdp.train.lora.init_adapters` with the same seed) and fed the same rows. fp32 sharded runs differ
+weights (:func:`hsdp.lora.init_adapters` with the same seed) and fed the same rows. fp32 sharded runs differ
 only in the order of gradient sums: losses within 1e-5 over 10 steps, adapters within 5e-5 (Adam magnifies
 rounding in tiny gradients, as in test_train_parity).
 """
@@ -16,9 +16,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from hsdp.config import ParallelConfig
+from hsdp.lora import init_adapters, peft_key
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
 from hsdp.train import TrainConfig, TrainConfigError, preflight
-from hsdp.train.lora import init_adapters, peft_key
 from hsdp.train.trainer import load_dataset
 from tests.train_fns import train_lora
 

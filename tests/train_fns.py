@@ -110,7 +110,7 @@ def train_and_die(cfg: TrainConfig, victim: int, at_step: int) -> None:
 def train_lora(configs: list[TrainConfig]) -> list[dict]:
     """Train each LoRA config; return losses, rank 0's adapter (peft keys) and this rank's trainable, optimizer and
     base parameter bytes."""
-    from hsdp.train.lora import adapter_state
+    from hsdp.lora import adapter_state
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = []

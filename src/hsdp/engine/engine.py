@@ -186,7 +186,7 @@ def _check_lora(
             "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
             "then save_pretrained) and pass that folder without --lora"
         )
-    from hsdp.train.lora import adapter_config
+    from hsdp.lora import adapter_config
 
     adapter_config(lora, lora_target(info), "--lora")
     return Path(lora).resolve()
@@ -264,7 +264,7 @@ class Engine:
         and all-gathers them so (:mod:`hsdp.quantize`). ``device_memory`` (bytes or a size such as ``"24GiB"``)
         plans which blocks stay gathered and the prefetch depth from that budget per rank
         (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`). ``lora``: a peft LoRA adapter
-        folder applied, unmerged, to a causal LM or to a pipeline's one denoiser (:func:`hsdp.train.lora.adapter_injector`)."""
+        folder applied, unmerged, to a causal LM or to a pipeline's one denoiser (:func:`hsdp.lora.adapter_injector`)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)

@@ -101,14 +101,14 @@ def load_component(
     With HSDP it is sharded over ``meshes`` with explicit forward prefetch (``spec.forward_prefetch``), the
     8-bit ``spec.weight_dtype`` and the component's ``spec.load_options`` (a causal LM's are under ``model``);
     without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: a peft
-    adapter folder applied to it, unmerged (:func:`hsdp.train.lora.adapter_injector`)."""
+    adapter folder applied to it, unmerged (:func:`hsdp.lora.adapter_injector`)."""
     from hsdp.engine.parallel import overlap_options
     from hsdp.loading import load_pretrained
 
     config = spec.config
     prepare = None
     if lora is not None:
-        from hsdp.train.lora import adapter_injector
+        from hsdp.lora import adapter_injector
 
         prepare = adapter_injector(lora)
     shard = {}
@@ -127,7 +127,7 @@ def load_component(
         **shard,
     )
     if lora is not None:
-        from hsdp.train.lora import init_adapters
+        from hsdp.lora import init_adapters
 
         count = init_adapters(model, seed=0, adapter_dir=str(lora))
         logger.info("LoRA adapter %s on %s: %d parameters, unmerged", lora, component or "the model", count)

@@ -129,6 +129,21 @@ class TrainConfig:
             "adapter": self.lora_adapter,
         }
 
+    def lora_config(self, base: str = "", default_targets: list[str] | str = "all-linear", task_type: str | None = None):
+        """This run's ``peft.LoraConfig`` (``--lora-adapter``'s when given; ``default_targets`` without
+        ``--lora-target-modules``: every linear layer but the output head for an LM)."""
+        from hsdp.lora import lora_config
+
+        return lora_config(
+            r=self.lora_r,
+            alpha=self.lora_alpha,
+            dropout=self.lora_dropout,
+            targets=list(self.lora_target_modules) or default_targets,
+            adapter=self.lora_adapter,
+            base=base,
+            task_type=task_type,
+        )
+
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
@@ -288,6 +303,19 @@ def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:
         raise TrainConfigError(f"--model {model_dir}: {problem}")
 
 
+def _check_lora(cfg: TrainConfig, model_dir: Path) -> None:
+    """``--lora-adapter`` fits the base model; ``--lora-target-modules`` matches a layer of it."""
+    from hsdp.lora import adapter_config, check_targets
+
+    try:
+        if cfg.lora_adapter:
+            adapter_config(cfg.lora_adapter, model_dir, "--lora-adapter")
+        else:
+            check_targets(cfg.lora_config(str(model_dir)), model_dir, "--lora-target-modules")
+    except ValueError as exc:
+        raise TrainConfigError(str(exc)) from exc
+
+
 def preflight(cfg: TrainConfig) -> Preflight:
     """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
     from hsdp.models.builtin import resolve_model
@@ -311,7 +339,5 @@ def preflight(cfg: TrainConfig) -> Preflight:
     fingerprint = model_fingerprint(model_dir)
     _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:
-        from hsdp.train.lora import check_lora
-
-        check_lora(cfg, model_dir)
+        _check_lora(cfg, model_dir)
     return Preflight(model_dir, fingerprint, _resume_target(cfg, fingerprint))

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from hsdp import lora
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
@@ -36,7 +37,6 @@ from hsdp.measure import peak_memory, reset_peak_memory
 from hsdp.measure.comm import measure_comm
 from hsdp.mesh import build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
-from hsdp.train import lora
 from hsdp.train.config import TrainConfig, TrainConfigError, preflight
 from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
@@ -134,7 +134,7 @@ class Trainer:
         self.dp_rank = self.meshes.data_parallel_rank
 
         torch.manual_seed(cfg.seed)
-        self.lora = lora.lora_config(cfg, str(self.model_dir)) if cfg.use_lora else None
+        self.lora = cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM") if cfg.use_lora else None
         self.model = load_pretrained(
             self.model_dir,
             self.parallel,

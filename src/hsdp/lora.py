@@ -1,5 +1,8 @@
 """LoRA with ``peft`` on a sharded base model: inject, initialise, check, export.
 
+Shared by training (``hsdp.train``) and inference (``hsdp.engine``, ``hsdp.serve``), so it sits below both and
+knows neither: configs come in as peft objects or plain values, never as a command line's settings.
+
 The adapters are injected with ``peft.inject_adapter_in_model`` into the empty (meta) model before FSDP2 shards
 it, so each adapter lives in the FSDP unit of the layer it adapts. The base stays frozen in its checkpoint dtype;
 adapters are fp32 (only trainable parameters must share a dtype in an FSDP2 unit, and peft casts a layer's input
@@ -27,7 +30,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.loading import local_slices
-from hsdp.train.config import TrainConfig, TrainConfigError
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -36,7 +38,7 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "lora_config",
     "injector",
-    "check_lora",
+    "check_targets",
     "adapter_config",
     "adapter_injector",
     "init_adapters",
@@ -51,23 +53,32 @@ ADAPTER = "default"  # peft's adapter name inside the model; dropped from the ke
 _LORA_KEY = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
 
 
-def lora_config(cfg: TrainConfig, base: str = ""):
-    """The ``peft.LoraConfig`` of a run: from ``--lora-adapter``'s folder when given, else from the flags."""
+def lora_config(
+    *,
+    r: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str] | str,
+    adapter: str | None = None,
+    base: str = "",
+    task_type: str | None = None,
+) -> LoraConfig:
+    """A ``peft.LoraConfig``: from the adapter folder ``adapter`` when given (to continue training it), else from
+    the values (``targets`` a list of module names or peft's ``"all-linear"``)."""
     from peft import LoraConfig
 
-    if cfg.lora_adapter:
-        config = LoraConfig.from_pretrained(cfg.lora_adapter)
+    if adapter:
+        config = LoraConfig.from_pretrained(adapter)
         config.inference_mode = False
         config.base_model_name_or_path = base or config.base_model_name_or_path
         return config
-    targets = list(cfg.lora_target_modules) or "all-linear"  # every linear layer but the output head
     return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets) if not isinstance(targets, str) else targets,
         base_model_name_or_path=base or None,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
 
 
@@ -120,22 +131,18 @@ def _linear_names(model: nn.Module) -> str:
     )
 
 
-def check_lora(cfg: TrainConfig, model_dir: Path) -> None:
-    """Inject the adapters into a meta copy of the model: the targets must match, and a ``--lora-adapter`` must
-    hold exactly the adapter tensors of this base model, in the same shapes. Reads only small files."""
-    if cfg.lora_adapter:
-        try:
-            adapter_config(cfg.lora_adapter, model_dir, "--lora-adapter")
-        except ValueError as exc:
-            raise TrainConfigError(str(exc)) from exc
-        return
+def check_targets(config: LoraConfig, model_dir: Path, flag: str) -> None:
+    """Inject ``config``'s adapters into a meta copy of the model in ``model_dir``: its targets must match a layer;
+    a ``ValueError`` naming ``flag`` and the model's linear layers otherwise. Reads only small files."""
     model = _meta_model(model_dir)
     try:
-        injector(lora_config(cfg, str(model_dir)))(model)
+        injector(config)(model)
     except ValueError as exc:
-        raise TrainConfigError(
-            f"--lora-target-modules: {' '.join(cfg.lora_target_modules) or 'all-linear'} matched no layer of "
-            f"{type(model).__name__} ({exc}); its linear layers are named {_linear_names(model)}"
+        targets = config.target_modules
+        shown = " ".join(sorted(targets)) if isinstance(targets, (set, list)) else str(targets)
+        raise ValueError(
+            f"{flag}: {shown} matched no layer of {type(model).__name__} ({exc}); its linear layers are named "
+            f"{_linear_names(model)}"
         ) from exc
 
 
