@@ -101,10 +101,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lora",
+        action="append",
         default=None,
-        metavar="PATH",
-        help="apply this peft LoRA adapter folder (hsdp train --export, PeftModel.save_pretrained) to the sharded "
-        "causal LM, or to a pipeline's one denoiser: unmerged, adapters in fp32 as peft loads them",
+        metavar="[NAME=]PATH",
+        help="a peft LoRA adapter folder (hsdp train --export, PeftModel.save_pretrained) for the sharded causal LM "
+        "or a pipeline's one denoiser: unmerged, in fp32 as peft loads it, sharded with the base (hsdp serve: "
+        "repeatable, each served under NAME, default the folder's name)",
     )
 
 
@@ -147,6 +149,7 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from hsdp.engine import Engine, SamplingParams
+    from hsdp.engine.adapters import parse_adapters
     from hsdp.engine.model_info import inspect_model
     from hsdp.engine.outputs import output_suffix_problem
     from hsdp.engine.params import batch_size_problem, build_requests
@@ -181,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         problem = batch_size_problem(info.kind, args.batch_size)
         if problem:
             raise ValueError(problem)
+        if args.lora and len(args.lora) > 1:
+            raise ValueError(f"--lora is given {len(args.lora)} times; hsdp generate applies one adapter")
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             progress=True,
             weight_dtype=args.weight_dtype,
             device_memory=args.device_memory,
-            lora=args.lora,
+            lora=next(iter(parse_adapters(args.lora).values())) if args.lora else None,
         ) as engine:
             outputs = engine.generate(
                 args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from hsdp import distributed
 from hsdp.config import ParallelConfig
-from hsdp.engine import worker
+from hsdp.engine import adapters, worker
 from hsdp.engine.control import CancelBoard
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
@@ -162,16 +163,22 @@ def lora_target(info: ModelInfo) -> Path:
     return info.path / info.denoisers[0] if info.kind == "diffusion" else info.path
 
 
+LoraArg = str | os.PathLike | Mapping[str, str | os.PathLike] | None
+
+
 def _check_lora(
-    info: ModelInfo, config: ParallelConfig, weight_dtype: str | None, lora: str | os.PathLike | None
-) -> Path | None:
-    """``--lora``: a peft LoRA adapter folder that fits the model and layout, checked before any process starts
-    (reads the adapter's config and safetensors header and the model's config only)."""
+    info: ModelInfo, config: ParallelConfig, weight_dtype: str | None, lora: LoraArg
+) -> dict[str, adapters.AdapterSpec]:
+    """``--lora``: peft LoRA adapter folders (one path, or names -> paths; an empty mapping for slots filled at
+    run time) that fit the model and layout, checked before any process starts (reads the adapters' configs and
+    safetensors headers and the model's config only)."""
     if lora is None:
-        return None
+        return {}
+    named = dict(lora) if isinstance(lora, Mapping) else {Path(lora).resolve().name: lora}
+    shown = " ".join(str(p) for p in named.values())
     if info.kind == "diffusion" and len(info.denoisers) != 1:
         raise ValueError(
-            f"--lora {lora}: {info.class_name} has {len(info.denoisers)} denoisers ({', '.join(info.denoisers)}), "
+            f"--lora {shown}: {info.class_name} has {len(info.denoisers)} denoisers ({', '.join(info.denoisers)}), "
             "and a peft adapter folder adapts one model; fuse the adapters into the pipeline (diffusers' "
             "load_lora_weights, fuse_lora, save_pretrained) and pass that folder without --lora"
         )
@@ -186,10 +193,7 @@ def _check_lora(
             "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
             "then save_pretrained) and pass that folder without --lora"
         )
-    from hsdp.lora import adapter_config
-
-    adapter_config(lora, lora_target(info), "--lora")
-    return Path(lora).resolve()
+    return {name: adapters.describe_adapter(name, path, lora_target(info), "--lora") for name, path in named.items()}
 
 
 class _TorchrunRanks:
@@ -250,7 +254,9 @@ class Engine:
         cancellable: bool = False,
         weight_dtype: str | None = None,
         device_memory: int | str | None = None,
-        lora: str | os.PathLike | None = None,
+        lora: LoraArg = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -263,8 +269,12 @@ class Engine:
         ``weight_dtype`` (``int8``; ``fp8`` on devices with fp8 kernels) stores the sharded Linear weights in 8 bits
         and all-gathers them so (:mod:`hsdp.quantize`). ``device_memory`` (bytes or a size such as ``"24GiB"``)
         plans which blocks stay gathered and the prefetch depth from that budget per rank
-        (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`). ``lora``: a peft LoRA adapter
-        folder applied, unmerged, to a causal LM or to a pipeline's one denoiser (:func:`hsdp.lora.adapter_injector`)."""
+        (:mod:`hsdp.engine.device_memory`; the choice is in :attr:`memory_plan`). ``lora``: peft LoRA adapter
+        folders for a causal LM or a pipeline's one denoiser, held unmerged in ``max_loras`` slots (default: one
+        per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
+        (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
+        otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`)."""
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
@@ -272,7 +282,16 @@ class Engine:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
-        self.lora = _check_lora(self.info, self.config, weight_dtype, lora)
+        specs = _check_lora(self.info, self.config, weight_dtype, {} if lora is None and max_loras else lora)
+        self.adapters: adapters.AdapterCache | None = None
+        if specs or max_loras:
+            slots = adapters.slot_spec(
+                specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank
+            )
+            self.adapters = adapters.AdapterCache(slots, specs.values())
+        self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
+        """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
+        self.lora = specs[self.default_adapter].path if self.default_adapter else None
         self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype, weight_dtype)
         self.progress = progress
         self.call_timeout_s = call_timeout_s
@@ -299,10 +318,12 @@ class Engine:
             cancel_address=self._board.address if self._board else None,
             weight_dtype=weight_dtype,
             load_options=_load_options(self.info, self.memory_plan),
-            lora=self.lora,
+            lora=self.adapters.slots if self.adapters else None,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
+            for name in list(specs)[: self.adapters.slots.count if self.adapters else 0]:
+                self._slot_for(name)
         except BaseException:
             self.close()
             raise
@@ -354,6 +375,8 @@ class Engine:
         on_progress: Callable[[int, int, int], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         batch_size: int = 1,
+        adapter: str | None = None,
+        adapter_scale: float = 1.0,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
 
@@ -363,9 +386,13 @@ class Engine:
         ``on_token(request_id, token_id)`` after each generated token (causal LMs), for streaming.
         ``batch_size`` > 1 (diffusion) runs up to that many of a rank's requests as one batch through the
         pipeline, each with its own seed and noise: one forward per step for all of them.
+        ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
+        ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
+        adapter = adapter or self.default_adapter
+        self._check_adapter(adapter, adapter_scale)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         problem = batch_size_problem(self.kind, batch_size)
         if problem:
@@ -379,6 +406,7 @@ class Engine:
         with self._lock:
             self._call_id += 1
             try:
+                active = self._activate(adapter, adapter_scale)
                 results = self._group.run(
                     worker.generate,
                     requests,
@@ -387,6 +415,7 @@ class Engine:
                     measure_comm,
                     self._call_id,
                     batch_size,
+                    active,
                     timeout_s=self.call_timeout_s,
                     on_event=_event_listener(on_progress, on_token),
                 )
@@ -411,6 +440,56 @@ class Engine:
                     )
                 )
         return sorted(outputs, key=lambda o: o.request_id)
+
+    def _check_adapter(self, name: str | None, scale: float) -> None:
+        if name is None:
+            return
+        if self.adapters is None:
+            raise ValueError(
+                f"adapter={name!r}: this engine holds no LoRA adapters; start it with lora= (--lora NAME=PATH)"
+            )
+        self.adapters.spec(name)
+        if not math.isfinite(scale):
+            raise ValueError(f"adapter_scale={scale} must be a finite number (1.0: the adapter as trained)")
+
+    def _slot_for(self, name: str) -> int:
+        """The slot holding adapter ``name``, filled on the ranks first when it is in none (evicting the least
+        recently used). Caller holds the lock."""
+        assert self.adapters is not None
+        slot = self.adapters.lookup(name)
+        if slot is None:
+            slot = self.adapters.free_slot()
+            self._group.run(worker.load_adapter, slot, self.adapters.spec(name), timeout_s=self.call_timeout_s)
+            self.adapters.loaded(name, slot)
+        return slot
+
+    def _activate(self, name: str | None, scale: float) -> adapters.ActiveAdapter | None:
+        """What the ranks activate for a call with adapter ``name`` (loading it into a slot when needed)."""
+        if self.adapters is None:
+            return None
+        slot = self._slot_for(name) if name is not None else None
+        return self.adapters.use(name, slot, scale)
+
+    def add_adapter(self, name: str, path: str | os.PathLike, flag: str = "lora") -> None:
+        """Serve the peft LoRA adapter folder ``path`` as ``name`` from now on (checked like ``lora=``; loaded
+        into a slot when first used). ``ValueError`` naming ``flag`` when it does not fit the model or the slots."""
+        if self.adapters is None:
+            raise ValueError(f"{flag}: this engine has no adapter slots; start it with --max-loras N (or --lora)")
+        spec = adapters.describe_adapter(name, path, lora_target(self.info), flag)
+        with self._lock:
+            self.adapters.add(spec, flag)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (its slot is free for the next one)."""
+        if self.adapters is None:
+            raise adapters.UnknownAdapter(name, [])
+        with self._lock:
+            self.adapters.remove(name)
+
+    @property
+    def adapter_stats(self) -> dict | None:
+        """Adapters known and resident, slot loads, switches and evictions (None without adapter slots)."""
+        return self.adapters.stats() if self.adapters else None
 
     def cancel(self, request_id: int) -> None:
         """Stop request ``request_id`` (its index in the running :meth:`generate` call's prompts) at its next

@@ -17,6 +17,7 @@ import torch
 
 from hsdp.config import ParallelConfig
 from hsdp.distributed import rank
+from hsdp.engine import adapters
 from hsdp.engine.control import CancelWatch, RequestCancelled
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, request_slots
@@ -32,6 +33,7 @@ __all__ = [
     "RankResult",
     "load",
     "load_component",
+    "load_adapter",
     "generate",
     "memory_report",
     "unload",
@@ -55,8 +57,9 @@ class LoadSpec:
     """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
     load_options: dict[str, dict] | None = None
     """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
-    lora: Path | None = None
-    """A peft LoRA adapter folder (``--lora``) for the causal LM or the pipeline's denoiser, checked by the caller."""
+    lora: adapters.SlotSpec | None = None
+    """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
+    denoiser before sharding; the caller fills them (:func:`load_adapter`) and picks one per call."""
 
 
 @dataclass
@@ -94,23 +97,22 @@ def load(spec: LoadSpec) -> dict:
 
 
 def load_component(
-    spec: LoadSpec, meshes: ParallelMeshes, component: str | None = None, *, lora: Path | None = None
+    spec: LoadSpec,
+    meshes: ParallelMeshes,
+    component: str | None = None,
+    *,
+    lora: adapters.SlotSpec | None = None,
 ) -> torch.nn.Module:
     """Load the model of ``spec`` (a causal LM), or its pipeline's ``component`` folder, as a runner holds it.
 
     With HSDP it is sharded over ``meshes`` with explicit forward prefetch (``spec.forward_prefetch``), the
     8-bit ``spec.weight_dtype`` and the component's ``spec.load_options`` (a causal LM's are under ``model``);
-    without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: a peft
-    adapter folder applied to it, unmerged (:func:`hsdp.lora.adapter_injector`)."""
+    without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: adapter
+    slots injected on meta before sharding, all off (:meth:`hsdp.engine.adapters.SlotSpec.inject`)."""
     from hsdp.engine.parallel import overlap_options
     from hsdp.loading import load_pretrained
 
     config = spec.config
-    prepare = None
-    if lora is not None:
-        from hsdp.lora import adapter_injector
-
-        prepare = adapter_injector(lora)
     shard = {}
     if config.use_hsdp:
         shard = {
@@ -123,15 +125,19 @@ def load_component(
         config if config.use_hsdp else ParallelConfig(),
         dtype=spec.dtype or "auto",
         weight_dtype=spec.weight_dtype,
-        prepare=prepare,
+        prepare=lora.inject if lora is not None else None,
         **shard,
     )
     if lora is not None:
-        from hsdp.lora import init_adapters
-
-        count = init_adapters(model, seed=0, adapter_dir=str(lora))
-        logger.info("LoRA adapter %s on %s: %d parameters, unmerged", lora, component or "the model", count)
+        logger.info("%d LoRA slots of rank %d on %s", lora.count, lora.rank, component or "the model")
     return model
+
+
+def load_adapter(slot: int, adapter: adapters.AdapterSpec) -> int:
+    """Fill adapter ``slot`` of the loaded model with ``adapter`` (this rank's slices; no communication)."""
+    count = adapters.fill(_loaded()[0].modules(), slot, adapter)
+    logger.info("LoRA adapter %s in slot %d: %d parameters", adapter.name, slot, count)
+    return count
 
 
 def memory_report() -> dict:
@@ -163,15 +169,17 @@ def generate(
     measure_comm: bool = False,
     call_id: int = 0,
     batch_size: int = 1,
+    adapter: adapters.ActiveAdapter | None = None,
 ) -> RankResult:
     """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
 
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
     request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
     A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
-    ``cancelled``.
+    ``cancelled``. ``adapter``: the LoRA slot and scalings the call uses (None: the base alone).
     """
     runner, config, meshes, watch = _loaded()
+    adapters.activate(runner.modules(), adapter)
     slots = request_slots(config)
     mine = requests[meshes.data_parallel_rank :: slots] if slots > 1 else requests
     reports = slots > 1 or rank() == 0

@@ -35,12 +35,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="the name clients pass as 'model' (default: MODEL, or the --lora folder's name)",
+        help="the name clients pass as 'model' for the base (default: MODEL; adapters go by their --lora NAME)",
     )
     parser.add_argument(
         "--output-dir", type=Path, default=Path("outputs/serve"), help="job records and videos"
     )
     add_engine_arguments(parser)
+    adapters = parser.add_argument_group("LoRA adapters (several on one sharded base, chosen per request)")
+    adapters.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapters held on the ranks at once, least recently used evicted (default: one per --lora)",
+    )
+    adapters.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="rank of the adapter slots; adapters of lower rank fit (default: the largest --lora's, else 16)",
+    )
+    adapters.add_argument(
+        "--lora-root",
+        type=Path,
+        default=None,
+        help="a request's lora.local_path and POST /v1/load_lora_adapter's lora_path must lie under this folder",
+    )
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
     parser.add_argument(
         "--job-timeout", type=float, default=600.0, help="seconds per engine call before the workers restart"
@@ -98,7 +117,11 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
         device_memory=args.device_memory,
-        lora=args.lora,
+        lora=tuple(args.lora or ()),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_root=args.lora_root,
+        host=args.host,
         forward_prefetch=args.forward_prefetch,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,

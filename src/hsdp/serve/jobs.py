@@ -106,7 +106,9 @@ class Job:
     def batch_key(self) -> str:
         if self.solo:
             return self.id
-        return json.dumps([self.kind.replace("_sync", ""), self.params], sort_keys=True)
+        # One adapter and one scale per engine call (hsdp.engine.adapters): they are part of the key.
+        adapter = [self.meta.get("adapter"), self.meta.get("adapter_scale")]
+        return json.dumps([self.kind.replace("_sync", ""), self.params, adapter], sort_keys=True)
 
     def record(self) -> dict:
         record = {k: v for k, v in asdict(self).items() if k in _PERSISTED}

@@ -34,7 +34,10 @@ class _Writer:
             )
 
 
-def render_metrics(model: str, store: JobStore, stats: RunnerStats) -> str:
+def render_metrics(
+    model: str, store: JobStore, stats: RunnerStats, loads: dict[str, int] | None = None
+) -> str:
+    """``loads``: the server's ``base_loads`` and LoRA adapter ``loads``, ``switches`` and ``evictions``."""
     w = _Writer()
     m = {"model": model}
     w.metric("hsdp_queue_depth", "gauge", "Jobs waiting for the engine.", [(m, store.depth())])
@@ -110,6 +113,19 @@ def render_metrics(model: str, store: JobStore, stats: RunnerStats) -> str:
         [(m, stats.ttft_seconds_sum), (m, stats.ttft_count)],
         suffixes=("_sum", "_count"),
     )
+    if loads is not None:
+        w.metric(
+            "hsdp_base_loads_total",
+            "counter",
+            "Times the base model was loaded (engine starts).",
+            [(m, loads["base_loads"])],
+        )
+        for name, help_text in (
+            ("loads", "LoRA adapters copied into a slot on the ranks."),
+            ("switches", "Engine calls whose adapter (or the base) differs from the previous call's."),
+            ("evictions", "Adapters evicted from their slot (least recently used) for another."),
+        ):
+            w.metric(f"hsdp_adapter_{name}_total", "counter", help_text, [(m, loads[name])])
     w.metric(
         "hsdp_engine_state",
         "gauge",

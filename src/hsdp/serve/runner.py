@@ -225,6 +225,8 @@ class EngineRunner:
                 on_progress=on_progress,
                 on_token=on_token,
                 batch_size=self.max_batch_size if engine.kind == "diffusion" else 1,
+                # A LoRA adapter and its scale, when the jobs name one (the batch key holds one of each).
+                **{k: batch[0].meta[k] for k in ("adapter", "adapter_scale") if k in batch[0].meta},
             )
         except Exception as exc:
             self._fail_batch(batch, exc, engine)

@@ -64,6 +64,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
 
 
+class LoraRequest(_Strict):
+    """vLLM-Omni's per-request ``lora``: an adapter served by name, or loaded from ``local_path`` (under the
+    server's ``--lora-root``) under that name on first use; ``scale`` multiplies its ``lora_alpha / r``."""
+
+    name: str = Field(..., min_length=1, max_length=256)
+    local_path: str | None = Field(None, max_length=4096)
+    scale: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(..., min_length=1, max_length=256)
+    lora_path: str = Field(..., min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(..., min_length=1, max_length=256)
+
+
 class DiffusionFields(_Strict):
     """Generation fields every diffusion endpoint takes. A field the pipeline's ``__call__`` does not take
     (``true_cfg_scale`` for Wan, ``guidance_scale_2`` for FLUX, ...) is a 400 naming it when set."""
@@ -89,6 +111,7 @@ class DiffusionFields(_Strict):
         None, ge=0.0, le=100.0, allow_inf_nan=False, description="FLUX / Qwen-Image true CFG"
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
+    lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
 
 
 class VideoRequest(DiffusionFields):

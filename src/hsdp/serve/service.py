@@ -12,11 +12,14 @@ import json
 import logging
 import random
 import re
+import threading
+from collections import Counter
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.adapters import parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
 from hsdp.serve.jobs import Job, JobStore, QueueFull
@@ -29,6 +32,7 @@ from hsdp.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DiffusionFields,
+    LoraRequest,
     VideoJob,
     check_limits,
     parse_size,
@@ -46,6 +50,8 @@ __all__ = ["Server"]
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
 """Per-job values (the Job holds them), not part of the parameters a batch shares."""
 _PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_ADAPTER_COUNTS = ("loads", "switches", "evictions")
 
 
 class Server:
@@ -65,21 +71,39 @@ class Server:
         )
         self.tokenizer = None
         self.max_positions: int | None = None
+        self.adapter_paths: dict[str, Path] = parse_adapters(settings.lora)
+        """Adapter name -> folder: ``--lora`` and those loaded since (a restarted engine gets them all)."""
+        self._adapters_lock = threading.Lock()
+        self.base_loads = 0
+        """Engines started: the base is loaded once per engine, never to switch adapters."""
+        self._earlier_adapter_counts: Counter = Counter()
 
     def _make_engine(self) -> Engine:
         s = self.settings
-        return Engine(
+        previous = self.runner.engine.adapter_stats if self.runner.engine is not None else None
+        engine = Engine(
             s.model,
             s.parallel_config,
             dtype=s.dtype,
             weight_dtype=s.weight_dtype,
             device_memory=s.device_memory,
             forward_prefetch=s.forward_prefetch,
-            lora=s.lora,
+            lora=dict(self.adapter_paths) or None,
+            max_loras=s.adapter_slots,
+            max_lora_rank=s.max_lora_rank,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
             cancellable=True,
         )
+        self.base_loads += 1
+        self._earlier_adapter_counts.update({k: (previous or {}).get(k, 0) for k in _ADAPTER_COUNTS})
+        return engine
+
+    def adapter_counts(self) -> dict[str, int]:
+        """Adapter slot loads, switches and evictions since the server started (over engine restarts)."""
+        engine = self.runner.engine
+        current = (engine.adapter_stats if engine is not None else None) or {}
+        return {k: self._earlier_adapter_counts[k] + current.get(k, 0) for k in _ADAPTER_COUNTS}
 
     def start(self) -> None:
         loaded, requeued = self.store.load()
@@ -120,27 +144,23 @@ class Server:
     def name(self) -> str:
         return self.settings.name
 
-    @property
-    def adapter(self) -> Path | None:
-        """The ``--lora`` adapter folder applied to the served model, if any."""
-        return Path(self.settings.lora).resolve() if self.settings.lora else None
-
     # -- checks ----------------------------------------------------------------------------------------------
     def _model_names(self) -> tuple[str, ...]:
-        """What a request's ``model`` may say. With ``--lora`` the base's own names are not among them: only the
-        adapted model is served, and a client asking for the base must not get the adapter's outputs."""
-        if self.adapter:
-            return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.lora), str(self.adapter))
+        """What a request's ``model`` may say for the base (adapters go by their names)."""
         return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.model), str(self.info.path))
 
+    def _not_served(self, requested: str, param: str) -> ApiError:
+        served = ", ".join([repr(self.name), *(repr(n) for n in sorted(self.adapter_paths))])
+        return ApiError(
+            404,
+            f"model {requested!r} is not served here; this server serves {served} (GET /v1/models)",
+            param=param,
+            code="model_not_found",
+        )
+
     def check_model(self, requested: str | None, needs: str) -> None:
-        if requested is not None and requested not in self._model_names():
-            raise ApiError(
-                404,
-                f"model {requested!r} is not served here; this server runs {self.name!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        if requested is not None and requested not in self._model_names() and requested not in self.adapter_paths:
+            raise self._not_served(requested, "model")
         if self.kind != needs:
             hint = (
                 "POST /v1/completions or /v1/chat/completions"
@@ -152,6 +172,70 @@ class Server:
                 f"this server runs {self.name!r}, a {self.kind.replace('_', ' ')} model; use {hint}",
                 code="wrong_model_kind",
             )
+
+    # -- adapters --------------------------------------------------------------------------------------------
+    def adapter_choice(self, model: str | None, lora: LoraRequest | None) -> dict:
+        """The job ``meta`` naming a request's adapter and scale (empty for the base): ``model`` naming an
+        adapter (vLLM), or the ``lora`` field (vLLM-Omni), whose ``local_path`` loads it under its name."""
+        adapter = model if model in self.adapter_paths else None
+        if lora is None:
+            return {"adapter": adapter, "adapter_scale": 1.0} if adapter else {}
+        if adapter is not None and adapter != lora.name:
+            raise ApiError(
+                400, f"model names the adapter {adapter!r} and lora.name {lora.name!r}; give one", param="lora"
+            )
+        if lora.local_path is not None:
+            self.load_adapter(lora.name, lora.local_path, "lora.local_path")
+        elif lora.name not in self.adapter_paths:
+            raise self._not_served(lora.name, "lora.name")
+        return {"adapter": lora.name, "adapter_scale": lora.scale}
+
+    def check_adapter_admin(self, flag: str) -> None:
+        """Loading adapters from paths is refused off loopback without ``--api-key`` (anyone could point the
+        server at any folder under ``--lora-root``)."""
+        if self.settings.api_key is None and self.settings.host not in LOOPBACK:
+            raise ApiError(
+                403,
+                f"{flag}: loading adapters is refused on {self.settings.host} without --api-key; restart with "
+                "--api-key (or bind to 127.0.0.1)",
+                param=flag,
+                code="forbidden",
+            )
+
+    def load_adapter(self, name: str, path: str, flag: str) -> None:
+        """Serve the adapter folder ``path`` (under ``--lora-root``) as ``name``; idempotent for the same
+        folder. 400 naming ``flag`` when it is outside the root, not a LoRA folder or for another base."""
+        self.check_adapter_admin(flag)
+        root = self.settings.lora_root
+        if root is None:
+            raise ApiError(
+                400, f"{flag}: this server loads no adapters from paths; start it with --lora-root DIR", param=flag
+            )
+        folder = (Path(root) / path).resolve()
+        if not folder.is_relative_to(Path(root).resolve()):
+            raise ApiError(400, f"{flag} {path}: outside --lora-root {root}; give a folder under it", param=flag)
+        with self._adapters_lock:
+            if self.adapter_paths.get(name) == folder:
+                return
+            if name in self.adapter_paths or name in self._model_names():
+                raise ApiError(400, f"{flag}: the name {name!r} is already served; unload it or pick another")
+            try:
+                self.runner.engine.add_adapter(name, folder, flag)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param=flag, code="invalid_lora") from exc
+            self.adapter_paths[name] = folder
+        logger.info("serving the LoRA adapter %s from %s", name, folder)
+
+    def unload_adapter(self, name: str) -> None:
+        self.check_adapter_admin("lora_name")
+        with self._adapters_lock:
+            if name not in self.adapter_paths:
+                raise self._not_served(name, "lora_name")
+            del self.adapter_paths[name]
+            engine = self.runner.engine
+            if engine is not None and not engine.closed and name in engine.adapter_stats["adapters"]:
+                engine.remove_adapter(name)
+        logger.info("stopped serving the LoRA adapter %s", name)
 
     def _engine_params(
         self, params: SamplingParams, fields_named: dict[str, str] | None = None
@@ -298,7 +382,8 @@ class Server:
                 param="num_frames",
             )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
-        meta = {"fps": fps, "model": self.name, "format": output_format}
+        adapter = self.adapter_choice(request.model, request.lora)
+        meta = {"fps": fps, "model": adapter.get("adapter", self.name), "format": output_format, **adapter}
         inputs = {u.engine_field: u.data for u in (image, mask) if u is not None}
         return [
             Job(
@@ -358,6 +443,7 @@ class Server:
             )
         )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
+        adapter = self.adapter_choice(request.model, None)
         jobs = []
         for i, prompt in enumerate(prompts):
             prompt_tokens = len(self.tokenizer(prompt)["input_ids"])
@@ -370,6 +456,8 @@ class Server:
                     code="context_length_exceeded",
                 )
             jobs.append(
-                Job("text", prompt, self._shared(params), seed + i, meta={"prompt_tokens": prompt_tokens})
+                Job(
+                    "text", prompt, self._shared(params), seed + i, meta={"prompt_tokens": prompt_tokens, **adapter}
+                )
             )
         return jobs

@@ -51,9 +51,19 @@ class ServeSettings:
     """``int8`` / ``fp8``: 8-bit weight shards (``--weight-dtype``, :mod:`hsdp.quantize`)."""
     device_memory: str | None = None
     """Memory per rank (``--device-memory``, e.g. ``24GiB``): residency and prefetch planned from it."""
-    lora: str | None = None
-    """A peft LoRA adapter folder applied to the model (``--lora``); the server then serves only the adapted
-    model, under the adapter folder's name unless ``served_model_name`` is given."""
+    lora: tuple[str, ...] = ()
+    """peft LoRA adapter folders (``--lora [NAME=]PATH``, repeatable), each served as a model of its own under
+    NAME (default: the folder's name) beside the base (:mod:`hsdp.engine.adapters`)."""
+    max_loras: int | None = None
+    """Adapters held on the ranks at once (``--max-loras``, LRU); default one per ``--lora``, 1 with only
+    ``--lora-root``."""
+    max_lora_rank: int | None = None
+    """Rank of the adapter slots (``--max-lora-rank``); default the largest ``--lora``'s, else 16."""
+    lora_root: Path | None = None
+    """Folder under which requests' ``lora.local_path`` and ``/v1/load_lora_adapter`` paths must lie
+    (``--lora-root``); None: no adapter is loaded from a request's path."""
+    host: str = "127.0.0.1"
+    """The bound address: adapter loading over HTTP is refused without ``--api-key`` off loopback."""
     forward_prefetch: bool = True
     """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
     max_queue: int = 64
@@ -73,7 +83,12 @@ class ServeSettings:
     def name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return Path(self.lora).resolve().name if self.lora else str(self.model)
+        return str(self.model)
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """``--max-loras`` as the engine takes it (None: no slots, or one per ``--lora``)."""
+        return self.max_loras or (1 if self.lora_root and not self.lora else None)
 
     def problems(self) -> list[str]:
         """Everything wrong with the settings, each naming its flag."""
@@ -88,6 +103,10 @@ class ServeSettings:
             problems.append(f"--max-attempts {self.max_attempts} must be >= 1")
         if self.max_batch_size < 1:
             problems.append(f"--max-batch-size {self.max_batch_size} must be >= 1")
+        if self.max_loras is not None and self.max_loras < 1:
+            problems.append(f"--max-loras {self.max_loras} must be >= 1")
+        if self.lora_root is not None and not Path(self.lora_root).is_dir():
+            problems.append(f"--lora-root {self.lora_root}: no such folder; pass the folder holding the adapters")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key (or HSDP_API_KEY) is empty; give a non-empty key or leave it unset")
         for name, value in vars(self.limits).items():

@@ -5,13 +5,14 @@
 - :mod:`~hsdp.serve.routes.videos`: ``/v1/videos`` (asynchronous jobs) and ``/v1/videos/sync``
 - :mod:`~hsdp.serve.routes.images`: ``/v1/images/generations``, ``/v1/images/edits``
 - :mod:`~hsdp.serve.routes.completions`: ``/v1/completions``, ``/v1/chat/completions``
+- :mod:`~hsdp.serve.routes.adapters`: ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``
 
 Handlers read the :class:`~hsdp.serve.service.Server` from ``app.state`` through
 :data:`~hsdp.serve.routes.common.ServerDep`.
 """
 
-from hsdp.serve.routes import completions, images, system, videos
+from hsdp.serve.routes import adapters, completions, images, system, videos
 
 __all__ = ["ROUTERS"]
 
-ROUTERS = (system.router, videos.router, images.router, completions.router)
+ROUTERS = (system.router, videos.router, images.router, completions.router, adapters.router)

@@ -24,17 +24,19 @@ async def health(server: ServerDep) -> JSONResponse:
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(server: ServerDep) -> ModelList:
-    adapter = server.adapter
-    card = ModelCard(
-        id=server.name,
-        created=int(server.info.path.stat().st_mtime),
-        kind=server.kind,
-        root=str(adapter) if adapter else None,
-        parent=str(server.settings.model) if adapter else None,
-    )
-    return ModelList(data=[card])
+    """The base, then each LoRA adapter as vLLM lists one: its folder as ``root``, the base as ``parent``."""
+    created = int(server.info.path.stat().st_mtime)
+    base = ModelCard(id=server.name, created=created, kind=server.kind)
+    adapters = [
+        ModelCard(id=name, created=created, kind=server.kind, root=str(path), parent=server.name)
+        for name, path in sorted(server.adapter_paths.items())
+    ]
+    return ModelList(data=[base, *adapters])
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(server: ServerDep) -> Response:
-    return Response(render_metrics(server.name, server.store, server.runner.stats), media_type=CONTENT_TYPE)
+    counts = {**server.adapter_counts(), "base_loads": server.base_loads}
+    return Response(
+        render_metrics(server.name, server.store, server.runner.stats, counts), media_type=CONTENT_TYPE
+    )

@@ -1,0 +1,328 @@
+"""Several LoRA adapters on one sharded base, chosen per call: adapter slots, their contents, and an LRU over them.
+
+peft holds several adapters in one model (``inject_adapter_in_model(..., adapter_name=...)``) and each LoRA layer
+adds only its active ones. Adapters injected after FSDP2 has sharded the base would not be sharded, so the engine
+injects ``--max-loras`` empty *slots* on meta before ``fully_shard`` (:meth:`SlotSpec.inject`): one peft adapter per
+slot, rank ``--max-lora-rank``, on the union of the layers the adapters adapt. Each slot lives in the FSDP unit of
+the layer it adapts, sharded as that layer is. Filling a slot from a peft adapter folder (:func:`fill`) copies each
+rank's slice of the zero-padded ``lora_A`` (rows past the adapter's rank are zero) and ``lora_B`` (columns past it
+are zero): ``B_pad @ A_pad == B @ A``, so any adapter of rank <= the slot's fits; no communication, no re-sharding,
+the base is never reloaded. Before each call :func:`activate` makes one slot active with the adapter's own per-layer
+``lora_alpha / r`` (peft's, rsLoRA and rank/alpha patterns included) times the request's scale, and layers the
+adapter does not adapt run the base alone; no adapter means every slot is off, the base exactly.
+
+A padded slot computes the same sum as peft with the adapter alone, with zeros added: equal to peft exactly when
+the adapter's rank is the slot's, and within float rounding (measured: relative 1e-6) when it is smaller, because
+the matmul kernels group a longer inner dimension differently.
+
+The caller side (:class:`AdapterCache`) keeps which adapter sits in which slot, evicts the least recently used
+when a new one is needed, and counts loads and switches; a call uses one adapter and one scale.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hsdp.lora import ADAPTER_WEIGHTS, adapter_config
+
+__all__ = [
+    "SlotSpec",
+    "AdapterSpec",
+    "ActiveAdapter",
+    "AdapterCache",
+    "UnknownAdapter",
+    "describe_adapter",
+    "slot_spec",
+    "parse_adapters",
+    "fill",
+    "activate",
+]
+
+_UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "target_parameters")
+"""peft LoRA options that change more than ``B @ A`` on the adapted layers; a slot holds only that."""
+
+
+class UnknownAdapter(ValueError):
+    """An adapter name that is not served; the message lists the names that are."""
+
+    def __init__(self, name: str, served: Iterable[str]):
+        self.name, self.served = name, sorted(served)
+        super().__init__(
+            f"no adapter named {name!r}; the adapters served are: {', '.join(self.served) or 'none'}"
+        )
+
+
+def slot_name(slot: int) -> str:
+    return f"slot{slot}"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A peft LoRA adapter folder as the slots need it, read on the caller side from small files only."""
+
+    name: str
+    path: Path
+    layers: dict[str, tuple[int, float]]
+    """Adapted module (qualified name in the adapted model) -> (rank, peft's scaling ``lora_alpha / r``)."""
+
+    @property
+    def rank(self) -> int:
+        return max(r for r, _ in self.layers.values())
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """The empty adapter slots injected into the base before sharding (sent to the ranks)."""
+
+    count: int
+    rank: int
+    targets: tuple[str, ...]
+    """Qualified module names; each is a peft target matching exactly that module."""
+
+    def inject(self, model: nn.Module) -> None:
+        """A ``load_pretrained(prepare=...)`` hook: ``count`` zero-able adapters on meta, fp32, all off."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        config = LoraConfig(r=self.rank, lora_alpha=self.rank, target_modules=list(self.targets))
+        for slot in range(self.count):
+            inject_adapter_in_model(config, model, adapter_name=slot_name(slot), low_cpu_mem_usage=True)
+        for name, param in model.named_parameters():
+            is_slot = ".lora_A." in name or ".lora_B." in name
+            # Trainable like ``hsdp.lora.injector``'s adapters: FSDP2 needs one dtype among trainable parameters
+            # only, so fp32 slots sit beside a bf16 base in one unit.
+            param.requires_grad_(is_slot)
+            if is_slot and param.dtype != torch.float32:
+                param.data = param.data.float()
+        activate([model], None)
+
+    def problem(self, adapter: AdapterSpec, flag: str) -> str | None:
+        """Why ``adapter`` does not fit these slots (rank or layers), or None."""
+        if adapter.rank > self.rank:
+            return (
+                f"{flag} {adapter.path}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
+                f"the server with --max-lora-rank {adapter.rank} (or more)"
+            )
+        outside = sorted(set(adapter.layers) - set(self.targets))
+        if outside:
+            return (
+                f"{flag} {adapter.path} adapts {len(outside)} layer(s) the adapter slots do not cover "
+                f"({', '.join(outside[:3])}...); the slots cover the layers of the adapters given at start "
+                "(--lora); give one adapter with these layers at start"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class ActiveAdapter:
+    """The slot a call uses and each adapted layer's scaling (the adapter's ``lora_alpha / r`` x the scale)."""
+
+    slot: int
+    scaling: dict[str, float]
+
+
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """peft's LoRA layers by qualified name (found by their adapter dicts, so a model without any, run once per
+    call, does not import peft)."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), nn.ModuleDict)
+    }
+
+
+def describe_adapter(name: str, folder: str | Path, model_dir: Path, flag: str) -> AdapterSpec:
+    """Check ``folder`` against the model in ``model_dir`` (:func:`hsdp.lora.adapter_config`: a peft LoRA folder
+    whose tensors are exactly that model's adapter tensors) and read its adapted layers, ranks and scalings by
+    injecting it into the model on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
+    from peft import inject_adapter_in_model
+
+    from hsdp.loading import build_empty_model, model_class_for
+
+    config = adapter_config(folder, model_dir, flag)
+    used = [f for f in _UNSUPPORTED if getattr(config, f, None)]
+    if used:
+        raise ValueError(
+            f"{flag} {folder}: {', '.join(used)} is set in its adapter_config.json; adapter slots hold plain "
+            "LoRA (B @ A on the adapted layers) only; merge it into the base (peft's merge_and_unload) instead"
+        )
+    model = build_empty_model(model_class_for(model_dir), model_dir, None)
+    inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+    layers = {n: (m.r["default"], float(m.scaling["default"])) for n, m in _lora_layers(model).items()}
+    return AdapterSpec(name=name, path=Path(folder).resolve(), layers=layers)
+
+
+def slot_spec(adapters: Iterable[AdapterSpec], model_dir: Path, count: int, rank: int | None) -> SlotSpec:
+    """Slots covering ``adapters``: their layers (every linear layer peft's ``all-linear`` picks when there are
+    none), of rank ``rank`` (default: the largest adapter's, 16 without adapters, as vLLM's ``--max-lora-rank``)."""
+    adapters = list(adapters)
+    if count < 1:
+        raise ValueError(f"--max-loras {count} must be >= 1")
+    largest = max((a.rank for a in adapters), default=0)
+    if rank is None:
+        rank = largest or 16
+    if rank < max(largest, 1):
+        raise ValueError(
+            f"--max-lora-rank {rank} is below the rank {largest} of an adapter given with --lora"
+        )
+    targets = set().union(*(a.layers for a in adapters)) if adapters else _all_linear(model_dir)
+    return SlotSpec(count=count, rank=rank, targets=tuple(sorted(targets)))
+
+
+def _all_linear(model_dir: Path) -> set[str]:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from hsdp.loading import build_empty_model, model_class_for
+
+    model = build_empty_model(model_class_for(model_dir), model_dir, None)
+    inject_adapter_in_model(LoraConfig(target_modules="all-linear"), model, low_cpu_mem_usage=True)
+    return set(_lora_layers(model))
+
+
+def parse_adapters(values: Iterable[str | Path], flag: str = "--lora") -> dict[str, Path]:
+    """``NAME=PATH`` or ``PATH`` (named after its folder) -> {name: path}; duplicate names are an error."""
+    adapters: dict[str, Path] = {}
+    for value in values:
+        text = str(value)
+        name, sep, path = text.partition("=")
+        if not sep or not name or "/" in name:  # a bare path (which may itself hold an "=")
+            name, path = Path(text).resolve().name, text
+        if name in adapters:
+            raise ValueError(
+                f"{flag} {text}: the name {name!r} is given twice; name them apart with NAME=PATH"
+            )
+        adapters[name] = Path(path)
+    return adapters
+
+
+# -- rank side ---------------------------------------------------------------------------------------------------
+def _reshard(modules: Iterable[nn.Module]) -> None:
+    """Drop the gathered copies FSDP2 keeps after a no-grad forward (the root's, kept-gathered blocks'), so that the
+    sharded parameters are the module's parameters again and the next forward gathers what :func:`fill` wrote."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+
+@torch.no_grad()
+def fill(modules: list[nn.Module], slot: int, adapter: AdapterSpec) -> int:
+    """Copy ``adapter`` into ``slot`` of the LoRA layers in ``modules``: each rank writes its slice of the
+    zero-padded tensors (layers the adapter does not adapt get zeros). Returns the adapter parameters copied."""
+    from safetensors import safe_open
+
+    from hsdp.loading import local_slices
+
+    _reshard(modules)
+    name = slot_name(slot)
+    copied = 0
+    with safe_open(adapter.path / ADAPTER_WEIGHTS, framework="pt") as handle:
+        for model in modules:
+            for module_name, layer in _lora_layers(model).items():
+                if name not in layer.lora_A:
+                    continue
+                for part in ("lora_A", "lora_B"):
+                    param = getattr(layer, part)[name].weight
+                    full = torch.zeros(param.shape, dtype=torch.float32)
+                    if module_name in adapter.layers:
+                        stored = handle.get_tensor(f"base_model.model.{module_name}.{part}.weight")
+                        full[: stored.shape[0], : stored.shape[1]] = stored
+                        copied += stored.numel()
+                    local, region = local_slices(param)
+                    local.copy_(full[region].reshape(local.shape))
+    return copied
+
+
+def activate(modules: list[nn.Module], active: ActiveAdapter | None) -> None:
+    """Make ``active``'s slot the one adapter of every LoRA layer it adapts (with its scaling); every other layer,
+    and all of them when ``active`` is None, runs the base alone."""
+    for model in modules:
+        for module_name, layer in _lora_layers(model).items():
+            scaling = active.scaling.get(module_name) if active is not None else None
+            if scaling is None:
+                layer._active_adapter = []
+                continue
+            name = slot_name(active.slot)
+            layer.scaling[name] = scaling
+            layer._active_adapter = [name]
+            layer._disable_adapters = False
+
+
+# -- caller side -------------------------------------------------------------------------------------------------
+class AdapterCache:
+    """Which adapter sits in which slot, least recently used first; counts loads (slot fills) and switches (calls
+    whose adapter, None for the base, differs from the previous call's). Not thread-safe: the engine's lock."""
+
+    def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = ()):
+        self.slots = slots
+        self.known: dict[str, AdapterSpec] = {a.name: a for a in adapters}
+        self.resident: OrderedDict[str, int] = OrderedDict()
+        self.current: str | None = None
+        self.loads = 0
+        self.switches = 0
+        self.evictions = 0
+
+    def add(self, adapter: AdapterSpec, flag: str) -> None:
+        if adapter.name in self.known:
+            raise ValueError(f"{flag}: an adapter named {adapter.name!r} is already loaded; unload it first")
+        problem = self.slots.problem(adapter, flag)
+        if problem:
+            raise ValueError(problem)
+        self.known[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        self.spec(name)
+        del self.known[name]
+        self.resident.pop(name, None)
+
+    def spec(self, name: str) -> AdapterSpec:
+        if name not in self.known:
+            raise UnknownAdapter(name, self.known)
+        return self.known[name]
+
+    def lookup(self, name: str) -> int | None:
+        """The slot holding ``name`` (now the most recently used), or None."""
+        self.spec(name)
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            return self.resident[name]
+        return None
+
+    def free_slot(self) -> int:
+        """An empty slot, or the least recently used one (evicted)."""
+        used = set(self.resident.values())
+        empty = [s for s in range(self.slots.count) if s not in used]
+        if empty:
+            return empty[0]
+        self.evictions += 1
+        return self.resident.popitem(last=False)[1]
+
+    def loaded(self, name: str, slot: int) -> None:
+        self.resident[name] = slot
+        self.loads += 1
+
+    def use(self, name: str | None, slot: int | None, scale: float) -> ActiveAdapter | None:
+        """Count the switch (if any) and the per-layer scalings for a call with ``name`` in ``slot``."""
+        if name != self.current:
+            self.switches += 1
+            self.current = name
+        if name is None or slot is None:
+            return None
+        layers = self.known[name].layers
+        return ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in layers.items()})
+
+    def stats(self) -> dict:
+        return {
+            "adapters": sorted(self.known),
+            "resident": list(self.resident),
+            "slots": self.slots.count,
+            "rank": self.slots.rank,
+            "loads": self.loads,
+            "switches": self.switches,
+            "evictions": self.evictions,
+        }

@@ -1,0 +1,91 @@
+"""One-process references for LoRA adapters: peft adapters saved by peft itself, and outputs of the base with one
+adapter alone (``PeftModel.from_pretrained``), weights in fresh memory and one thread as :mod:`tests.engine_refs`."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hsdp.engine import SamplingParams
+from tests.engine_refs import _fresh_copies, one_thread
+
+
+def save_adapter(
+    model: torch.nn.Module,
+    folder: Path,
+    targets: str | list[str] = "all-linear",
+    *,
+    r: int = 4,
+    alpha: int = 8,
+    seed: int = 0,
+) -> Path:
+    """A peft adapter with random ``lora_A`` and ``lora_B`` (so it changes outputs), saved by peft."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(folder)
+    peft_model.unload()  # leave ``model`` as it was for the next adapter
+    return folder
+
+
+def _with_adapter(model: torch.nn.Module, adapter: Path | None, scale: float) -> torch.nn.Module:
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if adapter is None:
+        return model
+    adapted = PeftModel.from_pretrained(model, adapter).base_model.model.eval()
+    for layer in adapted.modules():
+        if isinstance(layer, LoraLayer):
+            layer.set_scale("default", scale)
+    return adapted
+
+
+@cache
+def lm_reference(
+    base: Path, adapter: Path | None, scale: float, prompt: str, max_new_tokens: int, ids: tuple
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy new tokens for ``prompt`` and logits for ``ids`` of the base with ``adapter`` alone (or none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    _fresh_copies(model)
+    model = _with_adapter(model, adapter, scale)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with one_thread(), torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        logits = model(torch.tensor(ids)).logits
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), logits
+
+
+@cache
+def _pipeline_with(path: Path, adapter: Path | None, scale: float):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(path)
+    _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+    pipe.transformer = _with_adapter(pipe.transformer, adapter, scale)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def video_reference(
+    path: Path, adapter: Path | None, scale: float, prompt: str, params: SamplingParams, defaults: dict
+) -> np.ndarray:
+    """Frames of the one-process pipeline whose transformer carries ``adapter`` alone (or none)."""
+    call = {k: getattr(params, k) if getattr(params, k) is not None else v for k, v in defaults.items()}
+    with one_thread(), torch.no_grad():
+        generator = torch.Generator().manual_seed(params.seed)
+        pipe = _pipeline_with(path, adapter, scale)
+        return pipe(prompt, generator=generator, output_type="np", **call).frames[0]

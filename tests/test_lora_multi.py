@@ -1,0 +1,155 @@
+"""Several LoRA adapters on one sharded base (:mod:`hsdp.engine.adapters`), chosen per ``generate`` call.
+
+Every output is compared with one process holding the base and that adapter alone (peft), or the base alone: the
+adapters of rank 4 (the slots' rank) exactly, the rank-2 adapter in a rank-4 slot within float rounding (its
+zero-padded matmul groups the sum differently; measured max |logit difference| ~1e-6). The adapters are random,
+so each changes the outputs, and the sequences mix adapters, scales and the base on one engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.adapters import AdapterCache, UnknownAdapter, describe_adapter, slot_spec
+from hsdp.launch import worker_state
+from hsdp.models.tiny import build_tiny_llama
+from tests.engine_refs import builtin
+from tests.lora_refs import lm_reference, save_adapter, video_reference
+
+pytestmark = pytest.mark.slow
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+PROMPT = "Adapters change"
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+IDS = tuple(
+    tuple(row) for row in torch.randint(4, 250, (2, 12), generator=torch.Generator().manual_seed(3)).tolist()
+)
+VIDEO = SamplingParams(seed=1, num_inference_steps=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return builtin("tiny-llama", tmp_path_factory.getbasetemp() / "hsdp-cache")
+
+
+@pytest.fixture(scope="module")
+def lm_adapters(base, tmp_path_factory) -> dict[str, Path]:
+    """``a``: rank 4 on every linear layer; ``b``: rank 2 on the attention projections only."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("lora")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    return {
+        "a": save_adapter(model, folder / "a", seed=1),
+        "b": save_adapter(model, folder / "b", ["q_proj", "v_proj"], r=2, alpha=4, seed=2),
+    }
+
+
+def loaded_logits(ids: tuple) -> torch.Tensor:
+    """Rank side: logits of the loaded model with the adapter the last call activated."""
+    runner = worker_state()["hsdp.engine.runner"][0]
+    with torch.no_grad():
+        return runner.model(torch.tensor(ids)).logits
+
+
+def _check_lm(engine, dist_run, base: Path, adapter: Path | None, name: str | None, scale: float) -> None:
+    [out] = engine.generate(PROMPT, GREEDY, adapter=name, adapter_scale=scale)
+    tokens, logits = lm_reference(base, adapter, scale, PROMPT, GREEDY.max_new_tokens, IDS)
+    assert out.token_ids == tokens, (name, scale)
+    for rank_logits in dist_run(2, loaded_logits, IDS):
+        if name == "b":  # rank 2 zero-padded into the rank-4 slot
+            torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(rank_logits, logits), (name, (rank_logits - logits).abs().max().item())
+
+
+def test_two_adapters_and_the_base_on_one_engine(base, lm_adapters, dist_run):
+    sequence = [("a", 1.0), (None, 1.0), ("b", 1.0), ("a", 0.5), ("b", 1.0), (None, 1.0), ("a", 1.0)]
+    with Engine(base, HSDP2, workers=dist_run.group(2), lora=lm_adapters) as engine:
+        assert engine.default_adapter is None
+        for name, scale in sequence:
+            _check_lm(engine, dist_run, base, lm_adapters.get(name), name, scale)
+        stats = engine.adapter_stats
+    # Both fit their slots at start: loaded once each, never again; every change of adapter is a switch.
+    assert (stats["loads"], stats["evictions"], stats["switches"]) == (2, 0, 7)
+    a, b = (lm_reference(base, lm_adapters[n], 1.0, PROMPT, 8, IDS)[0] for n in "ab")
+    assert len({tuple(a), tuple(b), tuple(lm_reference(base, None, 1.0, PROMPT, 8, IDS)[0])}) == 3
+
+
+def test_one_slot_evicts_the_least_recently_used(base, lm_adapters, dist_run):
+    with Engine(base, HSDP2, workers=dist_run.group(2), lora=lm_adapters, max_loras=1) as engine:
+        for name in ("a", "b", "a", "a"):
+            _check_lm(engine, dist_run, base, lm_adapters[name], name, 1.0)
+        stats = engine.adapter_stats
+    assert (stats["loads"], stats["evictions"], stats["resident"]) == (3, 2, ["a"])
+
+
+def test_adapters_added_at_run_time_and_removed(base, lm_adapters, dist_run):
+    with Engine(base, HSDP2, workers=dist_run.group(2), max_loras=2, max_lora_rank=4) as engine:
+        assert engine.adapter_stats["adapters"] == []
+        engine.add_adapter("late", lm_adapters["a"])
+        _check_lm(engine, dist_run, base, lm_adapters["a"], "late", 1.0)
+        engine.remove_adapter("late")
+        with pytest.raises(UnknownAdapter, match="no adapter named 'late'; the adapters served are: none"):
+            engine.generate(PROMPT, GREEDY, adapter="late")
+        _check_lm(engine, dist_run, base, None, None, 1.0)
+
+
+@pytest.mark.unit
+def test_unknown_adapter_and_adapter_for_another_base(base, lm_adapters, tmp_path):
+    other = save_adapter(build_tiny_llama(hidden_size=32), tmp_path / "other")
+    with pytest.raises(ValueError) as info:
+        Engine(base, HSDP2, lora={"a": lm_adapters["a"], "other": other})
+    message = str(info.value)
+    assert (
+        "--lora" in message and "does not fit" in message and "adapter [" in message and "model [" in message
+    )
+    b, a = (describe_adapter(n, lm_adapters[n], base, "--lora") for n in "ba")
+    cache = AdapterCache(slot_spec([b], base, count=1, rank=None), [b])
+    with pytest.raises(ValueError, match="rank 4 exceeds the adapter slots' rank 2; .*--max-lora-rank 4"):
+        cache.add(a, "load_lora_adapter")
+    cache = AdapterCache(slot_spec([b], base, count=1, rank=4), [b])
+    with pytest.raises(ValueError, match=r"adapts 20 layer.* do not cover \(model.layers.0.mlp.down_proj"):
+        cache.add(a, "load_lora_adapter")
+
+
+# -- a diffusion denoiser ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> Path:
+    return builtin("tiny-wan", tmp_path_factory.getbasetemp() / "hsdp-cache")
+
+
+@pytest.fixture(scope="module")
+def wan_adapters(wan, tmp_path_factory) -> dict[str, Path]:
+    from diffusers import WanTransformer3DModel
+
+    folder = tmp_path_factory.mktemp("wan-lora")
+    # A str path: peft writes the base's _name_or_path into the adapter's model card, and a Path breaks its YAML.
+    transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
+    return {
+        "x": save_adapter(
+            transformer, folder / "x", ["to_q", "to_k", "to_v", "to_out.0", "proj_out"], seed=3
+        ),
+        "y": save_adapter(transformer, folder / "y", ["to_q", "to_v", "proj_out"], seed=4),
+    }
+
+
+def test_denoiser_adapters_mixed_with_the_base(wan, wan_adapters, dist_run):
+    with Engine(wan, HSDP2, workers=dist_run.group(2), lora=wan_adapters) as engine:
+        defaults = engine.info.defaults
+        outputs = {}
+        for name, scale in (("x", 1.0), (None, 1.0), ("y", 0.5), ("x", 1.0)):
+            [out] = engine.generate("a red fox", VIDEO, adapter=name, adapter_scale=scale)
+            expected = video_reference(wan, wan_adapters.get(name), scale, "a red fox", VIDEO, defaults)
+            np.testing.assert_array_equal(out.frames, expected, err_msg=f"adapter {name} scale {scale}")
+            outputs[name] = expected
+    assert (
+        np.abs(outputs["x"] - outputs[None]).max() > 0.05
+        and np.abs(outputs["y"] - outputs[None]).max() > 0.05
+    )
