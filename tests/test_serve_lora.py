@@ -1,0 +1,198 @@
+"""``hsdp serve`` with several LoRA adapters on one sharded base: adapters by name as ``model`` (vLLM), the
+``lora`` request field (vLLM-Omni), loading and unloading at run time, metrics, and bad input.
+
+Every output is compared with one process holding the base and only that adapter (peft, :mod:`tests.lora_refs`;
+``tests/test_lora_inference.py`` shows a one-adapter server equals the same reference), or the base alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hsdp.cli import main as cli_main
+from hsdp.engine import SamplingParams
+from hsdp.engine.model_info import inspect_model
+from hsdp.engine.outputs import encode_image
+from hsdp.models.tiny import build_tiny_llama
+from hsdp.serve.local import LocalServer
+from hsdp.serve.schemas import ApiError
+from hsdp.serve.service import Server
+from hsdp.serve.settings import ServeSettings
+from tests.engine_refs import builtin
+from tests.lora_refs import lm_reference, save_adapter, video_reference
+
+pytestmark = pytest.mark.slow
+
+HSDP2 = ["--use-hsdp", "--hsdp-shard-size", "2"]
+PROMPTS = ("Adapters change", "One base, many", "Sharded weights")
+MAX_TOKENS = 6
+
+
+def _metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + "{")))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return builtin("tiny-llama", tmp_path_factory.getbasetemp() / "hsdp-cache")
+
+
+@pytest.fixture(scope="module")
+def root(base, tmp_path_factory) -> Path:
+    """``--lora-root``: adapters ``a`` (rank 4, every linear layer), ``b`` (rank 2, attention), a copy of ``a``
+    to load at run time, one for another base, and a folder that is no adapter."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("lora-root")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    save_adapter(model, folder / "a", seed=1)
+    save_adapter(model, folder / "b", ["q_proj", "v_proj"], r=2, alpha=4, seed=2)
+    shutil.copytree(folder / "a", folder / "late")
+    save_adapter(build_tiny_llama(hidden_size=32), folder / "other")
+    (folder / "empty").mkdir()
+    return folder
+
+
+def _text(client: httpx.Client, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def _expected(base: Path, adapter: Path | None, prompt: str) -> str:
+    from transformers import AutoTokenizer
+
+    tokens, _ = lm_reference(base, adapter, 1.0, prompt, MAX_TOKENS, ((1, 2),))
+    return AutoTokenizer.from_pretrained(base).decode(tokens, skip_special_tokens=True)
+
+
+def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, tmp_path):
+    args = [*HSDP2, "--lora", f"a={root / 'a'}", "--lora", f"b={root / 'b'}", "--lora-root", str(root)]
+    models = {str(base): None, "a": root / "a", "b": root / "b"}
+    requests = [(model, PROMPTS[i % 3]) for i in range(10) for model in models]  # 30, rotating adapters
+    with (
+        LocalServer(
+            str(base), [*args, "--output-dir", str(tmp_path / "out")], log=tmp_path / "log"
+        ) as server,
+        httpx.Client(base_url=server.url, timeout=300) as client,
+    ):
+        cards = client.get("/v1/models").json()["data"]
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda r: _text(client, *r), requests))
+        metrics = client.get("/metrics").text
+        # Loaded at run time from under --lora-root (vLLM's route), served by name, then unloaded.
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "late"})
+        late = _text(client, "late", PROMPTS[0])
+        unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        gone = client.post("/v1/completions", json={"model": "late", "prompt": "x", "max_tokens": 1})
+        errors = {
+            "outside": client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": str(base)}),
+            "not_lora": client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "empty"}),
+            "other_base": client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "other"}),
+        }
+        final_metrics = client.get("/metrics").text
+    assert [(c["id"], c["parent"]) for c in cards] == [(str(base), None), ("a", str(base)), ("b", str(base))]
+    for (model, prompt), text in zip(requests, texts, strict=True):
+        assert text == _expected(base, models[model], prompt), (model, prompt)
+    assert len({_expected(base, models[m], PROMPTS[0]) for m in models}) == 3, "an adapter changes nothing"
+    assert _metric(metrics, "hsdp_base_loads_total") == 1
+    assert _metric(metrics, "hsdp_adapter_loads_total") == 2  # both fit their slots at start
+    assert _metric(metrics, "hsdp_adapter_switches_total") >= 2
+    assert loaded.status_code == 200 and late == _expected(base, root / "a", PROMPTS[0])
+    assert unloaded.status_code == 200 and gone.status_code == 404
+    message = gone.json()["error"]["message"]
+    assert "'late' is not served" in message and "'a', 'b'" in message
+    assert errors["outside"].status_code == 400 and "outside --lora-root" in errors["outside"].text
+    assert errors["not_lora"].status_code == 400 and "no adapter_config.json" in errors["not_lora"].text
+    other = errors["other_base"]
+    assert other.status_code == 400 and "does not fit the model" in other.text and "adapter [" in other.text
+    assert _metric(final_metrics, "hsdp_base_loads_total") == 1
+
+
+# -- a diffusion pipeline: the vLLM-Omni ``lora`` field ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> Path:
+    return builtin("tiny-wan", tmp_path_factory.getbasetemp() / "hsdp-cache")
+
+
+@pytest.fixture(scope="module")
+def wan_root(wan, tmp_path_factory) -> Path:
+    from diffusers import WanTransformer3DModel
+
+    folder = tmp_path_factory.mktemp("wan-lora-root")
+    transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
+    save_adapter(transformer, folder / "x", targets, seed=3)
+    save_adapter(transformer, folder / "y", targets, seed=4)
+    return folder
+
+
+def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
+    args = [*HSDP2, "--lora", f"x={wan_root / 'x'}", "--lora-root", str(wan_root), "--max-loras", "2"]
+    bodies = [
+        {"lora": {"name": "x"}},
+        {},
+        {"lora": {"name": "y", "local_path": "y", "scale": 0.5}},  # loaded under its name on first use
+        {"model": "x"},
+        {"lora": {"name": "y", "scale": 0.5}},
+    ]
+    common = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 2}
+    with (
+        LocalServer(str(wan), [*args, "--output-dir", str(tmp_path / "out")], log=tmp_path / "log") as server,
+        httpx.Client(base_url=server.url, timeout=300) as client,
+    ):
+        with ThreadPoolExecutor(1) as pool:  # y's first request loads it before the next names it
+            responses = list(
+                pool.map(lambda b: client.post("/v1/images/generations", json={**common, **b}), bodies)
+            )
+        unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
+        outside = client.post(
+            "/v1/images/generations", json={**common, "lora": {"name": "z", "local_path": str(wan)}}
+        )
+        metrics = client.get("/metrics").text
+    defaults = inspect_model(wan).defaults
+    params = SamplingParams(seed=1, num_inference_steps=2, num_frames=1)
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.status_code == 200, response.text
+        lora = body.get("lora") or ({"name": body["model"]} if "model" in body else None)
+        adapter = wan_root / lora["name"] if lora else None
+        frame = video_reference(
+            wan, adapter, lora.get("scale", 1.0) if lora else 1.0, "a red fox", params, defaults
+        )
+        got = base64.b64decode(response.json()["data"][0]["b64_json"])
+        assert got == encode_image(frame[0], ".png"), body
+    images = [r.json()["data"][0]["b64_json"] for r in responses]
+    assert len({images[0], images[1], images[2]}) == 3, "an adapter changes nothing"
+    assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
+    assert outside.status_code == 400 and "outside --lora-root" in outside.json()["error"]["message"]
+    assert (
+        _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 2
+    )
+
+
+# -- refused before any rank starts, or off loopback without a key --------------------------------------------
+@pytest.mark.unit
+def test_missing_adapter_folder_exits_before_ranks_start(base, tmp_path, capsys):
+    argv = ["serve", str(base), *HSDP2, "--lora", f"a={tmp_path / 'absent'}", "--output-dir", str(tmp_path)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--lora" in err and "no such folder" in err
+
+
+@pytest.mark.unit
+def test_loading_off_loopback_needs_an_api_key(base, root, tmp_path):
+    server = Server(ServeSettings(model=str(base), host="0.0.0.0", lora_root=root, output_dir=tmp_path))
+    with pytest.raises(ApiError) as info:
+        server.load_adapter("late", "late", "lora_path")
+    assert info.value.status == 403 and "without --api-key" in info.value.message
+    keyed = Server(
+        ServeSettings(model=str(base), host="0.0.0.0", api_key="k", lora_root=root, output_dir=tmp_path)
+    )
+    keyed.check_adapter_admin("lora_path")  # allowed with a key
