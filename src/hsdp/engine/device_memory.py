@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
 from hsdp.config import DTYPES, ConfigError, ParallelConfig
 from hsdp.planning import (
     Estimate,
@@ -27,14 +25,11 @@ from hsdp.planning import (
     Layout,
     ModelProfile,
     PlanError,
-    UnitProfile,
     Workload,
-    build_meta_model,
-    component_folders,
     estimate,
     format_size,
     main_component,
-    profile_module,
+    profile_model,
     residency_for_budget,
 )
 
@@ -79,34 +74,7 @@ class DeviceMemoryPlan:
 
 def engine_profiles(path: Path, dtype: str | None, sharded: Sequence[str]) -> list[ModelProfile]:
     """Profiles of a model folder as the engine loads it: components it does not shard count whole."""
-    folders = component_folders(str(path))
-    profiles = []
-    for name, folder in folders:
-        model, config = build_meta_model(folder, DTYPES[dtype] if dtype else None)
-        # A causal LM folder is one component, the sharded model.
-        shard = len(folders) == 1 or name in sharded
-        profiles.append(profile_module(model, name, config) if shard else _whole(model, name))
-    return profiles
-
-
-def _whole(model: nn.Module, name: str) -> ModelProfile:
-    """A component every rank holds whole (not profiled by a shard plan, which would warn about a model it
-    will never shard)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return ModelProfile(
-        name=name,
-        class_name=type(model).__name__,
-        kind="encoder",
-        blocks=(),
-        root=UnitProfile("", ()),
-        replicated_bytes=sum(t.numel() * t.element_size() for t in tensors),
-        hidden=0,
-        ffn=0,
-        layers=0,
-        heads=0,
-        vocab=0,
-        num_params=sum(p.numel() for p in model.parameters()),
-    )
+    return profile_model(str(path), DTYPES[dtype] if dtype else None, sharded)
 
 
 def plan_device_memory(

@@ -16,7 +16,7 @@ from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
 from hsdp.planning.search import Plan, plan
 
-__all__ = ["add_arguments", "run", "command_line"]
+__all__ = ["add_arguments", "run", "command_line", "throughput_command_line"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
         work = Workload(
             training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
         )
-        profiles = profile_model(args.model, DTYPES[args.dtype] if args.dtype else None)
+        profiles = profile_model(
+            args.model, DTYPES[args.dtype] if args.dtype else None, _engine_sharded(args.model)
+        )
         result = plan(profiles, args.devices, work, hw, args.param_dtype, args.weight_dtype)
     except PlanError as exc:
         print(f"hsdp plan: {exc}", file=sys.stderr)
@@ -152,19 +154,71 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if not args.json:
         print(f"recommended: {result.recommended.layout.label} ({result.reason})")
+        config = result.recommended.layout.config
+        if not work.training and config.request_parallel and config.hsdp_shard_size == 1:
+            print("one request runs on one device (the model fits whole there; replicas would repeat its work)")
         print(f"run it: {command_line(args.model, result.recommended, work.training)}")
+        throughput = throughput_command_line(args.model, result.recommended, work.training)
+        if throughput:
+            slots = config.data_parallel_size
+            print(f"for throughput, {slots} requests at a time (one per replica): {throughput}")
     return 0
 
 
+def _engine_sharded(model: str) -> tuple[str, ...] | None:
+    """The components of a pipeline that ``hsdp generate`` shards, by the engine's own rule
+    (:func:`hsdp.engine.model_info.inspect_model`); None for a folder that is one model."""
+    from hsdp.models.builtin import resolve_model
+
+    try:
+        folder = resolve_model(model)
+    except FileNotFoundError as exc:
+        raise PlanError(str(exc)) from exc
+    if not (folder / "model_index.json").exists():
+        return None
+    # Imported here: the engine imports the planner (--device-memory), so the planner reads it lazily.
+    from hsdp.engine.model_info import inspect_model
+
+    try:
+        return inspect_model(folder).shardable
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+
+
 def command_line(model: str, chosen: Estimate, training: bool) -> str:
-    """The ``hsdp generate`` / ``hsdp train`` command that runs ``chosen``'s layout; the prompt and the data are
-    placeholders. Budgeted residency is passed as ``--device-memory``, from which the engine plans the same."""
-    c, layout = chosen.layout.config, chosen.layout
+    """The ``hsdp generate`` / ``hsdp train`` command that runs ``chosen``'s layout for one request (the prompt and
+    the data are placeholders). Replicas of a request-parallel inference layout would only repeat one request's
+    work, so they are left out: a layout of whole replicas becomes one process on one device
+    (:func:`throughput_command_line` gives the command that uses them). Budgeted residency is passed as
+    ``--device-memory``, from which the engine plans the same."""
+    c = chosen.layout.config
+    one_request = not training and c.request_parallel
     parts = ["hsdp", "train" if training else "generate", "--model", model]
-    if c.use_hsdp:
+    if c.use_hsdp and not (one_request and c.hsdp_shard_size == 1):
         parts += ["--use-hsdp", "--hsdp-shard-size", str(c.hsdp_shard_size)]
+    parts += _parallel_flags(chosen, one_request, training)
+    parts += ["--data", "DATA"] if training else ["--prompt", "PROMPT"]
+    return shlex.join(parts)
+
+
+def throughput_command_line(model: str, chosen: Estimate, training: bool) -> str | None:
+    """For a request-parallel inference layout over several ranks, the command that gives every rank its own
+    request (``--request-parallel``, one ``--prompt`` per rank); None otherwise."""
+    c = chosen.layout.config
+    if training or not c.request_parallel or c.data_parallel_size < 2:
+        return None
+    parts = ["hsdp", "generate", "--model", model, "--use-hsdp", "--hsdp-shard-size", str(c.hsdp_shard_size)]
+    parts += [*_parallel_flags(chosen, False, training), "--request-parallel"]
+    for _ in range(c.data_parallel_size):
+        parts += ["--prompt", "PROMPT"]
+    return shlex.join(parts)
+
+
+def _parallel_flags(chosen: Estimate, skip_replicas: bool, training: bool) -> list[str]:
+    c, layout = chosen.layout.config, chosen.layout
+    parts: list[str] = []
     for flag, value in (
-        ("--hsdp-replicate-size", c.hsdp_replicate_size if c.use_hsdp else 1),
+        ("--hsdp-replicate-size", 1 if skip_replicas or not c.use_hsdp else c.hsdp_replicate_size),
         ("--ulysses-degree", c.ulysses_degree),
         ("--ring-degree", c.ring_degree),
         ("--cfg-parallel-size", c.cfg_parallel_size),
@@ -183,5 +237,4 @@ def command_line(model: str, chosen: Estimate, training: bool) -> str:
     if not training and (layout.resident or layout.prefetch):
         budget = chosen.device_memory
         parts += ["--device-memory", f"{budget // 2**20}MiB" if budget % 2**20 == 0 else str(budget)]
-    parts += ["--data", "DATA"] if training else ["--prompt", "PROMPT"]
-    return shlex.join(parts)
+    return parts

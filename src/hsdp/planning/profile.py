@@ -13,7 +13,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ __all__ = [
     "build_meta_model",
     "component_folders",
     "profile_model",
+    "profile_whole",
 ]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
@@ -309,10 +310,38 @@ def component_folders(name_or_path: str) -> list[tuple[str, Path]]:
     return found
 
 
-def profile_model(name_or_path: str, dtype: torch.dtype | None = None) -> list[ModelProfile]:
-    """Profiles of a model folder, a diffusers pipeline folder (one per model component) or a built-in name."""
+def profile_whole(model: nn.Module, name: str = "model") -> ModelProfile:
+    """A component every rank holds whole: no units (not profiled by a shard plan, which would warn about a model
+    that is never sharded)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return ModelProfile(
+        name=name,
+        class_name=type(model).__name__,
+        kind="encoder",
+        blocks=(),
+        root=UnitProfile("", ()),
+        replicated_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        hidden=0,
+        ffn=0,
+        layers=0,
+        heads=0,
+        vocab=0,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def profile_model(
+    name_or_path: str, dtype: torch.dtype | None = None, sharded: Collection[str] | None = None
+) -> list[ModelProfile]:
+    """Profiles of a model folder, a diffusers pipeline folder (one per model component) or a built-in name.
+
+    ``sharded``: the pipeline components the engine shards (:attr:`hsdp.engine.model_info.ModelInfo.shardable`);
+    the others count whole on every rank. None profiles every component by its shard plan. A folder that is one
+    model (a causal LM, one component) is always profiled sharded."""
+    folders = component_folders(name_or_path)
     profiles = []
-    for name, folder in component_folders(name_or_path):
+    for name, folder in folders:
         model, config = build_meta_model(folder, dtype)
-        profiles.append(profile_module(model, name, config))
+        shard = sharded is None or len(folders) == 1 or name in sharded
+        profiles.append(profile_module(model, name, config) if shard else profile_whole(model, name))
     return profiles
