@@ -3,6 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export HSDP_CACHE=${HSDP_CACHE:-$PWD/.cache/hsdp}
 .venv/bin/ruff check src tests benchmarks
 exec .venv/bin/python -m pytest -q "$@"

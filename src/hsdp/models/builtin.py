@@ -3,10 +3,14 @@
 ``resolve_model("tiny-llama")`` returns a folder laid out exactly like a downloaded Hugging Face model
 (``config.json``, ``model.safetensors``, tokenizer files), so everything downstream uses the normal loading path.
 A path that exists is returned as is; anything else is an error that lists the built-in names.
+
+A cached folder is complete when its ``.complete`` marker holds the model's version (:data:`BUILTIN_VERSIONS`); a
+folder written by an older version of a built-in (another tokenizer, another size) is written again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -19,20 +23,33 @@ __all__ = ["BUILTIN_MODELS", "resolve_model", "register_builtin"]
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {}
 """name -> function that writes the model into an empty folder."""
+BUILTIN_VERSIONS: dict[str, str] = {}
+"""name -> the version its ``.complete`` marker holds; bump it when what the writer writes changes."""
 
 
-def register_builtin(name: str) -> Callable[[Callable[[Path], None]], Callable[[Path], None]]:
+def register_builtin(name: str, version: str = "") -> Callable[[Callable[[Path], None]], Callable[[Path], None]]:
     def decorator(writer: Callable[[Path], None]) -> Callable[[Path], None]:
         BUILTIN_MODELS[name] = writer
+        BUILTIN_VERSIONS[name] = version
         return writer
 
     return decorator
 
 
-@register_builtin("tiny-llama")
+TINY_LLAMA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+"""Each turn as ``<s>ROLE\nCONTENT</s>``: a conversation's prefix renders as a prefix of the whole (what chat
+training needs to find the assistant's tokens), and an assistant turn ends with EOS, so a tuned model stops."""
+
+
+@register_builtin("tiny-llama", version="2: chat template")
 def _write_tiny_llama(folder: Path) -> None:
     build_tiny_llama().save_pretrained(folder)
-    build_byte_tokenizer().save_pretrained(folder)
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = TINY_LLAMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
 
 
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
@@ -47,23 +64,43 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
             "pass a local Hugging Face or diffusers folder (there is no model hub download)"
         )
     folder = (cache_dir or default_cache_dir()) / name
-    if (folder / ".complete").exists():
+    if _is_current(folder, name):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so an interrupted write is never taken as the model.
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
         BUILTIN_MODELS[name](staging)
-        (staging / ".complete").touch()
-        try:
-            staging.rename(folder)
-        except OSError:  # another process finished first
-            if not (folder / ".complete").exists():
-                shutil.rmtree(folder, ignore_errors=True)
-                staging.rename(folder)
+        (staging / ".complete").write_text(BUILTIN_VERSIONS[name])
+        _replace(folder, staging, name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _is_current(folder: Path, name: str) -> bool:
+    marker = folder / ".complete"
+    return marker.exists() and marker.read_text().strip() == BUILTIN_VERSIONS[name]
+
+
+def _replace(folder: Path, staging: Path, name: str) -> None:
+    """Move ``staging`` to ``folder``, setting aside a folder an older version wrote."""
+    try:
+        staging.rename(folder)
+        return
+    except OSError:  # the folder exists: another process finished first, or an older version
+        if _is_current(folder, name):
+            return
+    old = Path(tempfile.mkdtemp(prefix=f".{name}-old-", dir=folder.parent))
+    with contextlib.suppress(FileNotFoundError):
+        folder.rename(old / name)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process put a current version there meanwhile
+        if not _is_current(folder, name):
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # Built-ins defined in their own modules register themselves on import (after register_builtin exists).

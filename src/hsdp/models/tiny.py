@@ -25,6 +25,8 @@ TINY_SEED = 0
 
 
 def default_cache_dir() -> Path:
+    """Where built-ins are written, for every entry point (``hsdp``, ``scripts/demo.sh``, the tests, the Engine):
+    ``$HSDP_CACHE``, else ``~/.cache/hsdp``."""
     return Path(os.environ.get("HSDP_CACHE", Path.home() / ".cache" / "hsdp"))
 
 

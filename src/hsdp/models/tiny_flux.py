@@ -29,8 +29,12 @@ __all__ = [
     "TINY_FLUX_KONTEXT_DEFAULTS",
 ]
 
-CLIP_MAX_LENGTH = 16
-"""The CLIP tokenizer's ``model_max_length`` (77 in the real model); FLUX pads CLIP prompts to it."""
+CLIP_MAX_LENGTH = 77
+"""The CLIP tokenizer's ``model_max_length``, as in the real model; FLUX and SDXL pad CLIP prompts to it. The byte
+tokenizer makes one token per character, so a prompt of up to 77 characters fits without the tokenizer's
+"sequence length is longer than the specified maximum" warning (it was 16, which every docs prompt overran)."""
+TINY_CLIP_VERSION = "2: CLIP context 77"
+"""The cache version of the built-ins with this CLIP (:data:`hsdp.models.builtin.BUILTIN_VERSIONS`)."""
 
 TINY_FLUX_DEFAULTS = {
     "height": 64,
@@ -196,13 +200,13 @@ def build_tiny_flux_pipeline(seed: int = TINY_SEED, *, kontext: bool = False, **
     return cls(**build_tiny_flux_components(seed, **transformer_overrides))
 
 
-@register_builtin("tiny-flux")
+@register_builtin("tiny-flux", version=TINY_CLIP_VERSION)
 def _write_tiny_flux(folder: Path) -> None:
     build_tiny_flux_pipeline().save_pretrained(folder)
     write_generation_defaults(folder, TINY_FLUX_DEFAULTS)
 
 
-@register_builtin("tiny-flux-kontext")
+@register_builtin("tiny-flux-kontext", version=TINY_CLIP_VERSION)
 def _write_tiny_flux_kontext(folder: Path) -> None:
     build_tiny_flux_pipeline(kontext=True).save_pretrained(folder)
     write_generation_defaults(folder, TINY_FLUX_KONTEXT_DEFAULTS)

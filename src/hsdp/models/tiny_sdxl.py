@@ -16,7 +16,13 @@ import torch
 
 from hsdp.models.builtin import register_builtin
 from hsdp.models.tiny import TINY_SEED
-from hsdp.models.tiny_flux import clip_tokenizer, fill_zero_params, tiny_clip_text_config, tiny_flux_vae
+from hsdp.models.tiny_flux import (
+    TINY_CLIP_VERSION,
+    clip_tokenizer,
+    fill_zero_params,
+    tiny_clip_text_config,
+    tiny_flux_vae,
+)
 from hsdp.models.tiny_wan import write_generation_defaults
 
 __all__ = ["build_tiny_sdxl_pipeline", "build_tiny_sdxl_unet", "TINY_SDXL_DEFAULTS"]
@@ -111,7 +117,7 @@ def build_tiny_sdxl_pipeline(seed: int = TINY_SEED, **unet_overrides):
     )
 
 
-@register_builtin("tiny-sdxl")
+@register_builtin("tiny-sdxl", version=TINY_CLIP_VERSION)
 def _write_tiny_sdxl(folder: Path) -> None:
     build_tiny_sdxl_pipeline().save_pretrained(folder)
     write_generation_defaults(folder, TINY_SDXL_DEFAULTS)

@@ -114,8 +114,11 @@ class TokenDataset:
         padded: bool = False,
         seed: int = 0,
         source: str = "data",
+        source_tokens: int | None = None,
     ):
         self.seq_len = tokens.shape[1]
+        # Tokens the records hold; packing keeps only full blocks, so these may be more than the rows hold.
+        self.source_tokens = tokens.numel() if source_tokens is None else source_tokens
         self.blocks = tokens.long()
         self.labels = labels.long()
         self.segments = segments
@@ -143,7 +146,7 @@ class TokenDataset:
         rows = ids.numel() // seq_len
         cut = lambda t: t[: rows * seq_len].view(rows, seq_len)  # noqa: E731
         segments = cut(segment) if len(encoded) > 1 else None
-        return cls(cut(ids), cut(labels), segments, seed=seed, source=source)
+        return cls(cut(ids), cut(labels), segments, seed=seed, source=source, source_tokens=ids.numel())
 
     @classmethod
     def pad(
@@ -171,12 +174,17 @@ class TokenDataset:
 
     def require(self, rows: int) -> None:
         """Raise a :class:`DatasetError` unless one batch of ``rows`` rows fits and something is trained."""
-        if len(self) < rows:
-            what = "records" if self.padded else f"block(s) of --seq-len {self.seq_len}"
+        if len(self) < rows and self.padded:
             raise DatasetError(
-                f"--data {self.source}: {len(self) * self.seq_len} usable tokens make {len(self)} {what}, but one "
-                f"batch needs {rows} (--batch-size x --grad-accum); use a longer file, a smaller --seq-len or a "
-                "smaller --batch-size"
+                f"--data {self.source}: {len(self)} records, but one batch needs {rows} rows (--batch-size x "
+                "--grad-accum); use more records or a smaller --batch-size"
+            )
+        if len(self) < rows:
+            raise DatasetError(
+                f"--data {self.source}: the records hold {self.source_tokens} tokens; packing keeps only full "
+                f"blocks of --seq-len {self.seq_len}, which makes {len(self)} block(s), but one batch needs {rows} "
+                f"(--batch-size x --grad-accum); use --no-packing (one padded row per record), a --seq-len of at "
+                f"most {self.source_tokens // rows}, a smaller --batch-size or more data"
             )
         if not (self.labels[:, 1:] != IGNORE).any():
             raise DatasetError(
