@@ -9,6 +9,7 @@ layout or on which other requests ran beside it.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -142,23 +143,28 @@ def _as_list(value, n: int, name: str, problems: list[str]) -> list:
     return list(value)
 
 
-def _flag(name: str) -> str:
+def cli_flag(name: str) -> str:
+    """How ``hsdp generate`` names a field (``true_cfg_scale`` -> ``--true-cfg-scale``): the default naming of
+    :func:`build_requests`' messages. ``hsdp serve`` passes its request fields' names instead."""
     return "--" + name.replace("_", "-")
 
 
-def _argument_problems(info: ModelInfo, p: SamplingParams) -> list[str]:
+Naming = Callable[[str], str]
+
+
+def _argument_problems(info: ModelInfo, p: SamplingParams, name_of: Naming) -> list[str]:
     """Arguments set that the pipeline does not take, and required ones that are missing."""
     problems = []
     for name in (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image"):
         if getattr(p, name) is not None and name not in info.call_params:
             problems.append(
-                f"{name}: {info.class_name} takes no {name} (drop {_flag(name)}); it takes "
+                f"{name}: {info.class_name} takes no {name} (drop {name_of(name)}); it takes "
                 f"{', '.join(sorted(a for a in info.call_params if a in (*PIPELINE_ARGS, *PER_REQUEST_INPUTS)))}"
             )
     for name in sorted(info.required_params - {"prompt"}):
         if name in PER_REQUEST_INPUTS and getattr(p, name) is None:
             problems.append(
-                f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({_flag(name)})"
+                f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({name_of(name)})"
             )
     unknown = sorted(set(p.pipeline_kwargs) - info.call_params)
     if unknown:
@@ -172,25 +178,25 @@ def _argument_problems(info: ModelInfo, p: SamplingParams) -> list[str]:
     return problems
 
 
-def _shape_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
+def _shape_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams, name_of: Naming) -> list[str]:
     problems = []
     m, k = info.spatial_multiple, info.temporal_factor
     for name in ("height", "width"):
         value = getattr(p, name)
         if value is not None and (not isinstance(value, int) or value <= 0 or value % m):
             problems.append(
-                f"{name}={value} must be a positive multiple of {m} for {info.family} ({_flag(name)}); "
+                f"{name}={value} must be a positive multiple of {m} for {info.family} ({name_of(name)}); "
                 f"e.g. {max(m, (value if isinstance(value, int) else m) // m * m)}"
             )
     frames = p.num_frames
     if frames is not None and (not isinstance(frames, int) or frames < 1 or (frames - 1) % k):
         near = max(1, ((frames if isinstance(frames, int) else 1) - 1) // k * k + 1)
         problems.append(
-            f"num_frames={frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...) (--num-frames); e.g. {near}"
+            f"num_frames={frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...) ({name_of('num_frames')}); e.g. {near}"
         )
     steps = p.num_inference_steps
     if steps is not None and (not isinstance(steps, int) or steps < 1):
-        problems.append(f"num_inference_steps={steps} must be >= 1 (--num-inference-steps)")
+        problems.append(f"num_inference_steps={steps} must be >= 1 ({name_of('num_inference_steps')})")
     sp = config.sequence_parallel_size
     if sp > 1 and not problems and p.height and p.width:
         latent_frames = (p.num_frames - 1) // k + 1 if p.num_frames else 1
@@ -204,7 +210,7 @@ def _shape_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) 
     return problems
 
 
-def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
+def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams, name_of: Naming) -> list[str]:
     if config.cfg_parallel_size != 2:
         return []
     scale_name = info.cfg_scale_param
@@ -212,18 +218,24 @@ def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) ->
     if not (scale or 0) > 1:
         return [
             f"--cfg-parallel-size 2 splits the two guidance branches, but {scale_name}={scale} runs only one; "
-            f"set {_flag(scale_name)} > 1 or --cfg-parallel-size 1"
+            f"set {name_of(scale_name)} > 1 or --cfg-parallel-size 1"
         ]
     if scale_name == "true_cfg_scale" and p.negative_prompt is None:
         return [
             f"--cfg-parallel-size 2: {info.class_name} runs its unconditional pass only with a negative prompt; "
-            "give --negative-prompt or use --cfg-parallel-size 1"
+            f"give {name_of('negative_prompt')} or use --cfg-parallel-size 1"
         ]
     return []
 
 
-def _diffusion_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams) -> list[str]:
-    return _argument_problems(info, p) + _shape_problems(info, config, p) + _cfg_problems(info, config, p)
+def _diffusion_problems(
+    info: ModelInfo, config: ParallelConfig, p: SamplingParams, name_of: Naming
+) -> list[str]:
+    return (
+        _argument_problems(info, p, name_of)
+        + _shape_problems(info, config, p, name_of)
+        + _cfg_problems(info, config, p, name_of)
+    )
 
 
 def _fill_defaults(info: ModelInfo, params: SamplingParams) -> SamplingParams:
@@ -247,10 +259,10 @@ def _images(values: list, field_name: str, problems: list[str]) -> list:
     return images
 
 
-def _lm_problems(p: SamplingParams) -> list[str]:
+def _lm_problems(p: SamplingParams, name_of: Naming) -> list[str]:
     problems = []
     if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
-        problems.append(f"max_new_tokens={p.max_new_tokens} must be >= 1 (--max-new-tokens)")
+        problems.append(f"max_new_tokens={p.max_new_tokens} must be >= 1 ({name_of('max_new_tokens')})")
     if p.temperature < 0:
         problems.append(f"temperature={p.temperature} must be >= 0 (0 = greedy)")
     if not 0 < p.top_p <= 1:
@@ -259,13 +271,18 @@ def _lm_problems(p: SamplingParams) -> list[str]:
 
 
 def build_requests(
-    info: ModelInfo, config: ParallelConfig, prompts: list[str], params: SamplingParams
+    info: ModelInfo,
+    config: ParallelConfig,
+    prompts: list[str],
+    params: SamplingParams,
+    name_of: Naming = cli_flag,
 ) -> tuple[list[Request], SamplingParams]:
     """Validate everything and fill defaults; returns the requests and the concrete parameters (images are
-    read and converted here, so the returned parameters hold no image: the requests do)."""
+    read and converted here, so the returned parameters hold no image: the requests do). ``name_of`` names a
+    field in the messages as the caller sets it: a CLI flag (default) or a request field."""
     problems: list[str] = []
     if not prompts:
-        problems.append("no prompt given (--prompt); pass at least one")
+        problems.append(f"no prompt given ({name_of('prompt')}); pass at least one")
     problems += [
         f"prompt {i} is not a non-empty string: {p!r}"
         for i, p in enumerate(prompts)
@@ -279,9 +296,9 @@ def build_requests(
         )
     if info.kind == "diffusion":
         params = _fill_defaults(info, params)
-        problems += _diffusion_problems(info, config, params)
+        problems += _diffusion_problems(info, config, params, name_of)
     else:
-        problems += _lm_problems(params)
+        problems += _lm_problems(params, name_of)
     n = len(prompts)
     per_request = {name: _as_list(getattr(params, name), n, name, problems) for name in PER_REQUEST_INPUTS}
     for name in ("image", "mask_image"):

@@ -245,7 +245,10 @@ class Server:
         ``input_reference``) for the error's ``param``."""
         config = self.runner.engine.config if self.runner.engine else self.settings.parallel_config.resolved()
         try:
-            _, resolved = build_requests(self.info, config, ["x"] * max(1, self.store.slots), params)
+            # Messages name the client's fields ("(height)", "drop true_cfg_scale"), not the CLI's flags.
+            named = fields_named or {}
+            slots = ["x"] * max(1, self.store.slots)
+            _, resolved = build_requests(self.info, config, slots, params, lambda name: named.get(name, name))
         except ValueError as exc:
             # One problem per "  - " line, each starting with its parameter ("width=40 must ...", "image: ...").
             lines = str(exc).replace("invalid generation request:", "").strip().splitlines()
