@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 
 from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
+from hsdp.models.builtin import builtin_names
 
 __all__ = ["add_arguments", "add_engine_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help="built-in name (tiny-wan, tiny-llama) or a local folder"
+        "--model", required=True, help=f"a local model folder or a built-in name ({builtin_names()})"
     )
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several requests")
     parser.add_argument("--negative-prompt", default=None, help="for the unconditional guidance branch")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama, default_cache_dir
 
-__all__ = ["BUILTIN_MODELS", "resolve_model", "register_builtin"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_VERSIONS", "builtin_names", "resolve_model", "register_builtin"]
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {}
 """name -> function that writes the model into an empty folder."""
@@ -52,6 +52,11 @@ def _write_tiny_llama(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def builtin_names() -> str:
+    """The built-in model names, for help texts and messages (every registered one: nothing to keep in sync)."""
+    return ", ".join(sorted(BUILTIN_MODELS))
+
+
 def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
     """A local folder for a model path or a built-in name, writing the built-in model on first use."""
     path = Path(name_or_path).expanduser()
@@ -60,7 +65,7 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     name = str(name_or_path)
     if name not in BUILTIN_MODELS:
         raise FileNotFoundError(
-            f"model {name!r} is neither an existing path nor a built-in model ({', '.join(sorted(BUILTIN_MODELS))}); "
+            f"model {name!r} is neither an existing path nor a built-in model ({builtin_names()}); "
             "pass a local Hugging Face or diffusers folder (there is no model hub download)"
         )
     folder = (cache_dir or default_cache_dir()) / name
