@@ -205,6 +205,23 @@ class Checkpointer:
             logger.info("Saved checkpoint %s", final)
         return final
 
+    def agreed(self, path: str | Path | None) -> Path | None:
+        """``path`` (the checkpoint this rank chose to resume from, or None) once every rank chose the same one;
+        collective. Each rank picks it from the folder (``--resume auto`` / ``latest``); ranks that disagree (a
+        folder not shared by every node, a save committed between their looks) would otherwise wait in different
+        collectives until the timeout."""
+        chosen = str(path) if path is not None else None
+        every: list[str | None] = [chosen]
+        if self._group is not None:
+            every = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(every, chosen, group=self._group)
+        if len(set(every)) > 1:
+            raise CheckpointError(
+                f"ranks chose different checkpoints to resume from ({', '.join(map(str, every))}, by rank): is "
+                f"--output-dir {self.root} one folder that every node sees? Pass --resume PATH to pick one"
+            )
+        return None if chosen is None else Path(chosen)
+
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load a complete checkpoint into the (already sharded) model and optimizer, at any world size."""
         path = Path(path)

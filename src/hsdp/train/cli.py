@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="latest",
         default=None,
-        help="resume from the latest checkpoint (or PATH)",
+        help="resume from the newest complete checkpoint in --output-dir (or PATH); 'auto': from the newest if "
+        "any, else start at step 0 (one command for the first start and every restart under torchrun)",
     )
     parser.add_argument(
         "--export",

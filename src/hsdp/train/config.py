@@ -9,7 +9,10 @@ another, and nothing in ``--output-dir`` or ``--export`` is overwritten.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,17 @@ from hsdp.config import DTYPES, ParallelConfig
 from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
 
-__all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight"]
+logger = logging.getLogger("hsdp")
+
+__all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight", "RESUME_AUTO"]
+
+RESUME_AUTO = "auto"
+"""``--resume auto``: the newest complete checkpoint in ``--output-dir`` if there is one, else step 0 (one command
+line for the first start and every restart of an elastic job)."""
+# Settings a resumed run may change without changing the math of the steps after resume are absent from
+# TrainConfig.resume_settings: --log-every, --save-every, --keep-last, --async-save, --output-dir, --export*,
+# --eval-*, --report-to, --activation-checkpointing (recomputes the same values), --steps with a constant schedule.
+_LAYOUT_FLAGS = ("--strategy", "layout")
 
 _FINGERPRINT_KEYS = (
     "architectures",
@@ -100,7 +113,8 @@ class TrainConfig:
     keep_last: int = 2
     async_save: bool = False
     resume: str | None = None
-    """``latest`` (the newest complete checkpoint in ``output_dir``) or a checkpoint folder."""
+    """``latest`` (the newest complete checkpoint in ``output_dir``, which must exist), ``auto`` (the newest one
+    if any, else start at step 0) or a checkpoint folder."""
     export: str | None = None
     """Write a consolidated safetensors model folder here at the end (with LoRA: a peft adapter folder)."""
     export_dtype: str | None = None
@@ -118,15 +132,35 @@ class TrainConfig:
     def use_lora(self) -> bool:
         return self.lora_r > 0 or self.lora_adapter is not None
 
-    def lora_fingerprint(self) -> dict[str, Any] | None:
-        """The LoRA settings a checkpoint resumes only into (None without LoRA)."""
-        if not self.use_lora:
-            return None
+    def resume_settings(self) -> dict[str, Any]:
+        """What a checkpoint stores of this run and a resumed run must repeat, by flag: every setting that changes
+        the math of the steps after resume (plus the layout, which changes only the summation order). Checked by
+        :func:`preflight` against the checkpoint's (``trainer_state.json``)."""
+        parallel = self.effective_parallel()
         return {
-            "r": self.lora_r,
-            "alpha": self.lora_alpha,
-            "targets": sorted(self.lora_target_modules),
-            "adapter": self.lora_adapter,
+            "--lr": self.lr,
+            "--weight-decay": self.weight_decay,
+            "--lr-scheduler": self.lr_scheduler,
+            "--warmup-steps": self.warmup_steps,
+            "--steps": self.steps,  # the horizon of a decaying schedule; free with a constant one
+            "--max-grad-norm": self.max_grad_norm,
+            "--batch-size": self.batch_size,
+            "--grad-accum": self.grad_accum,
+            "--seq-len": self.seq_len,
+            "--data": _file_digest(self.data),
+            "--text-key": self.text_key,
+            "--packing": self.packing,
+            "--eval-split": self.eval_split,  # held-out records leave the training rows
+            "--seed": self.seed,
+            "--mixed-precision": _PRECISION.get(self.mixed_precision, self.mixed_precision),
+            "--freeze": sorted(self.freeze),
+            "--lora-r": self.lora_r,
+            "--lora-alpha": self.lora_alpha if self.use_lora else None,
+            "--lora-dropout": self.lora_dropout if self.use_lora else None,
+            "--lora-target-modules": sorted(self.lora_target_modules),
+            "--lora-adapter": self.lora_adapter,
+            "--strategy": parallel.sharding_strategy.value if parallel.use_hsdp else None,
+            "layout": parallel.describe() if parallel.use_hsdp else "single process",
         }
 
     def lora_config(self, base: str = "", default_targets: list[str] | str = "all-linear", task_type: str | None = None):
@@ -236,6 +270,29 @@ class TrainConfig:
         return out
 
 
+_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _file_digest(path: str) -> str:
+    """``sha256:<first 16 hex digits>`` of a data file's bytes: a resumed run must read the same records (the
+    path may differ)."""
+    try:
+        info = Path(path).stat()
+    except OSError:
+        return "unreadable"  # preflight names the missing --data file itself
+    return _digest(str(path), info.st_size, info.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """Cached by size and modification time: preflight and every save ask again, an edited file is read again."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()[:16]}"
+
+
 def model_fingerprint(model_dir: Path) -> dict[str, Any]:
     """The architecture fields of a model folder's config.json: a checkpoint only resumes into the same ones."""
     try:
@@ -260,13 +317,20 @@ def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None
         if root is not None and complete_checkpoints(root):
             raise TrainConfigError(
                 f"--output-dir {root} already holds checkpoints ({latest_checkpoint(root).name}); pass --resume "
-                "to continue from the latest, or choose an empty --output-dir (nothing was overwritten)"
+                "to continue from the latest (--resume auto in a command that also makes the first start), or "
+                "choose an empty --output-dir (nothing was overwritten)"
             )
         return None
-    if cfg.resume == "latest":
+    if cfg.resume in ("latest", RESUME_AUTO):
         target = latest_checkpoint(root)
+        if target is None and cfg.resume == RESUME_AUTO:
+            logger.info("--resume auto: no complete checkpoint in %s; starting at step 0", root)
+            return None
         if target is None:
-            raise TrainConfigError(f"--resume: no complete checkpoint in --output-dir {root}")
+            raise TrainConfigError(
+                f"--resume: no complete checkpoint in --output-dir {root}; pass --resume auto to start at step 0 "
+                "when there is none"
+            )
     else:
         target = Path(cfg.resume)
     state = read_trainer_state(target)
@@ -277,16 +341,60 @@ def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None
             f"--resume {target} was saved from another model (differs in: {', '.join(diff)}); resume with the "
             f"--model it was trained from, or start in a new --output-dir"
         )
-    if state.get("lora") != cfg.lora_fingerprint():
-        raise TrainConfigError(
-            f"--resume {target} was saved with LoRA settings {state.get('lora')}, this run has "
-            f"{cfg.lora_fingerprint()}; resume with the same --lora-* flags, or start in a new --output-dir"
-        )
-    if state["step"] >= cfg.steps:
+    _check_settings(cfg, target, state)
+    # --resume auto restarting a run that was killed after its last checkpoint: nothing to train, export again.
+    finished = cfg.resume == RESUME_AUTO and state["step"] == cfg.steps
+    if state["step"] >= cfg.steps and not finished:
         raise TrainConfigError(
             f"--resume {target} is already at step {state['step']}; raise --steps above it"
         )
     return target
+
+
+def _check_settings(cfg: TrainConfig, target: Path, state: dict[str, Any]) -> None:
+    """Refuse a resume whose math-changing settings differ from the checkpoint's, naming each flag and both values;
+    warn when only the layout differs (DCP reshards: the same math in another summation order)."""
+    saved = state.get("settings")
+    if saved is None:
+        logger.warning(
+            "--resume %s: the checkpoint predates stored settings; its --lr, --data, ... are not checked", target
+        )
+        return
+    now = cfg.resume_settings()
+    differ = [k for k in saved if k in now and saved[k] != now[k]]
+    if "--steps" in differ and now["--lr-scheduler"] == "constant" and saved.get("--lr-scheduler") == "constant":
+        differ.remove("--steps")  # a constant schedule has no horizon: extending the run is free
+    layout = [k for k in differ if k in _LAYOUT_FLAGS]
+    if layout:
+        logger.warning(
+            "--resume %s was saved at %s, this run is %s: DCP reshards it, and the steps after resume follow the "
+            "uninterrupted run within fp32 summation order, not bit for bit (resume with --strategy %s and the "
+            "same --hsdp-* sizes to continue exactly)",
+            target,
+            saved.get("layout"),
+            now["layout"],
+            saved.get("--strategy"),
+        )
+    problems = [
+        f"{k}: the checkpoint has {_shown(saved[k])}, this run {_shown(now[k])}"
+        for k in differ
+        if k not in _LAYOUT_FLAGS
+    ]
+    if problems:
+        raise TrainConfigError(
+            f"--resume {target} was saved with other settings that change the training math:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nresume with the checkpoint's values (the --steps horizon of a linear or cosine schedule too), "
+            "or start in a new --output-dir"
+        )
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "none"
+    return str(value)
 
 
 def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:

@@ -178,14 +178,15 @@ class Trainer:
         self.scaler = self._grad_scaler()
         self.step = 0
         self._stepped = False  # train_step ran (the first one trims the freed heap, reset_peak_memory)
-        if checks.resume_from is not None:
-            state = self.checkpointer.load(checks.resume_from, self.model, self.optimizer)
+        resume_from = self.checkpointer.agreed(checks.resume_from) if self.checkpointer else None
+        if resume_from is not None:
+            state = self.checkpointer.load(resume_from, self.model, self.optimizer)
             self.step = int(state["step"])
             if self.scaler is not None and state.get("grad_scaler"):
                 self.scaler.load_state_dict(state["grad_scaler"])
             if state.get("scheduler"):
                 self.scheduler.load_state_dict(state["scheduler"])
-            logger.info("Resumed from %s at step %d", checks.resume_from, self.step)
+            logger.info("Resumed from %s at step %d", resume_from, self.step)
 
     def close(self, *, finish_pending: bool = True) -> None:
         """Release the process group the trainer owns (the checkpointer's; the meshes' groups belong to the
@@ -339,7 +340,7 @@ class Trainer:
             "world_size": self.world_size,
             "layout": self.parallel.describe() if self.parallel.use_hsdp else "single process",
             "grad_scaler": self.scaler.state_dict() if self.scaler else None,
-            "lora": cfg.lora_fingerprint(),
+            "settings": cfg.resume_settings(),  # what a resume must repeat (train.config._check_settings)
             "scheduler": self.scheduler.state_dict(),
         }
 
