@@ -7,10 +7,13 @@ by the inference engine, the trainer and the multi-rank tests alike.
 
 Failure handling is the point of this module:
 
-* a function that raises on any rank comes back as :class:`WorkerError` with that rank's traceback;
+* a function that raises an ordinary exception (``ValueError``, a shape error: not a communication failure) on
+  some ranks while every rank comes back, and the ranks still complete a collective afterwards, comes back as
+  :class:`WorkerRaised` with the exception and the traceback; the group stays usable (nothing to restart);
+* any other exception comes back as :class:`WorkerError` with the failing rank's traceback;
 * a rank that dies (killed, segfault, OOM) is noticed within ``poll_s`` and reported as :class:`WorkerDiedError`;
 * a call that takes longer than ``timeout_s`` raises :class:`WorkerTimeout`;
-* in each case the group is marked broken and torn down, so a new group can start at once;
+* in these three cases the group is marked broken and torn down, so a new group can start at once;
 * workers exit when the caller goes away (they watch the parent's pid), so they never outlive it.
 """
 
@@ -34,15 +37,28 @@ logger = logging.getLogger("hsdp")
 __all__ = [
     "WorkerGroup",
     "WorkerError",
+    "WorkerRaised",
     "WorkerDiedError",
     "WorkerTimeout",
     "worker_state",
     "emit_event",
     "event_sink",
+    "heartbeat",
 ]
 
 _STATE: dict[str, Any] = {}
 _EVENT_SINK: list[Callable[[Any], None]] = []
+_HEARTBEAT: list[Callable[[], None]] = []
+HEARTBEAT_INTERVAL_S = 0.5
+_ALIVE = "alive"
+
+
+def heartbeat() -> None:
+    """Tell the caller this rank is computing (at most every ``HEARTBEAT_INTERVAL_S``): long phases without
+    progress events (prompt encoding, a VAE decode) are then not mistaken for a hang. A no-op outside a
+    :class:`WorkerGroup` call; cheap enough for a forward hook on every module."""
+    if _HEARTBEAT:
+        _HEARTBEAT[-1]()
 
 
 def emit_event(payload: Any) -> None:
@@ -75,12 +91,67 @@ class WorkerError(RuntimeError):
         self.rank = rank
 
 
+class WorkerRaised(WorkerError):
+    """The function raised an ordinary exception on some ranks; every rank came back and the group is intact."""
+
+    def __init__(self, message: str, rank: int, error: str):
+        super().__init__(message, rank)
+        self.error = error
+        """The exception as ``Type: message``, in full (the traceback is in ``str(self)``)."""
+
+
 class WorkerDiedError(WorkerError):
     """A worker process exited while the group was in use."""
 
 
 class WorkerTimeout(WorkerError):
     """A call did not finish within its time limit."""
+
+
+_COMMUNICATION_WORDS = ("gloo", "nccl", "collective", "process group", "timed out", "connection")
+
+
+def _error_report(exc: BaseException) -> dict:
+    """What the caller needs to judge a rank's exception: the traceback, the exception line, and whether it is
+    ordinary (raised by the function's own logic) rather than a communication failure that may leave the
+    process group unusable."""
+    import torch.distributed as torch_dist
+
+    text = f"{type(exc).__name__}: {exc}"
+    communication = isinstance(exc, torch_dist.DistError) or any(w in text.lower() for w in _COMMUNICATION_WORDS)
+    return {
+        "traceback": traceback.format_exc(),
+        "error": text,
+        "ordinary": isinstance(exc, Exception) and not communication,
+    }
+
+
+def _rank_heartbeat(conn: Connection) -> Callable[[], None]:
+    last = [0.0]
+
+    def beat() -> None:
+        now = time.monotonic()
+        if now - last[0] >= HEARTBEAT_INTERVAL_S:
+            last[0] = now
+            conn.send((_ALIVE, None))
+
+    return beat
+
+
+def _quiet_progress_bars() -> None:
+    """tqdm (diffusers' and transformers' progress bars) makes a multiprocessing lock, a POSIX semaphore that
+    a killed worker leaves behind (the resource tracker warns and unlinks it only when the caller exits); a
+    worker's bars need only a thread lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def _group_check() -> None:
+    """After ranks raised: a collective over every rank, proving the process group still works."""
+    dist.barrier()
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -109,6 +180,7 @@ def _worker_main(
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _quiet_progress_bars()
     from hsdp.distributed import destroy_distributed, init_distributed
     from hsdp.logging_utils import configure_logging
 
@@ -117,8 +189,8 @@ def _worker_main(
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
         init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
         conn.send(("ready", None))
-    except Exception:
-        conn.send(("err", traceback.format_exc()))
+    except Exception as exc:
+        conn.send(("err", _error_report(exc)))
         return
     try:
         while True:
@@ -129,12 +201,15 @@ def _worker_main(
             if message is None:
                 break
             fn, args, kwargs = message
+            _HEARTBEAT.append(_rank_heartbeat(conn))
             try:
                 with event_sink(lambda payload: conn.send(("event", payload))):
                     result = fn(*args, **kwargs)
                 conn.send(("ok", result))
-            except BaseException:  # DCP's CheckpointException derives from BaseException
-                conn.send(("err", traceback.format_exc()))
+            except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+                conn.send(("err", _error_report(exc)))
+            finally:
+                _HEARTBEAT.pop()
     finally:
         _STATE.clear()
         destroy_distributed()
@@ -179,6 +254,8 @@ class WorkerGroup:
         self.world_size = world_size
         self.poll_s = poll_s
         self.broken = False
+        self.last_heard = time.monotonic()
+        """When a rank last sent anything (a result, an event, a :func:`heartbeat`): a call's sign of life."""
         self._closed = False
         ctx = mp.get_context("spawn")
         host = "127.0.0.1"
@@ -253,38 +330,13 @@ class WorkerGroup:
         self, timeout_s: float | None, what: str, on_event: Callable[[int, Any], None] | None = None
     ) -> list[Any]:
         results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, dict] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = dict(enumerate(self._conns))
         while pending:
-            ready = wait(list(pending.values()), timeout=self.poll_s)
-            for conn in ready:
-                rank = next(r for r, c in pending.items() if c is conn)
-                try:
-                    status, payload = conn.recv()
-                except (EOFError, OSError):
-                    continue  # reported below by the liveness check
-                if status == "event":
-                    _deliver_event(on_event, rank, payload)
-                    continue
-                del pending[rank]
-                if status == "err":
-                    errors[rank] = payload
-                else:
-                    results[rank] = payload
+            self._receive(pending, results, errors, on_event, self.poll_s)
             if errors:
-                # One rank failed: the others may be stuck in a collective, so do not wait for them. A peer's
-                # death shows up on the survivors as a collective error first; report the death, the cause.
-                dead = self._dead_ranks(pending, grace_s=1.0)
-                first = min(errors)
-                self._fail()
-                if dead:
-                    raise WorkerDiedError(
-                        f"{what}: worker rank {dead[0]} died ({self._exit_report()}); rank {first} then failed:\n"
-                        f"{errors[first]}",
-                        rank=dead[0],
-                    )
-                raise WorkerError(f"{what} failed on rank {first}:\n{errors[first]}", rank=first)
+                self._raise_for(errors, pending, results, what, on_event)
             dead = self._dead_ranks(pending)
             if dead:
                 self._fail()
@@ -297,6 +349,70 @@ class WorkerGroup:
                     f"{what} did not finish within {timeout_s:.0f}s on ranks {sorted(pending)}"
                 )
         return [results[r] for r in range(self.world_size)]
+
+    def _receive(
+        self,
+        pending: dict[int, Connection],
+        results: dict[int, Any],
+        errors: dict[int, dict],
+        on_event: Callable[[int, Any], None] | None,
+        timeout_s: float,
+    ) -> None:
+        """Take what the ranks in ``pending`` sent within ``timeout_s``: events go to ``on_event``; a rank that
+        returned or raised leaves ``pending``."""
+        for conn in wait(list(pending.values()), timeout=timeout_s):
+            rank = next(r for r, c in pending.items() if c is conn)
+            try:
+                status, payload = conn.recv()
+            except (EOFError, OSError):
+                continue  # reported by the liveness check
+            self.last_heard = time.monotonic()
+            if status == _ALIVE:
+                continue
+            if status == "event":
+                _deliver_event(on_event, rank, payload)
+                continue
+            del pending[rank]
+            if status == "err":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+
+    def _raise_for(
+        self,
+        errors: dict[int, dict],
+        pending: dict[int, Connection],
+        results: dict[int, Any],
+        what: str,
+        on_event: Callable[[int, Any], None] | None,
+    ) -> None:
+        """A rank raised. If every rank comes back within a grace second, every error is ordinary and a barrier
+        still passes, the group is intact: :class:`WorkerRaised`. Otherwise the others may be stuck in a
+        collective: the group is torn down, and a peer's death (which survivors see as a collective error
+        first) is reported as the cause."""
+        grace = time.monotonic() + 1.0
+        while pending and time.monotonic() < grace:
+            self._receive(pending, results, errors, on_event, 0.05)
+        first = min(errors)
+        report = errors[first]
+        if not pending and all(e["ordinary"] for e in errors.values()) and self._still_connected():
+            raise WorkerRaised(f"{what} failed on rank {first}:\n{report['traceback']}", first, report["error"])
+        dead = self._dead_ranks(pending, grace_s=1.0)
+        self._fail()
+        if dead:
+            raise WorkerDiedError(
+                f"{what}: worker rank {dead[0]} died ({self._exit_report()}); rank {first} then failed:\n"
+                f"{report['traceback']}",
+                rank=dead[0],
+            )
+        raise WorkerError(f"{what} failed on rank {first}:\n{report['traceback']}", rank=first)
+
+    def _still_connected(self, timeout_s: float = 10.0) -> bool:
+        try:
+            self.run(_group_check, timeout_s=timeout_s)
+        except WorkerError:
+            return False
+        return True
 
     def _dead_ranks(self, ranks: Iterable[int], grace_s: float = 0.0) -> list[int]:
         """Ranks among ``ranks`` whose process has exited, waiting up to ``grace_s`` for one to show."""

@@ -4,7 +4,8 @@ The engine starts ``config.world_size`` worker processes itself (:class:`hsdp.la
 device) or, when the script was started by ``torchrun``, uses the ranks it runs on (every rank constructs the
 engine and calls ``generate`` with the same arguments). Everything that can be checked from the model's JSON
 files and the arguments is checked before a process starts. A worker that dies or fails surfaces as a
-:class:`hsdp.launch.WorkerError` in the caller; the engine is then closed and a new one can be started.
+:class:`hsdp.launch.WorkerError` in the caller; the engine is then closed and a new one can be started (an
+ordinary exception raised on the ranks, :class:`hsdp.launch.WorkerRaised`, leaves it open and loaded).
 
 >>> with Engine("tiny-wan", ParallelConfig(use_hsdp=True, hsdp_shard_size=2)) as engine:
 ...     [video] = engine.generate("A cat playing piano", SamplingParams(seed=0))
@@ -366,6 +367,12 @@ class Engine:
         """Worker process ids (empty under torchrun)."""
         return list(getattr(self._group, "pids", []))
 
+    @property
+    def last_heard(self) -> float | None:
+        """``time.monotonic()`` when a rank last showed life (a step, a token, or computing in any module: prompt
+        encoding and VAE decode included); None under torchrun."""
+        return getattr(self._group, "last_heard", None)
+
     def generate(
         self,
         prompts: str | Sequence[str],
@@ -377,6 +384,7 @@ class Engine:
         batch_size: int = 1,
         adapter: str | None = None,
         adapter_scale: float = 1.0,
+        on_start: Callable[[int], None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
 
@@ -388,6 +396,8 @@ class Engine:
         pipeline, each with its own seed and noise: one forward per step for all of them.
         ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
         ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
+        ``on_start(call_id)`` is called once the call has its id, before the ranks start: :meth:`cancel` with
+        that id reaches this call's requests and no other's.
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
@@ -405,6 +415,8 @@ class Engine:
             batch_size = 1
         with self._lock:
             self._call_id += 1
+            if on_start is not None:
+                on_start(self._call_id)
             try:
                 active = self._activate(adapter, adapter_scale)
                 results = self._group.run(
@@ -420,7 +432,8 @@ class Engine:
                     on_event=_event_listener(on_progress, on_token),
                 )
             except WorkerError:
-                self.close()  # the group is broken; its processes are already gone
+                if self._group.broken:  # its processes are already gone; an ordinary error leaves it intact
+                    self.close()
                 raise
         memory = [r.peak_memory_bytes for r in results]
         self.last_comm = [r.comm for r in results] if measure_comm else None
@@ -491,14 +504,16 @@ class Engine:
         """Adapters known and resident, slot loads, switches and evictions (None without adapter slots)."""
         return self.adapters.stats() if self.adapters else None
 
-    def cancel(self, request_id: int) -> None:
+    def cancel(self, request_id: int, call_id: int | None = None) -> None:
         """Stop request ``request_id`` (its index in the running :meth:`generate` call's prompts) at its next
         forward; its output comes back with ``cancelled=True``. Callable from any thread; needs
         ``cancellable=True``. In request-parallel layouts a request stops once every request running beside it
-        in lockstep is cancelled too; until then it runs to its end and the caller drops its output."""
+        in lockstep is cancelled too; until then it runs to its end and the caller drops its output.
+        ``call_id`` (from ``generate``'s ``on_start``) names the call; without it, the latest call, which a
+        cancel racing with the call's end can mistake for the next one."""
         if self._board is None:
             raise RuntimeError("this Engine was started without cancellable=True")
-        self._board.cancel(self._call_id, request_id)
+        self._board.cancel(self._call_id if call_id is None else call_id, request_id)
 
     def ping(self, timeout_s: float = 2.0) -> None:
         """Check that every rank answers within ``timeout_s`` (between calls); a dead or hung worker raises
