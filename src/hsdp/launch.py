@@ -118,7 +118,9 @@ def _error_report(exc: BaseException) -> dict:
     import torch.distributed as torch_dist
 
     text = f"{type(exc).__name__}: {exc}"
-    communication = isinstance(exc, torch_dist.DistError) or any(w in text.lower() for w in _COMMUNICATION_WORDS)
+    communication = isinstance(exc, torch_dist.DistError) or any(
+        w in text.lower() for w in _COMMUNICATION_WORDS
+    )
     return {
         "traceback": traceback.format_exc(),
         "error": text,
@@ -396,7 +398,9 @@ class WorkerGroup:
         first = min(errors)
         report = errors[first]
         if not pending and all(e["ordinary"] for e in errors.values()) and self._still_connected():
-            raise WorkerRaised(f"{what} failed on rank {first}:\n{report['traceback']}", first, report["error"])
+            raise WorkerRaised(
+                f"{what} failed on rank {first}:\n{report['traceback']}", first, report["error"]
+            )
         dead = self._dead_ranks(pending, grace_s=1.0)
         self._fail()
         if dead:

@@ -5,7 +5,8 @@ encoders large enough to matter) load sharded straight from their component fold
 :func:`hsdp.loading.load_pretrained`; the small parts (VAE, CLIP, tokenizers, scheduler) load normally.
 Generation calls the pipeline itself with the arguments its ``__call__`` accepts, so every layout runs
 diffusers' own denoising loop and scheduler and stays comparable with the single-process pipeline number for
-number. The step callback times each step and reports progress to the caller.
+number. The step callback times each step and reports progress to the caller; every module's forward also
+sends a (rate-limited) :func:`hsdp.launch.heartbeat`, so a long prompt encoding or VAE decode shows life too.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
 from hsdp.engine.worker import LoadSpec, load_component
-from hsdp.launch import emit_event
+from hsdp.launch import emit_event, heartbeat
 from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
 __all__ = ["DiffusionRunner"]
+
+
+def _heartbeat_hook(module: torch.nn.Module, args: tuple) -> None:
+    heartbeat()
 
 
 class DiffusionRunner:
@@ -49,6 +54,9 @@ class DiffusionRunner:
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 module.to(self.device)
+        for component in self.modules():
+            for module in component.modules():
+                module.register_forward_pre_hook(_heartbeat_hook)
         self._first_denoiser_call: float | None = None
         self.cfg_wrappers: list[CFGParallelTransformer] = []
         self.denoisers = [getattr(self.pipe, name) for name in self.info.denoisers]

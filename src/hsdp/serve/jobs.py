@@ -3,13 +3,18 @@
 Every request that needs the engine becomes one :class:`Job` per output (an image request with ``n=3`` is three
 jobs). Jobs wait in a FIFO queue of bounded length (``submit`` refuses with :class:`QueueFull` past it); the
 engine thread takes batches of *compatible* jobs (same kind and sampling parameters, differing only in prompt,
-seed and negative prompt) so request-parallel HSDP runs them side by side.
+seed and the values of the per-request inputs) so request-parallel HSDP runs them side by side. Whether a
+negative prompt or an input image is given at all changes the number of sharded forwards (an extra text
+encoding, true CFG's second pass, the image encoder), so it is part of the batch key: ranks that share a
+collective always run the same forwards.
 
 Asynchronous video jobs are *persistent*: their record is written to ``<output_dir>/jobs/<id>.json`` at every
 state change (atomically: temp file, then rename) and their video to ``<output_dir>/videos/<id>.mp4`` before
 the record says ``completed``; an input image is written once beside its record (``<id>.image``). A restarted
 server reloads the records: finished jobs are served again, queued ones are queued again, and one that was
-running when the server stopped is marked failed with that reason.
+running when the server stopped is queued again (or failed once its attempts are spent). One server owns an
+output dir (:meth:`JobStore.lock`); staging files a crash left behind are swept when it loads. Uploaded images
+are held in memory only until their job finishes.
 """
 
 from __future__ import annotations
@@ -74,8 +79,9 @@ class Job:
     """File name under ``<output_dir>/videos`` of a finished persistent job."""
     progress: int = 0
     """0-100: denoising steps done (100 once completed)."""
-    inputs: dict[str, bytes] = field(default_factory=dict)
-    """Input images as uploaded, by pipeline argument (``image``, ``mask_image``); stored beside the record."""
+    inputs: dict[str, bytes | None] = field(default_factory=dict)
+    """Input images as uploaded, by pipeline argument (``image``, ``mask_image``); stored beside the record.
+    Once the job is finished only the names remain (values None): the engine needs them no more."""
     result: Any = None
     """In memory only: image or mp4 bytes, or a :class:`hsdp.engine.GenerationOutput` for the waiting request."""
     cancel_requested: bool = False
@@ -85,6 +91,8 @@ class Job:
     """Run alone: set after a failed batch, so a job that breaks the workers cannot take its neighbours down."""
     tokens: list[int] = field(default_factory=list)
     """Causal LM: the tokens produced so far, as the ranks produce them (streaming)."""
+    sent: int = 0
+    """How many of ``tokens`` have been handed to a stream: a re-run must reproduce them exactly."""
     first_token_at: float | None = None
     _waiters: list = field(default_factory=list, repr=False)
     _token_waiters: list = field(default_factory=list, repr=False)
@@ -108,7 +116,9 @@ class Job:
             return self.id
         # One adapter and one scale per engine call (hsdp.engine.adapters): they are part of the key.
         adapter = [self.meta.get("adapter"), self.meta.get("adapter_scale")]
-        return json.dumps([self.kind.replace("_sync", ""), self.params, adapter], sort_keys=True)
+        # Given-or-absent per-request inputs change the forwards a request runs (see the module docstring).
+        given = [self.negative_prompt is not None, sorted(self.inputs)]
+        return json.dumps([self.kind.replace("_sync", ""), self.params, adapter, given], sort_keys=True)
 
     def record(self) -> dict:
         record = {k: v for k, v in asdict(self).items() if k in _PERSISTED}
@@ -121,10 +131,28 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class OutputDirInUse(ValueError):
+    """Another live server holds the output dir's lock."""
+
+
 def _write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+        raise
+
+
+def _diverged(job: Job, index: int, token_id: int) -> dict:
+    return {
+        "code": "stream_diverged",
+        "message": (
+            f"the job ran again after a failure and produced token {token_id} at position {index}, where "
+            f"{job.tokens[index]} was already streamed; the streamed text is void (resend the request)"
+        ),
+    }
 
 
 class JobStore:
@@ -148,17 +176,49 @@ class JobStore:
         self.on_cancel_running: Callable[[Job], None] | None = None
         """Called (outside the lock) when a running job is cancelled, so the engine can stop it."""
         self.requeued = 0
+        self.write_errors = 0
+        """Job records that could not be written (a full disk): the job goes on in memory."""
+        self._lock_file: int | None = None
+
+    def lock(self) -> None:
+        """Own the output dir: an exclusive lock on ``<output_dir>/.lock`` holding this pid, released when the
+        process ends however it ends. A second server on the same dir would run the same queued jobs twice;
+        :class:`OutputDirInUse` (naming the flag and the holder's pid) refuses it before anything loads."""
+        import fcntl
+
+        path = self.jobs_dir.parent / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputDirInUse(
+                f"--output-dir {self.jobs_dir.parent} is in use by another hsdp serve (pid {holder}); give each "
+                "server its own --output-dir, or stop that server first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_file = fd
+
+    def unlock(self) -> None:
+        if self._lock_file is not None:
+            os.close(self._lock_file)  # closing the descriptor releases the lock
+            self._lock_file = None
 
     # -- persistence -----------------------------------------------------------------------------------------
     def load(self) -> tuple[int, int]:
-        """Reload persisted jobs; returns (jobs loaded, jobs queued again)."""
+        """Reload persisted jobs; returns (jobs loaded, jobs queued again). Input images are read back only for
+        jobs that will run; staging files of a server that crashed are removed."""
+        self._sweep()
         loaded = requeued = 0
         for path in sorted(self.jobs_dir.glob("*.json")):
             try:
                 record = json.loads(path.read_text())
                 names = record.pop("inputs", [])
                 job = Job(**record)
-                job.inputs = {name: self._input_path(job, name).read_bytes() for name in names}
+                pending = job.status not in FINISHED
+                job.inputs = {n: self._input_path(job, n).read_bytes() if pending else None for n in names}
             except (OSError, ValueError, TypeError) as exc:
                 logger.warning("skipping unreadable job record %s: %s", path, exc)
                 continue
@@ -182,26 +242,59 @@ class JobStore:
         requeued = len(queued)
         return loaded, requeued
 
+    def _sweep(self) -> None:
+        """Staging leftovers of a crashed server (``.<id>.mp4`` videos, ``<id>.<pid>.tmp`` records); only the
+        lock holder loads, so none of them belongs to a live writer."""
+        leftovers = [*self.videos_dir.glob(".*.mp4"), *self.jobs_dir.glob("*.tmp")]
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        if leftovers:
+            logger.info("removed %d staging file(s) a stopped server left behind", len(leftovers))
+
     def _save(self, job: Job) -> None:
         if job.persistent:
             _write_json_atomic(self.jobs_dir / f"{job.id}.json", job.record())
+
+    def _try_save(self, job: Job) -> None:
+        """Write the record where a failure must not undo the state change (the job ends, its waiters wake):
+        the in-memory job is what clients see; a record that cannot be written is logged and counted."""
+        try:
+            self._save(job)
+        except OSError as exc:
+            self.write_errors += 1
+            logger.error("could not write the record of %s (%s): it is current in memory only", job.id, exc)
+
+    @staticmethod
+    def _ended(job: Job, status: str, error: dict | None) -> None:
+        """A job's end in memory: its uploads are dropped (the names stay, for the record and ``delete``)."""
+        job.status, job.error, job.completed_at = status, error, time.time()
+        job.inputs = dict.fromkeys(job.inputs)
 
     def _input_path(self, job: Job, name: str) -> Path:
         return self.jobs_dir / f"{job.id}.{name}"
 
     # -- queue -----------------------------------------------------------------------------------------------
     def submit(self, jobs: list[Job]) -> None:
-        """Queue all of ``jobs`` or none (raises :class:`QueueFull` with a retry estimate)."""
+        """Queue all of ``jobs`` or none (raises :class:`QueueFull` with a retry estimate, or the ``OSError`` of
+        a record that could not be written, leaving no file behind)."""
         with self._cond:
             if len(self._queue) + len(jobs) > self.capacity:
                 waves = math.ceil((len(self._queue) + len(jobs)) / max(1, self.slots))
                 raise QueueFull(max(1, math.ceil(waves * (self.batch_seconds or 1.0))))
-            for job in jobs:
-                if job.persistent:
-                    self._jobs[job.id] = job
+            written: list[Job] = []
+            try:
+                for job in (j for j in jobs if j.persistent):
+                    written.append(job)
                     for name, data in job.inputs.items():  # before the record that names them
                         self._input_path(job, name).write_bytes(data)
                     self._save(job)
+            except OSError:
+                for job in written:
+                    self._remove_files(job)
+                raise
+            for job in jobs:
+                if job.persistent:
+                    self._jobs[job.id] = job
                 self._queue.append(job)
             self._cond.notify_all()
 
@@ -223,44 +316,46 @@ class JobStore:
             for job in batch:
                 job.status, job.started_at = "in_progress", now
                 job.attempts += 1
-                self._save(job)
+                self._try_save(job)
             self._running = list(batch)
             return batch
 
-    def _retry_or_fail(self, job: Job, error: dict) -> bool:
-        """Back to ``queued`` for another attempt, or ``failed`` with the reason once its attempts are spent.
-        Caller holds the lock (or owns the job); returns whether it was queued again."""
+    def _retry_or_fail(self, job: Job, error: dict, spent: bool = True) -> bool:
+        """Back to ``queued`` for another attempt, or ``failed`` with the reason once its attempts are spent
+        (``spent=False``: the run does not count against them). Caller holds the lock (or owns the job);
+        returns whether it was queued again."""
+        if not spent:
+            job.attempts -= 1
         if job.cancel_requested or job.attempts >= self.max_attempts:
-            if job.cancel_requested:
-                error = job.error or {"code": "cancelled", "message": "cancelled"}
+            if job.cancel_requested:  # cancelled, or failed by the store (a diverged stream): that end stands
+                status, error = job.status, job.error or {"code": "cancelled", "message": "cancelled"}
             else:
+                status = "failed"
                 error = {
                     **error,
                     "message": f"{error['message']} (attempt {job.attempts} of {self.max_attempts})",
                 }
-            job.status, job.error, job.completed_at = (
-                ("cancelled" if job.cancel_requested else "failed"),
-                error,
-                time.time(),
-            )
+            self._ended(job, status, error)
             self.finished_counts[job.status] += 1
-            self._save(job)
+            self._try_save(job)
             return False
         job.status, job.started_at, job.progress = "queued", None, 0
-        self._save(job)
+        self._try_save(job)
         self.requeued += 1
         return True
 
-    def retry(self, jobs: list[Job], error: dict) -> None:
+    def retry(self, jobs: list[Job], error: dict, *, spent: bool = True) -> None:
         """Jobs whose run was interrupted (a worker died or hung, the server stopped): back to the front of the
-        queue, in order, each to run alone; a job out of attempts fails with ``error`` and its attempt count."""
+        queue, in order, each to run alone; a job out of attempts fails with ``error`` and its attempt count.
+        ``spent=False``: the batch failed for a reason one job holds (an error its request raised); the run is
+        not counted, each job runs alone next to find which."""
         with self._cond:
             again = []
             for job in jobs:
                 if job in self._running:
                     self._running.remove(job)
                 job.solo = job.solo or len(jobs) > 1
-                if self._retry_or_fail(job, error):
+                if self._retry_or_fail(job, error, spent):
                     again.append(job)
             self._queue.extendleft(reversed(again))
             done = [j for j in jobs if j not in again]
@@ -275,20 +370,34 @@ class JobStore:
             loop.call_soon_threadsafe(_resolve, future)
 
     def finish(self, job: Job, status: str, *, error: dict | None = None, output: str | None = None) -> None:
-        """Record the end of a job (a cancelled job stays cancelled) and wake whoever waits on it."""
+        """Record the end of a job (a job ended early, cancelled or failed by the store, keeps that end) and
+        wake whoever waits on it; a record that cannot be written does not keep it from ending."""
         with self._cond:
-            if job.status == "cancelled":
-                status, error = "cancelled", job.error
-            job.status, job.error, job.completed_at = status, error, time.time()
+            if job.finished:
+                return
+            if job.cancel_requested:
+                status, error = job.status, job.error
+            self._ended(job, status, error)
             if status == "completed":
                 job.progress = 100
             if output is not None:
                 job.output = output
-            self._save(job)
+            self._try_save(job)
             self.finished_counts[status] += 1
             if job in self._running:
                 self._running.remove(job)
         self._wake(job)
+
+    def fail_running(self, error: dict) -> list[Job]:
+        """Fail every job the engine thread took and did not finish (it met an error of its own, e.g. a record
+        it could not write); returns them."""
+        with self._cond:
+            stranded = [j for j in self._running if not j.finished]
+        for job in stranded:
+            self.finish(job, "failed", error=error)
+        with self._cond:
+            self._running = [j for j in self._running if not j.finished]
+        return stranded
 
     def set_progress(self, job: Job, percent: int) -> None:
         """A running job's progress (from the engine's per-step callback); written to its record."""
@@ -296,7 +405,7 @@ class JobStore:
             if job.finished or percent <= job.progress:
                 return
             job.progress = percent
-            self._save(job)
+            self._try_save(job)
 
     def cancel(self, job: Job, reason: str) -> None:
         """A queued job leaves the queue at once; a running one is stopped by the engine at its next denoising
@@ -305,34 +414,64 @@ class JobStore:
             if job.finished or job.cancel_requested:
                 return
             error = {"code": "cancelled", "message": reason}
-            running = False
-            if job in self._queue:
-                self._queue.remove(job)
-                job.status = "cancelled"
-                job.error = error
+            running = job not in self._queue
+            if running:
+                self._end_early(job, "cancelled", error)
             else:
-                job.cancel_requested = True
-                job.status, job.error = "cancelled", error
-                self._save(job)
-                running = True
+                self._queue.remove(job)
         if running:  # the engine thread calls finish() when the batch ends
             if self.on_cancel_running is not None:
                 self.on_cancel_running(job)
             return
         self.finish(job, "cancelled", error=error)
 
+    def _end_early(self, job: Job, status: str, error: dict) -> None:
+        """A running job's end decided outside the engine (caller holds the lock): the engine stops it at its
+        next step or token and :meth:`finish` keeps this status and error."""
+        job.cancel_requested = True
+        job.status, job.error = status, error
+        self._try_save(job)
+
     def push_token(self, job: Job, index: int, token_id: int) -> None:
-        """The ``index``-th token of the job's current run. A run repeated after a failure produces the same
-        tokens (same seed): those already streamed are not added twice."""
+        """The ``index``-th token of the job's current run. A run repeated after a failure should produce the
+        same tokens (same seed), but another rank or batch may not: a token not yet streamed is replaced; one
+        that differs from what a client already holds fails the job (``stream_diverged``) and stops it."""
         with self._cond:
-            if index < len(job.tokens):
+            if (
+                job.finished
+                or job.cancel_requested
+                or (index < len(job.tokens) and job.tokens[index] == token_id)
+            ):
                 return
-            job.tokens.append(token_id)
-            if job.first_token_at is None:
-                job.first_token_at = time.time()
+            diverged = index < job.sent
+            if diverged:
+                self._end_early(job, "failed", _diverged(job, index, token_id))
+            else:
+                del job.tokens[index:]
+                job.tokens.append(token_id)
+                if job.first_token_at is None:
+                    job.first_token_at = time.time()
             waiters, job._token_waiters = job._token_waiters, []
         for loop, future in waiters:
             loop.call_soon_threadsafe(_resolve, future)
+        if diverged and self.on_cancel_running is not None:
+            self.on_cancel_running(job)
+
+    def stream_conflict(self, job: Job, token_ids: list[int]) -> dict | None:
+        """The error for a finished run whose tokens contradict what was already streamed (a re-run that
+        diverged or stopped earlier), None when the streamed tokens are a prefix of ``token_ids``."""
+        with self._cond:
+            sent = job.tokens[: job.sent]
+        if list(token_ids[: len(sent)]) == sent:
+            return None
+        index = next((i for i, t in enumerate(sent) if i >= len(token_ids) or token_ids[i] != t), len(sent))
+        if index < len(token_ids):
+            return _diverged(job, index, token_ids[index])
+        return {
+            "code": "stream_diverged",
+            "message": f"the job ran again after a failure and ended after {len(token_ids)} tokens, but "
+            f"{len(sent)} were already streamed; the streamed text is void (resend the request)",
+        }
 
     async def tokens_after(self, job: Job, count: int) -> tuple[list[int], bool]:
         """The job's tokens past the first ``count`` once there are any (or it finished), and whether it has."""
@@ -340,11 +479,17 @@ class JobStore:
         future = loop.create_future()
         with self._cond:
             if len(job.tokens) > count or job.finished:
-                return job.tokens[count:], job.finished
+                return self._hand_out(job, count)
             job._token_waiters.append((loop, future))
         await future
         with self._cond:
-            return job.tokens[count:], job.finished
+            return self._hand_out(job, count)
+
+    @staticmethod
+    def _hand_out(job: Job, count: int) -> tuple[list[int], bool]:
+        """Tokens past ``count`` for a stream (caller holds the lock): from now on a re-run must repeat them."""
+        job.sent = max(job.sent, len(job.tokens))
+        return job.tokens[count:], job.finished
 
     async def wait(self, job: Job) -> None:
         """Return when ``job`` is finished (without blocking the event loop or a thread)."""
@@ -368,10 +513,13 @@ class JobStore:
     def delete(self, job: Job) -> None:
         with self._cond:
             self._jobs.pop(job.id, None)
-            inputs = [self._input_path(job, name) for name in job.inputs]
-            for path in (self.jobs_dir / f"{job.id}.json", self.videos_dir / (job.output or ""), *inputs):
-                if path.is_file():
-                    path.unlink()
+            self._remove_files(job)
+
+    def _remove_files(self, job: Job) -> None:
+        inputs = [self._input_path(job, name) for name in job.inputs]
+        for path in (self.jobs_dir / f"{job.id}.json", self.videos_dir / (job.output or ""), *inputs):
+            if path.is_file():
+                path.unlink()
 
     def depth(self) -> int:
         with self._cond:

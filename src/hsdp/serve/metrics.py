@@ -9,7 +9,7 @@ from hsdp.serve.runner import RunnerStats
 __all__ = ["render_metrics", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_STATES = ("starting", "ready", "restarting", "stopped")
+_STATES = ("starting", "ready", "restarting", "stopped", "dead")
 
 
 def _label(value: object) -> str:
@@ -93,6 +93,18 @@ def render_metrics(
         "counter",
         "Dead or hung workers noticed, while idle (heartbeat) or during a call (sentinel, step timeout).",
         [(m, stats.worker_failures)],
+    )
+    w.metric(
+        "hsdp_engine_thread_errors_total",
+        "counter",
+        "Errors of the engine thread outside engine calls; each failed the running batch, the thread went on.",
+        [(m, stats.thread_errors)],
+    )
+    w.metric(
+        "hsdp_record_write_errors_total",
+        "counter",
+        "Job records that could not be written (e.g. a full disk); the job went on in memory.",
+        [(m, store.write_errors)],
     )
     w.metric(
         "hsdp_job_retries_total",

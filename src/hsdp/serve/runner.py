@@ -8,12 +8,23 @@ engine's per-step callback sets each job's ``progress`` as its ranks run.
 
 Supervision: while idle, the thread pings the ranks every ``poll_s`` (a dead or hung worker is noticed within
 ``poll_s + ping_timeout_s``); while a batch runs, a dead worker is noticed by its process sentinel within a
-fraction of a second and a hung one when no denoising step or token arrives for ``step_timeout_s`` (its
-workers are then killed). Either way the engine is restarted at once, before any request asks, and ``/health``
-says ``restarting`` meanwhile. The interrupted batch's jobs go back to the front of the queue, each to run
-alone, with the same seed, so their results equal an undisturbed run; a job whose attempts are spent
-(``--max-attempts``) fails with the reason and the count, and the jobs behind it run. A running job cancelled
-by a client is stopped by the engine at its next step or token.
+fraction of a second and a hung one when the ranks show no life for ``step_timeout_s`` (no step, no token, and
+no module computing: prompt encoding and VAE decode count; its workers are then killed, counted once as a
+worker failure). Either way the engine is restarted at once, before any request asks, and ``/health`` says
+``restarting`` meanwhile. The interrupted batch's jobs go back to the front of the queue, each to run alone,
+with the same seed, so their results equal an undisturbed run; a job whose attempts are spent
+(``--max-attempts``) fails with the reason and the count, and the jobs behind it run.
+
+Only a lost or hung rank is a reason to run a job again. An ordinary exception of the pipeline
+(:class:`hsdp.launch.WorkerRaised`: every rank came back, the group is intact) fails the job at once with the
+exception's full message, and the engine stays loaded; a call past ``--job-timeout`` fails its job. When such a
+call held several jobs, each runs again alone (the run does not count against its attempts), so only the job
+that causes it fails. Anything else going wrong in this thread (a record it cannot write, a bug) fails the
+running batch with the reason and the thread goes on; should the thread end anyway, ``/health`` says ``dead``.
+
+A client's cancel goes to the engine call its job runs in (by call id, taken when the call starts), so a cancel
+that arrives between taking the batch and starting the call still stops it, and a late one cannot stop the
+next call's request at the same index.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from dataclasses import dataclass, field
 
 from hsdp.engine import Engine, GenerationOutput, SamplingParams
 from hsdp.engine.outputs import encode_image, save_frames
-from hsdp.launch import WorkerDiedError, WorkerError, WorkerTimeout
+from hsdp.launch import WorkerDiedError, WorkerError, WorkerRaised, WorkerTimeout
 from hsdp.serve.jobs import Job, JobStore
 
 logger = logging.getLogger("hsdp")
@@ -40,7 +51,7 @@ class RunnerStats:
     """What ``/metrics`` reports about the engine (written by the engine thread only)."""
 
     state: str = "starting"
-    """starting, ready, restarting or stopped."""
+    """starting, ready, restarting, stopped, or dead (the engine thread ended while the server runs)."""
     restarts: int = 0
     batches: int = 0
     batched_requests: int = 0
@@ -53,7 +64,11 @@ class RunnerStats:
     memory_kind: str = ""
     worker_pids: list[int] = field(default_factory=list)
     worker_failures: int = 0
-    """Dead or hung workers noticed (idle or busy)."""
+    """Dead or hung workers noticed (idle or busy), each once."""
+    thread_errors: int = 0
+    """Errors the engine thread met outside the engine call (a record it could not write, ...): each failed
+    the running batch, and the thread went on."""
+    last_error: str = ""
     generated_tokens: int = 0
     ttft_seconds_sum: float = 0.0
     """Time to first token, from the request's arrival, summed over streamed or not text jobs."""
@@ -61,11 +76,13 @@ class RunnerStats:
 
 
 def _failure(exc: BaseException) -> dict:
-    """The ``error`` of the jobs of a failed engine call: a code clients can branch on, and the reason."""
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """The ``error`` of the jobs of a failed engine call: a code clients can branch on, and the reason (the
+    summary line, and a rank's exception line after its traceback)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    message = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
     codes = ((WorkerTimeout, "timeout"), (WorkerDiedError, "worker_died"), (WorkerError, "worker_error"))
     code = next((c for cls, c in codes if isinstance(exc, cls)), "internal_error")
-    return {"code": code, "message": first_line}
+    return {"code": code, "message": message}
 
 
 def _per_job(values: list) -> list | None:
@@ -91,6 +108,8 @@ class EngineRunner:
         self.poll_s = poll_s
         self.ping_timeout_s = ping_timeout_s
         self.step_timeout_s = step_timeout_s
+        self.job_timeout_s: float | None = None
+        """The engine's call limit (``--job-timeout``), named in the error of a job that overruns it."""
         self.max_batch_size = max_batch_size
         self.stats = RunnerStats()
         self.engine: Engine | None = None
@@ -100,7 +119,11 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._batch: list[Job] = []
         """The jobs of the running engine call, by request index (padding included)."""
+        self._call_id: int | None = None
+        """The engine's id of that call, once it started (cancels name it)."""
         self._last_sign_of_life = 0.0
+        self._hung_for: float | None = None
+        """Set by the watchdog when it killed the workers of a silent call: how long it was silent."""
         store.on_cancel_running = self._cancel_running
 
     def start(self) -> None:
@@ -114,31 +137,59 @@ class EngineRunner:
         """Finish the running batch (up to ``timeout_s``), then stop the workers; queued jobs stay queued (an
         interrupted persistent job is queued again on disk and runs after a restart)."""
         self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        for thread in (self._thread, self._watchdog):
+            if thread is not None:
+                thread.join(timeout_s)
         if self.engine is not None:
             self.engine.close()
         self.stats.state = "stopped"
 
+    @property
+    def state(self) -> str:
+        """The engine's state for ``/health``: ``dead`` when the engine thread is gone while the server runs."""
+        thread = self._thread
+        if thread is not None and not thread.is_alive() and not self._stopping.is_set():
+            return "dead"
+        return self.stats.state
+
     def _cancel_running(self, job: Job) -> None:
         with self._lock:
-            indices = [i for i, j in enumerate(self._batch) if j is job]
-            engine = self.engine
+            call_id, engine = self._call_id, self.engine
+            indices = [i for i, j in enumerate(self._batch) if j is job] if call_id is not None else []
+        # Before the call starts there is no id yet: _call_started sends the cancel then.
+        self._send_cancels(engine, call_id, indices)
+
+    def _call_started(self, call_id: int) -> None:
+        with self._lock:
+            self._call_id, engine = call_id, self.engine
+            indices = [i for i, j in enumerate(self._batch) if j.cancel_requested]
+        self._send_cancels(engine, call_id, indices)
+
+    @staticmethod
+    def _send_cancels(engine: Engine | None, call_id: int | None, indices: list[int]) -> None:
         for index in indices:
             try:
-                engine.cancel(index)
-            except Exception:  # the call just ended or the engine is gone: nothing left to stop
-                logger.debug("cancel of %s found no running call", job.id, exc_info=True)
+                engine.cancel(index, call_id)
+            except Exception:  # the engine is gone: nothing left to stop
+                logger.debug("cancel of request %d of call %s found no engine", index, call_id, exc_info=True)
+
+    def _last_life(self, engine: Engine) -> float:
+        return max(self._last_sign_of_life, engine.last_heard or 0.0)
 
     def _watch_steps(self) -> None:
-        """Kill the workers of a call that shows no step or token for ``step_timeout_s``: they are hung."""
+        """Kill the workers of a call that shows no life for ``step_timeout_s``: they are hung. The engine
+        thread then sees the call fail and counts the failure (once)."""
         while not self._stopping.wait(min(1.0, self.step_timeout_s / 4)):
             with self._lock:
                 busy, engine = bool(self._batch), self.engine
-            silent = time.monotonic() - self._last_sign_of_life
-            if busy and engine is not None and silent > self.step_timeout_s:
-                logger.warning("no step or token for %.0fs: the workers are hung; killing them", silent)
-                self.stats.worker_failures += 1
+            if not busy or engine is None:
+                continue
+            silent = time.monotonic() - self._last_life(engine)
+            if silent > self.step_timeout_s:
+                logger.warning(
+                    "no step, token or computation for %.0fs: the workers are hung; killing them", silent
+                )
+                self._hung_for = silent
                 engine.kill_workers()
                 self._last_sign_of_life = time.monotonic()
 
@@ -149,15 +200,40 @@ class EngineRunner:
         self.stats.state = "ready"
 
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            if self.engine is None or self.engine.closed:
-                self._restart()
-                continue
-            batch = self.store.next_batch(self.engine.request_slots * self.max_batch_size, self.poll_s)
-            if batch:
-                self._run(batch)
-            else:
-                self._check_idle_workers()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._step()
+                except Exception as exc:
+                    self._thread_error(exc)
+        finally:
+            if not self._stopping.is_set():
+                self.stats.state = "dead"
+                logger.critical("the engine thread ended; /health reports the engine dead")
+
+    def _step(self) -> None:
+        if self.engine is None or self.engine.closed:
+            self._restart()
+            return
+        batch = self.store.next_batch(self.engine.request_slots * self.max_batch_size, self.poll_s)
+        if batch:
+            self._run(batch)
+        else:
+            self._check_idle_workers()
+
+    def _thread_error(self, exc: Exception) -> None:
+        """This thread failed outside the engine call: the jobs it holds fail with the reason, and it goes on."""
+        logger.exception("the engine thread failed; failing its running jobs and going on")
+        self.stats.thread_errors += 1
+        self.stats.last_error = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._batch, self._call_id = [], None
+        self.store.fail_running(
+            {
+                "code": "internal_error",
+                "message": f"the server failed while running this job: {self.stats.last_error}",
+            }
+        )
 
     def _check_idle_workers(self) -> None:
         """A round trip to every rank: a dead or hung worker closes the engine, and the loop restarts it."""
@@ -215,7 +291,7 @@ class EngineRunner:
             token_counts[request_id] += 1
 
         with self._lock:
-            self._batch = padded
+            self._batch, self._call_id, self._hung_for = padded, None, None
             self._last_sign_of_life = time.monotonic()
         started = time.perf_counter()
         try:
@@ -224,6 +300,7 @@ class EngineRunner:
                 params,
                 on_progress=on_progress,
                 on_token=on_token,
+                on_start=self._call_started,
                 batch_size=self.max_batch_size if engine.kind == "diffusion" else 1,
                 # A LoRA adapter and its scale, when the jobs name one (the batch key holds one of each).
                 **{k: batch[0].meta[k] for k in ("adapter", "adapter_scale") if k in batch[0].meta},
@@ -233,7 +310,7 @@ class EngineRunner:
             return
         finally:
             with self._lock:
-                self._batch = []
+                self._batch, self._call_id = [], None
         elapsed = time.perf_counter() - started
         self.store.batch_seconds = (
             elapsed if not self.store.batch_seconds else 0.8 * self.store.batch_seconds + 0.2 * elapsed
@@ -251,7 +328,10 @@ class EngineRunner:
             for job in batch:
                 self.store.finish(job, "failed", error={"code": "invalid_request", "message": str(exc)})
             return
-        error = _failure(exc)
+        error = self._job_error(exc)
+        if isinstance(exc, (WorkerRaised, WorkerTimeout)) and not self._stopping.is_set():
+            self._fail_culprit(batch, exc, error)
+            return
         if self._stopping.is_set():
             error = {
                 "code": "server_stopped",
@@ -270,6 +350,33 @@ class EngineRunner:
             "batch of %d job(s) interrupted (%s); running them again", len(batch), error["message"]
         )
         self.store.retry(batch, error)
+
+    def _job_error(self, exc: Exception) -> dict:
+        if self._hung_for is not None:  # the watchdog killed the workers: the cause is the silence
+            return {
+                "code": "hung",
+                "message": f"the workers showed no life for {self._hung_for:.0f}s (--step-timeout "
+                f"{self.step_timeout_s:g}) and were killed",
+            }
+        if isinstance(exc, WorkerRaised):
+            return {"code": "generation_error", "message": f"{exc.error} (rank {exc.rank})"}
+        if isinstance(exc, WorkerTimeout):
+            limit = f" (--job-timeout {self.job_timeout_s:g})" if self.job_timeout_s else ""
+            return {"code": "timeout", "message": f"{_failure(exc)['message']}{limit}"}
+        return _failure(exc)
+
+    def _fail_culprit(self, batch: list[Job], exc: Exception, error: dict) -> None:
+        """An error the request itself causes (the pipeline raised, or the call overran ``--job-timeout``):
+        alone, the job fails at once; in a batch, which job caused it is unknown, so each runs again alone,
+        the run not counted against its attempts."""
+        if isinstance(exc, WorkerTimeout):
+            self.stats.state = "restarting"  # the timed-out group is torn down; the loop starts a new one
+        if len(batch) == 1:
+            logger.warning("job %s failed: %s", batch[0].id, error["message"])
+            self.store.finish(batch[0], "failed", error=error)
+            return
+        logger.warning("a batch of %d jobs failed (%s); running each alone", len(batch), error["message"])
+        self.store.retry(batch, error, spent=False)
 
     def _record(self, batch: list[Job], outputs: list[GenerationOutput], padding: int) -> None:
         stats = self.stats
@@ -292,8 +399,11 @@ class EngineRunner:
         if job.kind == "video":
             name = f"{job.id}.mp4"
             staging = self.store.videos_dir / f".{name}"
-            save_frames(output.frames, staging, fps=job.meta["fps"])
-            os.replace(staging, self.store.videos_dir / name)
+            try:
+                save_frames(output.frames, staging, fps=job.meta["fps"])
+                os.replace(staging, self.store.videos_dir / name)
+            finally:
+                staging.unlink(missing_ok=True)  # a failed write (a full disk) leaves no partial file
             self.store.finish(job, "completed", output=name)
             return
         if job.kind == "video_sync":
@@ -311,5 +421,9 @@ class EngineRunner:
                 f"{image.shape[1]}x{image.shape[0]}"  # pipelines may resize (Kontext's max_area)
             )
         else:
+            conflict = self.store.stream_conflict(job, output.token_ids or [])
+            if conflict is not None:  # a re-run that contradicts the streamed text: the stream ends in error
+                self.store.finish(job, "failed", error=conflict)
+                return
             job.result = output
         self.store.finish(job, "completed")

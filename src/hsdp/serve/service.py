@@ -69,6 +69,7 @@ class Server:
             step_timeout_s=settings.step_timeout_s,
             max_batch_size=settings.max_batch_size,
         )
+        self.runner.job_timeout_s = settings.job_timeout_s
         self.tokenizer = None
         self.max_positions: int | None = None
         self.adapter_paths: dict[str, Path] = parse_adapters(settings.lora)
@@ -106,6 +107,7 @@ class Server:
         return {k: self._earlier_adapter_counts[k] + current.get(k, 0) for k in _ADAPTER_COUNTS}
 
     def start(self) -> None:
+        self.store.lock()  # first: a second server on this --output-dir is refused before anything loads
         loaded, requeued = self.store.load()
         if loaded:
             logger.info(
@@ -130,6 +132,7 @@ class Server:
 
     def stop(self) -> None:
         self.runner.stop()
+        self.store.unlock()
 
     @property
     def info(self):
@@ -275,6 +278,13 @@ class Server:
                 code="queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(exc.retry_after_s)},
+            ) from exc
+        except OSError as exc:  # the job's record or upload could not be written (a full disk)
+            raise ApiError(
+                507,
+                f"the server could not store this job under --output-dir ({exc}); nothing was queued, retry later",
+                code="storage_error",
+                kind="server_error",
             ) from exc
 
     # -- diffusion -------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ router = APIRouter()
 
 @router.get("/health", response_model=Health, responses={503: {"model": Health}})
 async def health(server: ServerDep) -> JSONResponse:
-    """200 while the engine is ready; 503 while it starts or restarts (queued jobs still wait)."""
-    state = server.runner.stats.state
+    """200 while the engine is ready; 503 while it starts or restarts (queued jobs still wait), or when the
+    engine thread is dead (``engine: dead``: restart the server)."""
+    state = server.runner.state
     body = Health(status="ok" if state == "ready" else "unavailable", model=server.name, engine=state)
     return JSONResponse(body.model_dump(), status_code=200 if state == "ready" else 503)
 
