@@ -185,7 +185,9 @@ class _FakeEngine:
     last_heard, close) without workers. ``body(engine, prompts, params, on_token)``, when given, runs in the
     call before the outputs are made (slow phases, tokens, failures)."""
 
-    def __init__(self, error: Exception | None = None, poison: str | None = None, kind="causal_lm", body=None):
+    def __init__(
+        self, error: Exception | None = None, poison: str | None = None, kind="causal_lm", body=None
+    ):
         self.error, self.closed, self.request_slots, self.pids, self.calls = error, False, 2, [101, 102], []
         self.poison = poison
         """Only a batch holding this prompt fails (a job that breaks the workers every time)."""
@@ -193,6 +195,7 @@ class _FakeEngine:
         self.call_id, self.cancels, self.batches = 0, [], []
         self.last_heard: float | None = None
         self.killed = threading.Event()
+        self.cancel_gate: threading.Event | None = None
 
     def ping(self, timeout_s):
         pass
@@ -201,7 +204,8 @@ class _FakeEngine:
         from hsdp.engine import GenerationOutput, Timings
 
         self.call_id += 1
-        on_start(self.call_id)
+        if on_start is not None:
+            on_start(self.call_id)
         self.calls.append((list(prompts), list(params.seed)))
         self.batches.append((batch_size, params.negative_prompt))
         for step in range(1, 5):  # as the engine does after each denoising step of each request
@@ -229,7 +233,9 @@ class _FakeEngine:
         ]
 
     def cancel(self, request_id, call_id=None):
-        self.cancels.append((request_id, call_id))
+        if self.cancel_gate is not None:  # hold the cancel back until the next call started (a forced race)
+            self.cancel_gate.wait(10)
+        self.cancels.append((request_id, self.call_id if call_id is None else call_id))
 
     def kill_workers(self):
         self.killed.set()
@@ -281,7 +287,11 @@ def test_runner_runs_an_interrupted_batch_again_alone_after_a_restart(tmp_path, 
     assert engines[1].calls == [(["p0", "p0"], [10, 10]), (["p1", "p1"], [11, 11])]
     # The engine's per-step callback drives progress; 100 waits for the end (decode and encoding follow).
     assert store.progress_seen[b.id][-4:] == [25, 50, 75, 99] and b.progress == 100
-    assert (runner.stats.restarts, runner.stats.worker_failures, runner.stats.padded_requests) == (1, failures, 2)
+    assert (runner.stats.restarts, runner.stats.worker_failures, runner.stats.padded_requests) == (
+        1,
+        failures,
+        2,
+    )
     assert engines[1].closed and runner.stats.state == "stopped"
 
 
@@ -435,3 +445,348 @@ def test_data_urls_name_the_field(url, needle):
     with pytest.raises(ApiError, match=needle) as info:
         decode_data_url(url, "input_reference")
     assert info.value.param == "input_reference" and info.value.status == 400
+
+
+# -- issue 21: supervision of the engine thread ------------------------------------------------------------------
+def _runner(tmp_path, store=None, *, engines=None, **engine_kwargs):
+    """A runner over fresh fake engines (one per start or restart), started; ``engines`` collects them."""
+    from hsdp.serve.runner import EngineRunner
+
+    engines = [] if engines is None else engines
+
+    def make_engine():
+        engines.append(_FakeEngine(**engine_kwargs))
+        return engines[-1]
+
+    runner = EngineRunner(make_engine, store or JobStore(tmp_path, capacity=16), poll_s=0.05)
+    return runner, engines
+
+
+def _text_job(prompt: str, seed: int = 0, **fields) -> Job:
+    return Job("text", prompt, {"max_new_tokens": 4}, seed=seed, **fields)
+
+
+def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
+    """Issue 21 items 1 and 10: a job without a negative prompt (or without an image) among jobs with one used to
+    make the whole batch run one request at a time (or, request-parallel, ranks run different forwards)."""
+    store = JobStore(tmp_path, capacity=16)
+    kinds = [{}, {"negative_prompt": "blurry"}, {"inputs": {"image": b"png"}}]
+    jobs = [_text_job(f"p{i}", i, **kinds[i % 3]) for i in range(12)]
+    store.submit(jobs)
+    runner, engines = _runner(tmp_path, store, kind="diffusion")
+    runner.max_batch_size = 2
+    runner.start()
+    try:
+        _wait_finished(jobs)
+    finally:
+        runner.stop()
+    assert all(j.status == "completed" for j in jobs)
+    calls = engines[0].calls
+    assert len(calls) == 3 and all(len(prompts) == 4 for prompts, _ in calls)  # 2 slots x batch 2, no padding
+    for (prompts, _), (batch_size, negative) in zip(calls, engines[0].batches, strict=True):
+        kind = {int(p[1:]) % 3 for p in prompts}
+        assert len(kind) == 1 and batch_size == 2, prompts
+        assert negative == (["blurry"] * 4 if kind == {1} else None)
+
+
+def test_a_full_disk_fails_the_job_and_the_engine_thread_goes_on(tmp_path, monkeypatch):
+    """Issue 21 item 2: an OSError writing a record (disk full) ended the engine thread; the job stayed
+    ``in_progress`` for ever and every later job queued for ever."""
+    import errno
+
+    import numpy as np
+
+    from hsdp.engine import GenerationOutput, Timings
+    from hsdp.serve import runner as runner_module
+
+    full = threading.Event()
+
+    class DiskFull(JobStore):
+        def _save(self, job):
+            if full.is_set() and job.persistent:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super()._save(job)
+
+    def save_frames(frames, path, fps):
+        if full.is_set():
+            path.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        path.write_bytes(b"mp4")
+
+    def fill_the_disk_for_the_first_job(engine, prompts, params, on_token):
+        if prompts[0] == "first":
+            full.set()
+
+    class VideoEngine(_FakeEngine):
+        def generate(self, prompts, params, **kwargs):
+            outputs = super().generate(prompts, params, **kwargs)
+            frames = np.zeros((1, 16, 16, 3), dtype=np.float32)
+            return [
+                GenerationOutput(
+                    o.request_id, o.prompt, o.seed, Timings(total_s=0.1), [1], "t", frames=frames
+                )
+                for o in outputs
+            ]
+
+    monkeypatch.setattr(runner_module, "save_frames", save_frames)
+    store = DiskFull(tmp_path, capacity=8)
+    from hsdp.serve.runner import EngineRunner
+
+    runner = EngineRunner(lambda: VideoEngine(body=fill_the_disk_for_the_first_job), store, poll_s=0.05)
+    first, second = _job(seed=1), _job(seed=2, num_inference_steps=2)
+    first.prompt, second.prompt = "first", "second"
+    runner.start()
+    try:
+        store.submit([first])
+        _wait_finished([first])
+        with pytest.raises(OSError):  # a new job cannot be stored: refused (507), nothing queued or left
+            store.submit([second])
+        assert store.depth() == 0 and not list(store.jobs_dir.glob(f"{second.id}*"))
+        full.clear()  # space freed
+        store.submit([second])
+        _wait_finished([second])
+        assert runner.state == "ready" and runner._thread.is_alive()
+    finally:
+        runner.stop()
+    assert first.status == "failed" and first.error["code"] == "output_error", first.error
+    assert "No space left on device" in first.error["message"]
+    assert store.write_errors >= 1  # the failed record write was counted (and logged), not fatal
+    assert not list(store.videos_dir.glob(".*.mp4"))  # no partial staging file left behind
+    assert second.status == "completed" and (store.videos_dir / second.output).read_bytes() == b"mp4"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_thread_error_fails_its_batch_and_a_dead_thread_shows_in_health(tmp_path, monkeypatch):
+    """Issue 21 item 2: any error of the engine thread fails the running batch with the reason and the thread goes
+    on; a thread that ends anyway makes ``/health`` answer 503 ``dead`` (it read only the last state)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hsdp.serve.routes.system import health
+
+    runner, _ = _runner(tmp_path)
+    broken = [RuntimeError("bookkeeping bug")]
+
+    def record(batch, outputs, padding):
+        if broken:
+            raise broken.pop()
+
+    monkeypatch.setattr(runner, "_record", record)
+    a, b = _text_job("a", 1), _text_job("b", 2, solo=True)
+    runner.start()
+    try:
+        runner.store.submit([a])
+        _wait_finished([a])
+        runner.store.submit([b])
+        _wait_finished([b])
+        assert runner.state == "ready"
+
+        class Stop(BaseException):
+            """Not an Exception: nothing catches it, so the thread ends."""
+
+        def next_batch(max_jobs, timeout_s):
+            raise Stop()
+
+        monkeypatch.setattr(runner.store, "next_batch", next_batch)
+        runner._thread.join(5)
+        response = asyncio.run(health(SimpleNamespace(runner=runner, name="m")))
+    finally:
+        runner.stop()
+    assert a.status == "failed" and a.error["code"] == "internal_error"
+    assert "RuntimeError: bookkeeping bug" in a.error["message"]
+    assert b.status == "completed" and runner.stats.thread_errors == 1
+    assert response.status_code == 503 and json.loads(response.body)["engine"] == "dead"
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_rerun_that_contradicts_the_streamed_tokens_ends_the_stream_with_an_error(tmp_path, streamed):
+    """Issue 21 item 4: the re-run's first tokens were skipped unchecked, so a client could hold text (streamed
+    [7, 8]) that the final record contradicts ([7, 5, 6, 4])."""
+    import asyncio
+
+    store = JobStore(tmp_path, capacity=8)
+    job = _text_job("p")
+    runs = []
+
+    def run(engine, prompts, params, on_token):
+        first = not runs
+        runs.append(engine)
+        for token in [7, 8] if first else [7, 5, 6, 4]:  # the re-run diverges at position 1
+            on_token(0, token)
+        if first:
+            if streamed:  # a client reads what came so far
+                assert asyncio.run(store.tokens_after(job, 0)) == ([7, 8], False)
+            engine.closed = True
+            raise WorkerDiedError("generate: worker rank 1 died (rank 1: exit code -9)", rank=1)
+
+    runner, engines = _runner(tmp_path, store, body=run)
+    runner.start()
+    try:
+        store.submit([job])
+        _wait_finished([job])
+    finally:
+        runner.stop()
+    if streamed:
+        assert job.status == "failed" and job.error["code"] == "stream_diverged", job.error
+        assert "position 1" in job.error["message"] and job.tokens == [7, 8]  # nothing past the conflict sent
+        assert (0, 1) in engines[1].cancels  # the diverged run was stopped
+    else:  # nothing had left the server: the re-run's tokens replace the first run's
+        assert job.status == "completed" and job.tokens == [7, 5, 6, 4]
+
+
+def test_a_slow_decode_with_signs_of_life_is_not_a_hang_and_a_hang_counts_once(tmp_path):
+    """Issue 21 item 5: only denoising steps and tokens showed life, so a VAE decode or prompt encoding longer than
+    --step-timeout was killed as a hang on every attempt; and each kill counted twice."""
+
+    def slow_decode(engine, prompts, params, on_token):
+        ends = time.monotonic() + 1.5
+        while time.monotonic() < ends:  # 3x the step timeout, with the ranks' heartbeats arriving
+            engine.last_heard = time.monotonic()
+            assert not engine.killed.wait(0.05), "a computing engine was killed as hung"
+
+    def hang_once(engine, prompts, params, on_token):
+        if len(engines) == 1:  # silent until the watchdog kills the workers
+            assert engine.killed.wait(10)
+            engine.closed = True
+            raise WorkerDiedError("generate: worker rank 0 died (rank 0: exit code -9)", rank=0)
+
+    for body, attempts, failures in ((slow_decode, 1, 0), (hang_once, 2, 1)):
+        runner, engines = _runner(tmp_path, body=body)
+        runner.step_timeout_s = 0.5
+        job = _text_job("p")
+        runner.start()
+        try:
+            runner.store.submit([job])
+            _wait_finished([job])
+        finally:
+            runner.stop()
+        assert job.status == "completed" and job.attempts == attempts, (body.__name__, job.error)
+        assert runner.stats.worker_failures == failures, body.__name__
+
+
+def test_cancel_reaches_the_call_its_job_runs_in(tmp_path):
+    """Issue 21 item 6: a cancel between next_batch() and the engine call never reached the engine (all steps
+    ran), and a late cancel used the engine's current call id, stopping the next call's request."""
+
+    class CancelInTheWindow(JobStore):
+        def next_batch(self, max_jobs, timeout_s):
+            batch = super().next_batch(max_jobs, timeout_s)
+            if batch and batch[0].prompt == "early":
+                self.cancel(batch[0], "cancelled before its call started")
+            return batch
+
+    store = CancelInTheWindow(tmp_path, capacity=8)
+    early, late, nxt = _text_job("early", 1), _text_job("late", 2), _text_job("next", 3)
+    gate = threading.Event()
+
+    def run(engine, prompts, params, on_token):
+        engine.cancel_gate = gate
+        if prompts[0] == "late":  # a client cancels while this call runs; its cancel is delayed (forced race)
+            threading.Thread(target=store.cancel, args=(late, "late cancel")).start()
+            time.sleep(0.2)
+        if prompts[0] == "next":
+            gate.set()  # the held-back cancel lands while the next call runs
+            time.sleep(0.2)
+
+    runner, engines = _runner(tmp_path, store, body=run)
+    runner.start()
+    try:
+        store.submit([early])
+        _wait_finished([early])
+        store.submit([late])
+        _wait_finished([late])
+        store.submit([nxt])
+        _wait_finished([nxt])
+    finally:
+        runner.stop()
+    engine = engines[0]
+    # Calls 1, 2 and 3 (each job alone, padded to the 2 slots): cancels name calls 1 and 2 only.
+    assert sorted(engine.cancels) == [(0, 1), (0, 2), (1, 1), (1, 2)], engine.cancels
+    assert early.status == "cancelled" and late.status == "cancelled"
+    assert nxt.status == "completed" and nxt.result is not None and not nxt.result.cancelled
+
+
+def test_a_pipeline_error_fails_its_job_at_once_and_spares_the_engine_and_its_neighbour(tmp_path):
+    """Issue 21 item 7: a ValueError in the pipeline restarted the engine up to --max-attempts times, re-ran its
+    neighbours and reported only "generate failed on rank 0: (attempt 3 of 3)"."""
+    error = WorkerRaised(
+        "generate failed on rank 1:\nTraceback (most recent call last):\nValueError: bad latents",
+        1,
+        "ValueError: bad latents shape (1, 4, 9)\n  expected (1, 4, 8)",
+    )
+    runner, engines = _runner(tmp_path, error=error, poison="bad")
+    bad, good = _text_job("bad", 1), _text_job("good", 2)
+    runner.start()
+    try:
+        runner.store.submit([bad, good])  # one batch: side by side on the two slots
+        _wait_finished([bad, good])
+    finally:
+        runner.stop()
+    assert bad.status == "failed" and bad.attempts == 1
+    assert bad.error == {"code": "generation_error", "message": f"{error.error} (rank 1)"}
+    assert good.status == "completed" and good.attempts == 1  # the split run was not counted against it
+    assert len(engines) == 1 and runner.stats.restarts == 0 and runner.stats.worker_failures == 0
+
+
+def test_a_job_past_job_timeout_fails_without_a_rerun(tmp_path):
+    """Issue 21 item 7: --job-timeout jobs were run again although the settings say they fail."""
+    runner, engines = _runner(
+        tmp_path, error=WorkerTimeout("generate did not finish within 600s on ranks [0, 1]")
+    )
+    runner.job_timeout_s = 600
+    job = _text_job("slow")
+    runner.start()
+    try:
+        runner.store.submit([job])
+        _wait_finished([job])
+    finally:
+        runner.stop()
+    assert job.status == "failed" and job.attempts == 1 and job.error["code"] == "timeout"
+    assert "--job-timeout 600" in job.error["message"] and runner.stats.worker_failures == 0
+
+
+# -- issue 21 item 11: shared state on disk and in memory ----------------------------------------------------------
+def test_a_second_server_on_the_same_output_dir_is_refused(tmp_path):
+    import os
+
+    from hsdp.serve.jobs import OutputDirInUse
+
+    first, second = JobStore(tmp_path, capacity=4), JobStore(tmp_path, capacity=4)
+    first.lock()
+    with pytest.raises(
+        OutputDirInUse,
+        match=rf"--output-dir {tmp_path} is in use by another hsdp serve \(pid {os.getpid()}\)",
+    ):
+        second.lock()
+    first.unlock()
+    second.lock()  # free again once the first server stopped
+    second.unlock()
+
+
+def test_load_sweeps_leftovers_and_reads_back_only_inputs_of_jobs_that_will_run(tmp_path):
+    store = JobStore(tmp_path, capacity=4)
+    done = Job("video", "p", VIDEO, 1, meta={"fps": 8}, inputs={"image": b"done-png"})
+    waiting = Job("video", "q", VIDEO, 2, meta={"fps": 8}, inputs={"image": b"waiting-png"})
+    store.submit([done, waiting])
+    store.next_batch(1, timeout_s=0)
+    (store.videos_dir / f"{done.id}.mp4").write_bytes(b"mp4")
+    store.finish(done, "completed", output=f"{done.id}.mp4")
+    assert done.inputs == {"image": None}  # a finished job holds no upload in memory
+    leftovers = [store.videos_dir / f".{waiting.id}.mp4", store.jobs_dir / f"{waiting.id}.4242.tmp"]
+    for path in leftovers:  # a crash mid-write
+        path.write_bytes(b"partial")
+    again = JobStore(tmp_path, capacity=4)
+    assert again.load() == (2, 1)
+    assert not any(path.exists() for path in leftovers)
+    assert again.get(done.id).inputs == {"image": None} and again.get(waiting.id).inputs == {
+        "image": b"waiting-png"
+    }
+    again.delete(again.get(done.id))
+    assert not (store.jobs_dir / f"{done.id}.image").exists()  # the name was enough to delete the upload
+
+
+def test_stop_joins_the_watchdog(tmp_path):
+    runner, _ = _runner(tmp_path)
+    runner.start()
+    runner.stop()
+    assert not runner._thread.is_alive() and not runner._watchdog.is_alive()
