@@ -12,9 +12,12 @@ those facts; a pipeline no family claims runs with the generic rules (:data:`GEN
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Family", "register_family", "family_for", "FAMILIES", "GENERIC"]
+import torch
+
+__all__ = ["Family", "register_family", "family_for", "family_of_model", "FAMILIES", "GENERIC"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,15 @@ class Family:
     latent_packing: int = 1
     """Latent pixels per token side that the pipeline packs before its transformer (FLUX: 2), on top of the
     transformer's own ``patch_size``; sizes must be multiples of VAE factor x patch x packing."""
+    denoisers: str = r"$^"
+    """Regular expression matched (in full) against the denoiser's model class name (LoRA export)."""
+    comfyui_lora: Callable[[dict[str, torch.Tensor], float], dict[str, torch.Tensor]] | None = None
+    """``(diffusers-keyed adapter tensors, alpha / r) -> the diffusion_model.-keyed ComfyUI LoRA``: the inverse of
+    diffusers' converter for the family (:mod:`hsdp.lora_formats`)."""
+    comfyui_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], str | None] | None = None
+    """``(ComfyUI tensors, diffusers-keyed tensors) -> problem or None``: diffusers' converter reads them back."""
+    comfyui_refusal: str = ""
+    """Why the family has no ComfyUI export (when ``comfyui_lora`` is None)."""
 
 
 GENERIC = Family("generic")
@@ -42,5 +54,10 @@ def family_for(pipeline_class: str) -> Family:
     return next((f for f in FAMILIES if re.fullmatch(f.pipelines, pipeline_class)), GENERIC)
 
 
+def family_of_model(model_class: str) -> Family:
+    """The registered family whose ``denoisers`` pattern matches ``model_class``, else :data:`GENERIC`."""
+    return next((f for f in FAMILIES if re.fullmatch(f.denoisers, model_class)), GENERIC)
+
+
 # Family files register themselves on import (after register_family exists).
-from hsdp.families import flux  # noqa: E402,F401
+from hsdp.families import flux, wan  # noqa: E402,F401

@@ -1,0 +1,230 @@
+"""LoRA files other tools read, written from (and read back into) the peft-keyed adapters of :mod:`hsdp.lora`.
+
+Three formats, all from the gathered adapters only (:func:`hsdp.lora.adapter_state`), never the frozen base:
+
+- ``peft``: an adapter folder (``adapter_config.json``, ``adapter_model.safetensors``), ``PeftModel`` and
+  ``hsdp generate / serve --lora`` read it.
+- ``diffusers``: a folder with ``pytorch_lora_weights.safetensors`` keyed ``<component>.<module>.lora_A.weight`` /
+  ``lora_B.weight``, as ``<Pipeline>.save_lora_weights`` writes it in diffusers' training scripts
+  (``get_peft_model_state_dict`` packed under the component's name). The LoRA config (r, ``lora_alpha``, targets)
+  goes into the safetensors metadata under ``lora_adapter_metadata``, keys prefixed by the component
+  (``training_utils._collate_lora_metadata``), which ``pipe.load_lora_weights(folder)`` turns back into the
+  ``LoraConfig``: without it diffusers would assume ``lora_alpha == r``.
+- ``comfyui``: the ``diffusion_model.``-keyed LoRA of ComfyUI and the single-GPU trainers (the original model's
+  module names, ``lora_down`` / ``lora_up`` / ``alpha``), written as the inverse of the diffusers converter for the
+  family (:attr:`hsdp.families.Family.comfyui_lora`), and checked by running that converter on the result before
+  anything is written. A family without a converter is refused with the reason.
+
+:func:`as_peft_folder` goes the other way for ``--lora`` / ``--lora-adapter``: a diffusers-format folder becomes a
+peft adapter folder (converted once, cached by content).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hsdp.distributed import rank
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+__all__ = [
+    "FORMATS",
+    "DIFFUSERS_WEIGHTS",
+    "COMFYUI_WEIGHTS",
+    "save_lora",
+    "diffusers_lora",
+    "comfyui_lora",
+    "as_peft_folder",
+]
+
+FORMATS = ("peft", "diffusers", "comfyui")
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+COMFYUI_WEIGHTS = "lora.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def _module_keys(peft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft adapter keys (``base_model.model.<module>.lora_A.weight``) -> ``<module>.lora_A.weight``."""
+    return {k.removeprefix(_PEFT_PREFIX): v for k, v in peft_state.items()}
+
+
+def _config_dict(config: LoraConfig) -> dict[str, Any]:
+    """``LoraConfig.to_dict()`` made JSON-safe as diffusers' ``write_lora_layers`` does (sets become lists)."""
+    out = config.to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
+
+
+def diffusers_lora(
+    peft_state: dict[str, torch.Tensor], config: LoraConfig, component: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, safetensors metadata) of the diffusers format for ``component`` (``transformer``, ``unet``...)."""
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+    tensors = {f"{component}.{k}": v for k, v in _module_keys(peft_state).items()}
+    meta = {f"{component}.{k}": v for k, v in _config_dict(config).items()}
+    return tensors, {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(meta, indent=2, sort_keys=True)}
+
+
+def _scaling(config: LoraConfig) -> float:
+    """The one ``alpha / r`` of ``config`` (``alpha / sqrt(r)`` with rsLoRA), which ComfyUI files carry as
+    ``alpha``; per-module ranks or alphas are refused (hsdp's adapters never set them)."""
+    if config.rank_pattern or config.alpha_pattern:
+        raise ValueError(
+            "--export-format comfyui: the adapter sets rank_pattern / alpha_pattern (per-module ranks); export "
+            "it with --export-format diffusers, whose metadata keeps them"
+        )
+    return config.lora_alpha / (config.r**0.5 if config.use_rslora else config.r)
+
+
+def comfyui_lora(peft_state: dict[str, torch.Tensor], config: LoraConfig, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The ``diffusion_model.``-keyed LoRA of ``model``'s family; ``ValueError`` (with the reason) when the family
+    has no diffusers converter to invert, or the converter would not read the result back."""
+    from hsdp.families import family_of_model
+
+    family = family_of_model(type(model).__name__)
+    if family.comfyui_lora is None:
+        raise ValueError(
+            f"--export-format comfyui: {family.comfyui_refusal or f'no ComfyUI key map for {type(model).__name__}'}; "
+            "use --export-format diffusers"
+        )
+    out = family.comfyui_lora(_module_keys(peft_state), _scaling(config))
+    problem = family.comfyui_check(out, _module_keys(peft_state)) if family.comfyui_check else None
+    if problem:
+        raise ValueError(f"--export-format comfyui: {problem}; use --export-format diffusers")
+    return out
+
+
+def _write(out_dir: Path, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]], config=None) -> None:
+    """Write ``{name: (tensors, metadata)}`` (and a peft ``adapter_config.json``) into a temporary sibling, then
+    rename it into place: a failed export leaves nothing behind."""
+    from safetensors.torch import save_file
+
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, (tensors, metadata) in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name, metadata=metadata)
+    if config is not None:
+        saved = copy.copy(config)
+        saved.inference_mode = True  # as PeftModel.save_pretrained writes it
+        saved.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def save_lora(
+    model: nn.Module, config: LoraConfig, out_dir: str | Path, format: str = "peft", component: str = "transformer"
+) -> Path:
+    """Write the adapters of ``model`` (injected with ``config``) in ``format``; collective: every rank gathers the
+    adapters (only they: never the frozen base), rank 0 checks and writes, then a barrier. ``component`` names the
+    pipeline component the adapters belong to (the diffusers format's key prefix). A problem (a format the
+    model's family cannot take) is a ``ValueError`` on every rank, raised before anything is written."""
+    from hsdp.lora import ADAPTER_WEIGHTS, adapter_state
+
+    if format not in FORMATS:
+        raise ValueError(f"--export-format {format!r}: use one of {', '.join(FORMATS)}")
+    if format != "peft" and not _is_diffusers_model(model):
+        raise ValueError(
+            f"--export-format {format}: {type(model).__name__} is not a diffusers model, and this format is a "
+            "diffusers pipeline LoRA; use --export-format peft"
+        )
+    state = adapter_state(model)  # collective
+    if format == "peft":
+        files = {ADAPTER_WEIGHTS: (state, {"format": "pt"})}
+    elif format == "diffusers":
+        files = {DIFFUSERS_WEIGHTS: diffusers_lora(state, config, component)}
+    else:
+        files = {COMFYUI_WEIGHTS: (comfyui_lora(state, config, model), {"format": "pt"})}
+    out_dir = Path(out_dir)
+    if rank() == 0:
+        _write(out_dir, files, config if format == "peft" else None)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+def _is_diffusers_model(model: nn.Module) -> bool:
+    try:
+        from diffusers import ModelMixin
+    except ImportError:
+        return False
+    return isinstance(model, ModelMixin)
+
+
+# -- reading a diffusers-format folder as a peft adapter ----------------------------------------------------------
+def _denoiser_tensors(path: Path) -> tuple[str, dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(component, ``<module>.lora_X.weight`` tensors, its LoraConfig kwargs or None) of a diffusers LoRA file."""
+    from diffusers.utils.state_dict_utils import _load_sft_state_dict_metadata
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    components = sorted({k.split(".", 1)[0] for k in tensors})
+    if len(components) != 1:
+        raise ValueError(
+            f"--lora {path.parent}: {DIFFUSERS_WEIGHTS} adapts {', '.join(components)}; hsdp applies a LoRA to "
+            "one component (the denoiser), so keep only its keys"
+        )
+    component = components[0]
+    meta = _load_sft_state_dict_metadata(str(path)) or {}
+    config = {k.removeprefix(f"{component}."): v for k, v in meta.items() if k.startswith(f"{component}.")}
+    return component, {k.split(".", 1)[1]: v for k, v in tensors.items()}, config or None
+
+
+def _inferred_config(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A file without metadata: diffusers' own convention (``utils.peft_utils.get_peft_kwargs``), ``lora_alpha``
+    equal to each module's rank (scale 1), the most common rank as ``r`` and the others as a pattern."""
+    from collections import Counter
+
+    ranks = {k.rsplit(".lora_A.", 1)[0]: v.shape[0] for k, v in tensors.items() if ".lora_A." in k}
+    r = Counter(ranks.values()).most_common(1)[0][0]
+    pattern = {m: rank for m, rank in ranks.items() if rank != r}
+    return {
+        "r": r,
+        "lora_alpha": r,
+        "target_modules": sorted(ranks),
+        "rank_pattern": pattern,
+        "alpha_pattern": dict(pattern),
+    }
+
+
+def as_peft_folder(folder: str | Path) -> Path:
+    """``folder`` itself when it is a peft adapter folder (or anything else: the caller's checks name the problem);
+    for a diffusers-format folder (``pytorch_lora_weights.safetensors``, no ``adapter_config.json``), a peft adapter
+    folder converted from it: keys ``base_model.model.<module>.lora_X.weight``, the ``LoraConfig`` from the file's
+    metadata (else diffusers' convention, alpha = r). Converted once into the hsdp cache, keyed by the file's
+    content; every rank may call it (the folder is written to a temporary sibling and renamed)."""
+    from peft import LoraConfig
+
+    from hsdp.lora import ADAPTER_WEIGHTS
+    from hsdp.models.tiny import default_cache_dir
+
+    path = Path(folder)
+    source = path / DIFFUSERS_WEIGHTS
+    if (path / "adapter_config.json").is_file() or not source.is_file():
+        return path
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    out = default_cache_dir() / "lora-from-diffusers" / digest
+    if (out / ADAPTER_WEIGHTS).is_file():
+        return out
+    _, tensors, kwargs = _denoiser_tensors(source)
+    config = LoraConfig(**(kwargs or _inferred_config(tensors)))
+    peft_state = {_PEFT_PREFIX + k: v for k, v in tensors.items()}
+    tmp = out.with_name(f".tmp-{digest}-{os.getpid()}")
+    _write(tmp, {ADAPTER_WEIGHTS: (peft_state, {"format": "pt"})}, config)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another rank renamed its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

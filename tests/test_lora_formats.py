@@ -1,0 +1,133 @@
+"""LoRA exports other tools read (:mod:`hsdp.lora_formats`): on the tiny Wan, FLUX and SDXL pipelines with a peft
+adapter of random nonzero weights (``lora_alpha != r``), diffusers' own ``pipe.load_lora_weights`` reads the
+diffusers-format export (and, for Wan, the ComfyUI export) back into the same denoiser output as the peft adapter
+applied, within 1e-5, and a different one from the base; a diffusers-format folder is read as a peft adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsdp.lora import adapter_state
+from hsdp.lora_formats import COMFYUI_WEIGHTS, DIFFUSERS_WEIGHTS, as_peft_folder, save_lora
+from hsdp.models.builtin import resolve_model
+
+pytestmark = pytest.mark.slow  # builds three pipelines and runs each four times
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]  # diffusers' training scripts' default targets
+CASES = {
+    # Wan also adapts a feed-forward layer (renamed in ComfyUI) and the head (outside the blocks: alpha baked in).
+    "tiny-wan": ("transformer", [*ATTENTION, "ffn.net.0.proj", "proj_out"], {"height": 32, "width": 32, "num_frames": 5}),
+    "tiny-flux": ("transformer", [*ATTENTION, "proj_mlp"], {"height": 64, "width": 64, "max_sequence_length": 32}),
+    "tiny-sdxl": ("unet", ATTENTION, {"height": 64, "width": 64}),
+}
+
+
+def _pipeline(name: str):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(resolve_model(name), torch_dtype=torch.float32)
+
+
+def _run(pipe, call: dict) -> torch.Tensor:
+    out = pipe(
+        "a red fox", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", **call
+    )
+    return next(iter(out.values()))
+
+
+@torch.no_grad()
+def _with_adapter(pipe, component: str, targets: list[str]):
+    """Inject a peft LoRA (r 4, alpha 8) into the denoiser and fill it with seeded random nonzero weights."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    model = getattr(pipe, component)
+    inject_adapter_in_model(config, model)
+    generator = torch.Generator().manual_seed(1)
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return config, model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    name = request.param
+    component, targets, call = CASES[name]
+    root = tmp_path_factory.mktemp(name)
+    pipe = _pipeline(name)
+    base = _run(pipe, call)
+    config, model = _with_adapter(pipe, component, targets)
+    adapted = _run(pipe, call)
+    save_lora(model, config, root / "diffusers", format="diffusers", component=component)
+    comfy = None
+    try:
+        save_lora(model, config, root / "comfyui", format="comfyui", component=component)
+        comfy = root / "comfyui"
+    except ValueError as exc:
+        comfy = str(exc)
+    return {"name": name, "call": call, "base": base, "adapted": adapted, "root": root, "comfy": comfy,
+            "state": adapter_state(model), "component": component}  # fmt: skip
+
+
+def _loaded(exported, folder, **kwargs) -> torch.Tensor:
+    pipe = _pipeline(exported["name"])
+    pipe.load_lora_weights(str(folder), **kwargs)
+    return _run(pipe, exported["call"])
+
+
+def test_diffusers_export_loads_in_diffusers_with_the_same_output(exported):
+    folder = exported["root"] / "diffusers"
+    assert sorted(p.name for p in folder.iterdir()) == [DIFFUSERS_WEIGHTS]
+    out = _loaded(exported, folder)
+    assert (exported["adapted"] - exported["base"]).abs().max() > 1e-3  # the adapter changes the output
+    torch.testing.assert_close(out, exported["adapted"], rtol=0, atol=1e-5)
+
+
+def test_comfyui_export_read_back_by_diffusers_or_refused_with_the_reason(exported):
+    if exported["name"] != "tiny-wan":
+        message = exported["comfy"]
+        assert isinstance(message, str) and "--export-format diffusers" in message
+        assert {"tiny-flux": "fused qkv", "tiny-sdxl": "UNet2DConditionModel"}[exported["name"]] in message
+        return
+    from safetensors import safe_open
+
+    with safe_open(exported["comfy"] / COMFYUI_WEIGHTS, framework="pt") as handle:
+        keys = list(handle.keys())  # noqa: SIM118
+    assert keys and all(k.startswith("diffusion_model.") for k in keys)
+    assert "diffusion_model.blocks.0.self_attn.q.lora_down.weight" in keys
+    assert "diffusion_model.blocks.0.ffn.0.alpha" in keys and "diffusion_model.head.head.lora_up.weight" in keys
+    out = _loaded(exported, exported["comfy"], weight_name=COMFYUI_WEIGHTS)
+    torch.testing.assert_close(out, exported["adapted"], rtol=0, atol=1e-5)
+
+
+def test_diffusers_folder_reads_as_a_peft_adapter(exported):
+    """``--lora`` / ``--lora-adapter`` take a diffusers-format folder: the same tensors under peft keys, the same
+    r, alpha and targets."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    folder = as_peft_folder(exported["root"] / "diffusers")
+    assert as_peft_folder(folder) == folder  # a peft folder is taken as it is
+    config = LoraConfig.from_pretrained(folder)
+    assert (config.r, config.lora_alpha) == (4, 8)
+    stored = load_file(folder / "adapter_model.safetensors")
+    assert stored.keys() == exported["state"].keys()
+    for key, tensor in exported["state"].items():
+        assert torch.equal(stored[key], tensor), key
+
+
+def test_lm_refuses_diffusers_formats(tmp_path):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from hsdp.models.tiny import build_tiny_llama
+
+    model = build_tiny_llama()
+    config = LoraConfig(r=2, target_modules=["q_proj"])
+    inject_adapter_in_model(config, model)
+    with pytest.raises(ValueError, match="--export-format peft"):
+        save_lora(model, config, tmp_path / "x", format="diffusers")
+    with pytest.raises(ValueError, match="use one of peft, diffusers, comfyui"):
+        save_lora(model, config, tmp_path / "x", format="kohya")
+    assert not (tmp_path / "x").exists()
