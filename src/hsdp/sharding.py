@@ -8,10 +8,16 @@ composes its own layout.
 ``fully_shard`` is applied leaf-first to every module the plan selects, then to the root, so each block's
 all-gather frees the block before the next one gathers. Parameters FSDP2 cannot shard (integer or 0-d) and the
 plan's ignored modules stay replicated. NO_SHARD uses FSDP2's composable ``replicate``.
+
+FSDP2 gathers the root's own parameters only around ``forward``, but pipelines call other methods of their
+components (an autoencoder's ``encode`` / ``decode``, which reach the decoder's convolutions without ``forward``).
+:func:`register_entry_points` makes every method the component's own class defines gather them the same way
+(torch's ``register_fsdp_forward_method``), once per outermost call.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -25,6 +31,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +48,8 @@ __all__ = [
     "apply_weight_dtype",
     "apply_fsdp",
     "apply_prefetch",
+    "register_entry_points",
+    "entry_point_names",
     "shard_targets",
     "shard_report",
     "ShardReport",
@@ -257,6 +266,65 @@ def apply_prefetch(model: nn.Module, targets: list[tuple[str, nn.Module]], depth
         module.set_modules_to_forward_prefetch(order[i + 1 : i + 1 + depth])
 
 
+_LIBRARY_BASES = ("ModelMixin", "PreTrainedModel", "Module")
+"""Base classes whose methods are library plumbing (saving, configs, adapters), not entry points of a model."""
+
+
+def entry_point_names(model: nn.Module) -> list[str]:
+    """Methods a caller may use instead of ``forward``: every plain function the model's own classes define (those
+    in its MRO before diffusers' ``ModelMixin`` / transformers' ``PreTrainedModel`` / ``nn.Module``), dunders,
+    ``forward`` and static or class methods aside. For ``AutoencoderKL``: ``encode``, ``_encode``, ``decode``,
+    ``_decode``, ``tiled_encode``, ``tiled_decode``, ``blend_h``, ``blend_v``, ..."""
+    names: set[str] = set()
+    for cls in type(model).__mro__:
+        if cls.__name__ in _LIBRARY_BASES:
+            break
+        if cls.__module__.startswith("torch."):  # FSDP's own FSDP<Name> subclass and FSDPModule
+            continue
+        for name, value in vars(cls).items():
+            if inspect.isfunction(value) and name != "forward" and not name.startswith("__"):
+                names.add(name)
+    return sorted(names)
+
+
+def register_entry_points(model: nn.Module) -> list[str]:
+    """Make each of :func:`entry_point_names` gather the root's weights before it runs and free them after, as
+    ``forward`` does; returns the names. Only the outermost call gathers and frees: ``decode`` calling ``_decode``,
+    or ``forward`` calling ``encode``, would otherwise free the weights while the caller still uses them."""
+    if not isinstance(model, FSDPModule):
+        return []
+    names = entry_point_names(model)
+    model._hsdp_entry_depth = 0
+
+    def enter(module: nn.Module, *_: object) -> None:
+        module._hsdp_entry_depth += 1
+
+    def leave(module: nn.Module, *_: object) -> None:
+        module._hsdp_entry_depth -= 1
+
+    # Registered after fully_shard's own hooks: forward counts as an outer call once its weights are gathered.
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    for name in names:
+        plain = getattr(model, name)
+        register_fsdp_forward_method(model, name)
+        setattr(model, name, _outermost_only(model, plain, getattr(model, name)))
+    return names
+
+
+def _outermost_only(model: nn.Module, plain, gathering):
+    def call(*args, **kwargs):
+        if model._hsdp_entry_depth:  # inside forward or another entry point: weights are already gathered
+            return plain(*args, **kwargs)
+        model._hsdp_entry_depth += 1
+        try:
+            return gathering(*args, **kwargs)
+        finally:
+            model._hsdp_entry_depth -= 1
+
+    return call
+
+
 def _move_replicated(keep: Collection[nn.Parameter]) -> None:
     device = local_device()
     for param in keep:
@@ -340,9 +408,11 @@ def apply_hsdp_to_model(
     elif forward_prefetch > 0:
         apply_prefetch(model, targets, forward_prefetch)
     _move_replicated(keep.values())
+    entry_points = register_entry_points(model)
     _guard_inference_mode(model)
     _keep_output_capture(model)
     logger.info("Sharded %d modules + root", len(targets))
+    logger.debug("Methods that gather like forward: %s", ", ".join(entry_points) or "none")
     if keep:
         logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))
     return shard_report(model, config, meshes.rank, plan, targets, keep)

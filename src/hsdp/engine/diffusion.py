@@ -44,6 +44,8 @@ class DiffusionRunner:
         self.device = local_device()
         self.info = inspect_model(spec.path)
         self.sharded = list(self.info.shardable) if config.use_hsdp else []
+        # Decoding with a sharded autoencoder all-gathers its weights: every rank decodes, not only the reporter.
+        self.decode_everywhere = any(name in self.sharded for name in self.info.autoencoders)
         # --lora adapts the one denoiser (the engine checked that there is one and that the adapter fits it).
         adapted = self.info.denoisers[0] if spec.lora is not None else None
         components = {
@@ -129,7 +131,7 @@ class DiffusionRunner:
         result = pipe(
             prompt=[r.prompt for r in requests] if len(requests) > 1 else requests[0].prompt,
             generator=generators if len(requests) > 1 else generators[0],
-            output_type="np" if decode else "latent",
+            output_type="np" if decode or self.decode_everywhere else "latent",
             **self.call_kwargs(requests, params),
             **extra,
         )

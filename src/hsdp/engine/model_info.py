@@ -65,7 +65,12 @@ class ModelInfo:
     denoisers: tuple[str, ...] = ()
     """Diffusers models that run every denoising step (transformer, transformer_2, unet, prior, ...)."""
     shardable: tuple[str, ...] = ()
-    """Components sharded when HSDP is on: the denoisers and the large components with a shard plan."""
+    """Components sharded when HSDP is on: the denoisers and the large components with a shard plan (text
+    encoders, and autoencoders as large as that: their ``encode`` / ``decode`` gather like ``forward``, see
+    :func:`hsdp.sharding.register_entry_points`)."""
+    autoencoders: tuple[str, ...] = ()
+    """Components that are diffusers autoencoders (``vae``): when one is sharded, every rank of its shard group
+    must decode, since decoding all-gathers its weights."""
     separate_uncond_pass: bool = False
     """Guidance runs the unconditional branch as its own denoiser call (what CFG parallel splits off)."""
     cfg_scale_param: str = "guidance_scale"
@@ -111,11 +116,16 @@ def _component_class(folder: Path, name: str, spec: list) -> type | None:
     return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
 
 
-def _is_denoiser(cls: type) -> bool:
-    from diffusers import ModelMixin
+def _is_autoencoder(cls: type) -> bool:
     from diffusers.models.autoencoders.vae import AutoencoderMixin
 
-    return issubclass(cls, ModelMixin) and not issubclass(cls, AutoencoderMixin)
+    return issubclass(cls, AutoencoderMixin)
+
+
+def _is_denoiser(cls: type) -> bool:
+    from diffusers import ModelMixin
+
+    return issubclass(cls, ModelMixin) and not _is_autoencoder(cls)
 
 
 def _has_shard_plan(cls: type) -> bool:
@@ -211,6 +221,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         components=tuple(specs),
         denoisers=denoisers,
         shardable=shardable,
+        autoencoders=tuple(name for name, cls in modules.items() if _is_autoencoder(cls)),
         separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
         cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
         ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),
