@@ -785,8 +785,14 @@ def test_load_sweeps_leftovers_and_reads_back_only_inputs_of_jobs_that_will_run(
     assert not (store.jobs_dir / f"{done.id}.image").exists()  # the name was enough to delete the upload
 
 
-def test_stop_joins_the_watchdog(tmp_path):
+def test_stop_joins_the_watchdog(tmp_path, monkeypatch):
     runner, _ = _runner(tmp_path)
+
+    def busy_watchdog():  # a watchdog caught mid-kill when the server stops
+        runner._stopping.wait()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(runner, "_watch_steps", busy_watchdog)
     runner.start()
     runner.stop()
     assert not runner._thread.is_alive() and not runner._watchdog.is_alive()
