@@ -26,7 +26,7 @@ CASES = {
 def _pipeline(name: str):
     from diffusers import DiffusionPipeline
 
-    return DiffusionPipeline.from_pretrained(resolve_model(name), torch_dtype=torch.float32)
+    return DiffusionPipeline.from_pretrained(resolve_model(name), dtype=torch.float32)
 
 
 def _run(pipe, call: dict) -> torch.Tensor:
@@ -131,3 +131,27 @@ def test_lm_refuses_diffusers_formats(tmp_path):
     with pytest.raises(ValueError, match="use one of peft, diffusers, comfyui"):
         save_lora(model, config, tmp_path / "x", format="kohya")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("exported", ["tiny-wan"], indirect=True)
+def test_generate_lora_takes_a_diffusers_folder(exported, dist_run):
+    """``hsdp generate --lora`` with the diffusers-format export, sharded over 2 ranks: the frames of diffusers'
+    pipeline with ``load_lora_weights`` of the same folder."""
+    import numpy as np
+
+    from hsdp import ParallelConfig
+    from hsdp.engine import Engine, SamplingParams
+    from tests.engine_refs import _fresh_copies, one_thread
+
+    folder, video = exported["root"] / "diffusers", SamplingParams(seed=1, num_inference_steps=2)
+    hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    with Engine(resolve_model("tiny-wan"), hsdp2, workers=dist_run.group(2), lora=folder) as engine:
+        [out] = engine.generate("a red fox", video)
+    pipe = _pipeline("tiny-wan")
+    _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+    pipe.load_lora_weights(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    call = {k: getattr(video, k) if getattr(video, k) is not None else v for k, v in engine.info.defaults.items()}
+    with one_thread(), torch.no_grad():
+        expected = pipe("a red fox", generator=torch.Generator().manual_seed(1), output_type="np", **call).frames[0]
+    np.testing.assert_allclose(out.frames, expected, rtol=0, atol=1e-5)

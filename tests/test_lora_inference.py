@@ -194,7 +194,7 @@ def test_missing_folder_and_folder_without_config(base, tmp_path, capsys):
     (tmp_path / "diffusers").mkdir()
     (tmp_path / "diffusers" / "pytorch_lora_weights.safetensors").write_bytes(b"")
     err = _refusal(capsys, [*generate, "--lora", str(tmp_path / "diffusers")])
-    assert "--lora" in err and "no adapter_config.json" in err and "diffusers' LoRA format" in err
+    assert "--lora" in err and "pytorch_lora_weights.safetensors (diffusers' LoRA format) is not readable" in err
 
 
 @pytest.mark.unit

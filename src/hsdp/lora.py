@@ -68,7 +68,7 @@ def lora_config(
     from peft import LoraConfig
 
     if adapter:
-        config = LoraConfig.from_pretrained(adapter)
+        config = LoraConfig.from_pretrained(_peft_folder(adapter))
         config.inference_mode = False
         config.base_model_name_or_path = base or config.base_model_name_or_path
         return config
@@ -110,7 +110,15 @@ def adapter_injector(folder: str | Path) -> Callable[[nn.Module], None]:
     """
     from peft import LoraConfig
 
-    return injector(LoraConfig.from_pretrained(folder))
+    return injector(LoraConfig.from_pretrained(_peft_folder(folder)))
+
+
+def _peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
+    """``folder``, or the peft adapter folder converted from it when it holds diffusers' LoRA format
+    (:func:`hsdp.lora_formats.as_peft_folder`)."""
+    from hsdp.lora_formats import as_peft_folder  # it builds on this module: imported when used
+
+    return as_peft_folder(folder, flag)
 
 
 def peft_key(name: str) -> str:
@@ -151,19 +159,18 @@ def adapter_config(folder: str | Path, model_dir: Path, flag: str) -> LoraConfig
     folder holds a LoRA ``adapter_config.json`` whose targets match the base, and its tensors are exactly the
     adapter tensors of that base, in the same shapes. Reads only small files (configs and safetensors headers);
     problems are ``ValueError`` naming ``flag``."""
-    path = Path(folder)
-    if not path.is_dir():
+    if not Path(folder).is_dir():
         raise ValueError(
             f"{flag} {folder}: no such folder; pass a peft adapter folder (adapter_config.json and "
-            f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or hsdp train --export write)"
+            f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or hsdp train --export write) or a diffusers LoRA "
+            "folder (pytorch_lora_weights.safetensors)"
         )
+    path = _peft_folder(folder, flag)
     if not (path / "adapter_config.json").is_file():
-        hint = ""
-        if (path / "pytorch_lora_weights.safetensors").is_file():
-            hint = " (pytorch_lora_weights.safetensors is diffusers' LoRA format, which is not supported)"
         raise ValueError(
-            f"{flag} {folder}: no adapter_config.json, so not a peft adapter folder{hint}; pass the folder that "
-            "PeftModel.save_pretrained or hsdp train --export wrote"
+            f"{flag} {folder}: no adapter_config.json, so not a peft adapter folder (nor pytorch_lora_weights"
+            ".safetensors, a diffusers LoRA); pass the folder that PeftModel.save_pretrained, save_lora_weights or "
+            "hsdp train --export wrote"
         )
     peft_type = json.loads((path / "adapter_config.json").read_text()).get("peft_type")
     if peft_type != "LORA":
@@ -195,7 +202,7 @@ def _fit_problem(
     """Why the adapter file in ``folder`` does not fit the adapters injected into ``model``, or None."""
     from safetensors import safe_open
 
-    path = Path(folder) / ADAPTER_WEIGHTS
+    path = _peft_folder(folder) / ADAPTER_WEIGHTS
     if not path.is_file():
         return f"{flag} {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)"
     with safe_open(path, framework="pt") as handle:
@@ -224,7 +231,7 @@ def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -
     if adapter_dir:
         from safetensors.torch import load_file
 
-        stored = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+        stored = load_file(_peft_folder(adapter_dir) / ADAPTER_WEIGHTS)
     generator = torch.Generator().manual_seed(seed)
     count = 0
     for name, param in model.named_parameters():

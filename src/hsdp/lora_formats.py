@@ -164,17 +164,24 @@ def _is_diffusers_model(model: nn.Module) -> bool:
 
 
 # -- reading a diffusers-format folder as a peft adapter ----------------------------------------------------------
-def _denoiser_tensors(path: Path) -> tuple[str, dict[str, torch.Tensor], dict[str, Any] | None]:
+def _denoiser_tensors(path: Path, flag: str) -> tuple[str, dict[str, torch.Tensor], dict[str, Any] | None]:
     """(component, ``<module>.lora_X.weight`` tensors, its LoraConfig kwargs or None) of a diffusers LoRA file."""
     from diffusers.utils.state_dict_utils import _load_sft_state_dict_metadata
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(
+            f"{flag} {path.parent}: {DIFFUSERS_WEIGHTS} (diffusers' LoRA format) is not readable as safetensors "
+            f"({exc}); pass the folder that save_lora_weights or hsdp train --export-format diffusers wrote"
+        ) from exc
     components = sorted({k.split(".", 1)[0] for k in tensors})
     if len(components) != 1:
         raise ValueError(
-            f"--lora {path.parent}: {DIFFUSERS_WEIGHTS} adapts {', '.join(components)}; hsdp applies a LoRA to "
-            "one component (the denoiser), so keep only its keys"
+            f"{flag} {path.parent}: {DIFFUSERS_WEIGHTS} adapts {', '.join(components) or 'nothing'}; hsdp applies "
+            "a LoRA to one component (the denoiser), so keep only its keys"
         )
     component = components[0]
     meta = _load_sft_state_dict_metadata(str(path)) or {}
@@ -199,26 +206,27 @@ def _inferred_config(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def as_peft_folder(folder: str | Path) -> Path:
+def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
     """``folder`` itself when it is a peft adapter folder (or anything else: the caller's checks name the problem);
     for a diffusers-format folder (``pytorch_lora_weights.safetensors``, no ``adapter_config.json``), a peft adapter
     folder converted from it: keys ``base_model.model.<module>.lora_X.weight``, the ``LoraConfig`` from the file's
     metadata (else diffusers' convention, alpha = r). Converted once into the hsdp cache, keyed by the file's
-    content; every rank may call it (the folder is written to a temporary sibling and renamed)."""
+    content; every rank may call it (the folder is written to a temporary sibling and renamed). A file that cannot
+    be read is a ``ValueError`` naming ``flag``."""
+    path = Path(folder)
+    source = path / DIFFUSERS_WEIGHTS
+    if (path / "adapter_config.json").is_file() or not source.is_file():
+        return path
     from peft import LoraConfig
 
     from hsdp.lora import ADAPTER_WEIGHTS
     from hsdp.models.tiny import default_cache_dir
 
-    path = Path(folder)
-    source = path / DIFFUSERS_WEIGHTS
-    if (path / "adapter_config.json").is_file() or not source.is_file():
-        return path
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     out = default_cache_dir() / "lora-from-diffusers" / digest
     if (out / ADAPTER_WEIGHTS).is_file():
         return out
-    _, tensors, kwargs = _denoiser_tensors(source)
+    _, tensors, kwargs = _denoiser_tensors(source, flag)
     config = LoraConfig(**(kwargs or _inferred_config(tensors)))
     peft_state = {_PEFT_PREFIX + k: v for k, v in tensors.items()}
     tmp = out.with_name(f".tmp-{digest}-{os.getpid()}")

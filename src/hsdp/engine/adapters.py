@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hsdp.lora import ADAPTER_WEIGHTS, adapter_config
+from hsdp.lora_formats import as_peft_folder
 
 __all__ = [
     "SlotSpec",
@@ -152,7 +153,8 @@ def describe_adapter(name: str, folder: str | Path, model_dir: Path, flag: str) 
     model = build_empty_model(model_class_for(model_dir), model_dir, None)
     inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
     layers = {n: (m.r["default"], float(m.scaling["default"])) for n, m in _lora_layers(model).items()}
-    return AdapterSpec(name=name, path=Path(folder).resolve(), layers=layers)
+    # A diffusers-format folder is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
+    return AdapterSpec(name=name, path=as_peft_folder(folder).resolve(), layers=layers)
 
 
 def slot_spec(adapters: Iterable[AdapterSpec], model_dir: Path, count: int, rank: int | None) -> SlotSpec:
