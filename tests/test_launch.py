@@ -1,5 +1,6 @@
 """The worker group: results, errors with the failing rank's traceback, dead ranks, time limits."""
 
+import threading
 import time
 
 import pytest
@@ -40,3 +41,68 @@ def test_call_time_limit():
     assert group.broken
     with pytest.raises(WorkerError, match="closed or broken"):
         group.run(core_fns.rank_and_world)
+
+
+# Rank-side functions of the tests below (module level: the ranks import them by name).
+def raise_value_error() -> None:
+    import torch.distributed as dist
+
+    raise ValueError(f"height=33 must be a multiple of 16 (rank {dist.get_rank()})\nsecond line")
+
+
+def beat_for(seconds: float) -> int:
+    from hsdp.launch import heartbeat
+
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends:
+        heartbeat()
+        time.sleep(0.01)
+    return 0
+
+
+def new_semaphores() -> list[str]:
+    """POSIX semaphores this rank creates when a progress bar runs (what a killed rank would leak)."""
+    import os
+
+    from tqdm import tqdm
+
+    before = set(os.listdir("/dev/shm"))
+    for _ in tqdm(range(2)):
+        pass
+    return sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("sem."))
+
+
+def test_an_ordinary_exception_on_every_rank_keeps_the_group(dist_run):
+    """Issue 21 item 7: a ValueError raised by the function broke the group like a dead rank (a full reload)."""
+    from hsdp.launch import WorkerRaised
+
+    group = dist_run.group(2)
+    pids = group.pids
+    with pytest.raises(WorkerRaised) as info:
+        group.run(raise_value_error, timeout_s=60)
+    assert info.value.error == "ValueError: height=33 must be a multiple of 16 (rank 0)\nsecond line"
+    assert info.value.rank == 0 and "Traceback" in str(info.value)
+    assert not group.broken and dist_run(2, core_fns.rank_and_world) == [(0, 2), (1, 2)]
+    assert dist_run.group(2).pids == pids  # the same processes: nothing was restarted
+
+
+def test_heartbeats_show_life_during_a_call_and_workers_make_no_semaphores(dist_run):
+    """Issue 21 items 5 and 11: a rank's heartbeat reaches the caller while the call runs (a long VAE decode is not
+    a hang); a rank's progress bar made a POSIX semaphore that a killed rank leaked."""
+    group = dist_run.group(2)
+    seen = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            seen.append(time.monotonic() - group.last_heard)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        group.run(beat_for, 1.5, timeout_s=60)
+    finally:
+        stop.set()
+        watcher.join()
+    assert max(seen[2:-1]) < 1.0, seen  # never silent for long, although the call sends no event
+    assert group.run(new_semaphores, timeout_s=60) == [[], []]
