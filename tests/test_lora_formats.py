@@ -155,3 +155,18 @@ def test_generate_lora_takes_a_diffusers_folder(exported, dist_run):
     with one_thread(), torch.no_grad():
         expected = pipe("a red fox", generator=torch.Generator().manual_seed(1), output_type="np", **call).frames[0]
     np.testing.assert_allclose(out.frames, expected, rtol=0, atol=1e-5)
+
+
+def test_train_export_format_is_checked_before_training(tmp_path):
+    from hsdp.train import TrainConfig, TrainConfigError, preflight
+
+    data = tmp_path / "data.txt"
+    data.write_text("text " * 200)
+    cfg = TrainConfig(model="tiny-llama", data=str(data), lora_r=2, export=str(tmp_path / "out"))
+    with pytest.raises(TrainConfigError, match="tiny-llama is not a diffusers model; use --export-format peft"):
+        preflight(cfg.replace(export_format="comfyui"))
+    with pytest.raises(TrainConfigError, match="without --lora-r"):
+        preflight(cfg.replace(lora_r=0, export_format="diffusers"))
+    with pytest.raises(TrainConfigError, match="--export-format='kohya'"):
+        preflight(cfg.replace(export_format="kohya"))
+    assert preflight(cfg).resume_from is None  # peft, the default for an LM

@@ -16,7 +16,6 @@ the same at every world size (:func:`init_adapters`; the parity tests give a one
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -43,7 +41,6 @@ __all__ = [
     "adapter_injector",
     "init_adapters",
     "adapter_state",
-    "save_adapter",
     "merged_state",
     "peft_key",
 ]
@@ -262,23 +259,6 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, param in model.named_parameters()
         if _LORA_KEY.search(name)
     }
-
-
-def save_adapter(model: nn.Module, config, out_dir: str | Path) -> Path:
-    """Write a peft adapter folder (``PeftModel.from_pretrained`` loads it); collective, rank 0 writes."""
-    from safetensors.torch import save_file
-
-    state = adapter_state(model)
-    out_dir = Path(out_dir)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(state, out_dir / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        saved = copy.copy(config)
-        saved.inference_mode = True  # as PeftModel.save_pretrained writes it
-        saved.save_pretrained(out_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    return out_dir
 
 
 @torch.no_grad()

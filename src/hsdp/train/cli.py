@@ -15,6 +15,7 @@ from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import add_parallel_arguments, parallel_config_from_args
 from hsdp.distributed import rank
 from hsdp.launch import WorkerError
+from hsdp.lora_formats import FORMATS
 from hsdp.measure.comm import CommReport
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.report import REPORTERS
@@ -105,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--export-merged", default=None, metavar="DIR", help="with LoRA: write the merged model folder"
     )
     parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
+    parser.add_argument(
+        "--export-format",
+        choices=FORMATS,
+        default="peft",
+        help="with LoRA: peft adapter folder (default), diffusers (pytorch_lora_weights.safetensors for "
+        "pipe.load_lora_weights) or comfyui (diffusion_model. keys)",
+    )
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument(
         "--report-to", choices=REPORTERS, default="none", help="experiment tracker for per-step figures"
@@ -153,6 +161,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume=args.resume,
         export=args.export,
         export_dtype=args.export_dtype,
+        export_format=args.export_format,
         log_every=args.log_every,
         report_to=args.report_to,
         logging_dir=args.logging_dir,

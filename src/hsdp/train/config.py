@@ -119,6 +119,9 @@ class TrainConfig:
     """Write a consolidated safetensors model folder here at the end (with LoRA: a peft adapter folder)."""
     export_dtype: str | None = None
     """dtype of the export (default: fp32, as trained)."""
+    export_format: str = "peft"
+    """With LoRA: ``peft`` (adapter folder), ``diffusers`` (``pytorch_lora_weights.safetensors``, what
+    ``pipe.load_lora_weights`` reads) or ``comfyui`` (``diffusion_model.`` keys); see :mod:`hsdp.lora_formats`."""
     log_every: int = 1
     report_to: str = "none"
     """``none``, ``tensorboard`` or ``wandb``: where rank 0 reports loss, lr, grad norm, tokens/s, eval figures."""
@@ -208,6 +211,7 @@ class TrainConfig:
         if self.export_dtype is not None and self.export_dtype not in DTYPES:
             out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         out.extend(self._lora_problems())
+        out.extend(self._export_format_problems())
         out.extend(schedule_problems(self.lr_scheduler, self.warmup_steps, self.steps))
         out.extend(self._eval_problems())
         out.extend(report_problems(self.report_to, self.output_dir, self.logging_dir))
@@ -241,6 +245,18 @@ class TrainConfig:
         if self.eval_every and not (self.eval_split or self.eval_data):
             out.append("--eval-every needs eval data: add --eval-data FILE or --eval-split 0.05")
         return out
+
+    def _export_format_problems(self) -> list[str]:
+        from hsdp.lora_formats import FORMATS
+
+        if self.export_format not in FORMATS:
+            return [f"--export-format={self.export_format!r}: use one of {', '.join(FORMATS)}"]
+        if self.export_format != "peft" and not self.use_lora:
+            return [
+                f"--export-format {self.export_format} writes a LoRA; without --lora-r (or --lora-adapter) --export "
+                "writes the whole model as a safetensors folder: drop --export-format"
+            ]
+        return []
 
     def _lora_problems(self) -> list[str]:
         out = []
@@ -397,6 +413,16 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
+def _is_diffusers_folder(model_dir: Path) -> bool:
+    """A diffusers pipeline (``model_index.json``) or component (``config.json`` with ``_diffusers_version``)."""
+    if (model_dir / "model_index.json").is_file():
+        return True
+    try:
+        return "_diffusers_version" in json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:
     """Refuse tensor parallel for a model without a usable plan here, before any rank starts (issue 13)."""
     tp = cfg.parallel.tensor_parallel_size
@@ -444,6 +470,11 @@ def preflight(cfg: TrainConfig) -> Preflight:
             raise TrainConfigError(
                 f"{flag} {folder} exists and is not empty; remove it or choose another folder"
             )
+    if cfg.export_format != "peft" and not _is_diffusers_folder(model_dir):
+        raise TrainConfigError(
+            f"--export-format {cfg.export_format} writes a diffusers pipeline LoRA, but --model {cfg.model} is not a "
+            "diffusers model; use --export-format peft"
+        )
     fingerprint = model_fingerprint(model_dir)
     _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:

@@ -33,6 +33,7 @@ from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
 from hsdp.loading import load_pretrained
+from hsdp.lora_formats import save_lora
 from hsdp.measure import peak_memory, reset_peak_memory
 from hsdp.measure.comm import measure_comm
 from hsdp.mesh import build_meshes
@@ -416,7 +417,7 @@ class Trainer:
         cfg = self.cfg
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         if cfg.export and self.lora:
-            result.export = str(lora.save_adapter(self.model, self.lora, cfg.export))
+            result.export = str(save_lora(self.model, self.lora, cfg.export, format=cfg.export_format))
         elif cfg.export:
             result.export = str(
                 export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir)
