@@ -1,8 +1,17 @@
 """Fault injection for the server resilience tests, loaded by Python at start-up when this folder is on
-PYTHONPATH (only the test's server and its workers have it): a request whose prompt contains "poison" makes the
-rank that runs it exit, every time, as a job that crashes its workers would."""
+PYTHONPATH (only the test's server and its workers have it).
+
+``HSDP_TEST_POISON=1``: a request whose prompt contains "poison" makes the rank that runs it exit, every time, as
+a job that crashes its workers would.
+
+``HSDP_TEST_FAULTS=1``: a prompt containing "raise-valueerror" makes the pipeline raise a ``ValueError`` on every
+rank (a deterministic error of the request); one containing "slow-decode" makes each module of the VAE sleep
+``HSDP_TEST_SLOW_MODULE_S`` (default 0.08 s) before its forward, so the decode takes far longer than
+``--step-timeout`` while the ranks keep computing.
+"""
 
 import os
+import time
 
 if os.environ.get("HSDP_TEST_POISON") == "1":
     from hsdp.engine import diffusion
@@ -15,3 +24,27 @@ if os.environ.get("HSDP_TEST_POISON") == "1":
         return _generate(self, requests, *args, **kwargs)
 
     diffusion.DiffusionRunner.generate = _generate_or_die
+
+if os.environ.get("HSDP_TEST_FAULTS") == "1":
+    from hsdp.engine import diffusion
+
+    _plain_generate = diffusion.DiffusionRunner.generate
+    _SLOW_S = float(os.environ.get("HSDP_TEST_SLOW_MODULE_S", "0.08"))
+
+    def _sleep(module, args):
+        time.sleep(_SLOW_S)
+
+    def _generate_with_faults(self, requests, *args, **kwargs):
+        prompts = " ".join(request.prompt for request in requests)
+        if "raise-valueerror" in prompts:
+            raise ValueError(f"injected: the pipeline refuses {prompts!r}\nsecond line of the message")
+        if "slow-decode" not in prompts:
+            return _plain_generate(self, requests, *args, **kwargs)
+        handles = [module.register_forward_pre_hook(_sleep) for module in self.pipe.vae.modules()]
+        try:
+            return _plain_generate(self, requests, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    diffusion.DiffusionRunner.generate = _generate_with_faults
