@@ -275,3 +275,78 @@ def test_benchmark_parser_without_build_parser_is_captured(tmp_path: Path):
     parser = benchmark_parser(script)
     assert parse_problem(parser, ("--output", "x.json")) is None
     assert "unrecognized arguments: --bogus" in parse_problem(benchmark_parser(script), ("--bogus", "x"))
+
+
+# -- the docs tier's reading of the docs (tests/test_docs_run.py), checked without running anything -------------
+
+
+def test_every_documented_command_runs_in_the_docs_tier():
+    """Each command above lies in a block the docs tier runs, or in one skipped with its reason; so does every
+    Python block (a snippet nobody runs drifts like a command)."""
+    from tests.test_docs_run import DOCS, doc_blocks
+
+    covered: set[tuple[str, int]] = set()
+    unrun_python = []
+    for doc in DOCS:
+        for block in doc_blocks(doc):
+            if block.kind in ("shell", "python", "skip"):
+                covered |= {(doc, block.line + i) for i in range(1, len(block.lines) + 1)}
+            elif block.info == "python":
+                unrun_python.append(block.where)
+    stray = [
+        c.where
+        for c in DOC_COMMANDS
+        if (c.where.rsplit(":", 1)[0], int(c.where.rsplit(":", 1)[1])) not in covered
+    ]
+    assert not stray, (
+        f"commands in blocks the docs tier neither runs nor skips (use ```bash or a directive): {stray}"
+    )
+    assert not unrun_python, f"Python blocks neither run nor skipped: {unrun_python}"
+
+
+def test_docs_tier_reads_blocks_and_directives():
+    from tests.test_docs_run import blocks_in
+
+    text = (
+        "<!-- docs-test: skip (needs a GPU) -->\n```bash\nhsdp generate --model big\n```\n"
+        "```console\n$ hsdp plan tiny-llama \\\n    --devices 2\nrecommended: [varies]\n$ ls\n```\n"
+        "<!-- docs-test: output -->\n```text\nwrote cat.mp4\n```\n"
+        "<!-- docs-test: torchrun 2; timeout 60 -->\n```python\nprint(1)\n```\n"
+        "```\nlayout: world_size=2\n```\n"
+    )
+    skip, session, output, python, other = blocks_in(text, "t.md")
+    assert (skip.kind, skip.directives["skip"]) == ("skip", "needs a GPU")
+    assert session.commands() == [
+        ("hsdp plan tiny-llama --devices 2", ["recommended: [varies]"]),
+        ("ls", []),
+    ]
+    assert (output.kind, python.kind, other.kind) == ("output", "python", "other")
+    assert python.directives == {"torchrun": "2", "timeout": "60"}
+    with pytest.raises(ValueError, match="without a reason"):
+        blocks_in("<!-- docs-test: skip -->\n```bash\nls\n```\n", "t.md")
+    with pytest.raises(ValueError, match="unknown docs-test directive"):
+        blocks_in("<!-- docs-test: sometimes -->\n```bash\nls\n```\n", "t.md")
+
+
+def test_docs_tier_matches_printed_lines_in_order():
+    from tests.test_docs_run import missing_output
+
+    printed = "INFO load\rprogress\nmodel: /root/.cache/hsdp/tiny-wan, loaded in 4.6s\nhsdp train: a message that\nwraps\n"
+    assert (
+        missing_output(
+            ["model: [varies]/tiny-wan, loaded in [varies]s", "...", "a message that wraps"], printed
+        )
+        is None
+    )
+    assert missing_output(["hsdp train: a message", "that wraps"], printed) is None  # the doc wraps a line
+    assert missing_output(["a message that wraps", "INFO load"], printed) == "INFO load"  # order matters
+    assert missing_output(["loaded in 5.0s"], printed) == "loaded in 5.0s"  # a number that varies must say so
+
+
+def test_docs_tier_finds_the_files_a_command_writes():
+    from tests.test_docs_run import expected_files
+
+    assert expected_files('hsdp generate --model m --prompt "a b" --output cat.mp4') == ["cat.mp4"]
+    assert expected_files("curl -s http://x -o cat.mp4 -w '%{http_code}'") == ["cat.mp4"]
+    assert expected_files("curl -s http://x | base64 -d > fox.png\ncurl -o /dev/null x") == ["fox.png"]
+    assert expected_files("hsdp train --data d --export lora/adapter --output-dir run") == ["lora/adapter"]

@@ -1,0 +1,408 @@
+"""The docs tier (``bash scripts/test.sh -m docs``): every command and Python snippet of ``README.md``, ``docs/*.md``
+and ``docs/layouts/*.md`` runs, and what the doc shows comes out.
+
+One test per doc. Its blocks run in order in one fresh temporary folder (so a block may use what an earlier block
+of the same doc wrote, and nothing else), with ``.venv/bin`` first on ``PATH`` (docs write bare ``hsdp``, as after
+``source .venv/bin/activate``) and the built-in model cache every entry point shares (``$HSDP_CACHE``, default
+``~/.cache/hsdp``), so built-ins are written once. How a fenced block is read:
+
+- ``bash`` / ``sh`` / ``console`` blocks run; so does any block with ``$ `` lines. Without ``$ `` lines the block is one
+  script (``bash -e -o pipefail``). With them, each ``$ `` line is a command run on its own, and the lines after it
+  (up to the next ``$ ``) are its printed output.
+- ``python`` blocks run as a script (``python snippet.py``), or under ``torchrun`` with a ``torchrun N`` directive.
+- Other blocks (``text``, plain, ``json``) are not run, unless marked ``output``: then they are the printed output
+  of the block run before them.
+
+Directives, in an HTML comment on the line before the block (several separated by ``;``):
+``<!-- docs-test: skip (needs a GPU) -->`` (not run; the reason is required and reported), ``output``,
+``exit N`` (every command of the block exits with N; default 0), ``background`` (each line starts a server that
+stays up until the doc ends or another server takes its port; the block is done when ``/health`` answers),
+``torchrun N``, ``timeout S`` (seconds for the block; default :data:`BLOCK_TIMEOUT_S`), ``in the repository``
+(runs in the checkout's root, for ``bash scripts/demo.sh``).
+
+Printed output is checked line by line, in order, against everything the command printed (stdout and stderr, with
+whitespace runs taken as one space, so a line the doc wraps still matches): ``[varies]`` in a doc line stands for
+any text (a time, a memory figure, a path), a line ``...`` for any number of lines; everything else must appear as
+written. Files a command names as ``--output``, ``--export``, ``--export-merged``, ``-o`` or ``> FILE`` must exist
+afterwards (for several outputs, the numbered ``NAME_0.EXT``). Ports given as ``--port N`` are replaced by free
+ports throughout the doc, so the tier does not collide with other servers on the machine.
+
+``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons) and the documented
+commands executed vs present.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.test_docs_commands import DOC_COMMANDS, DOC_FILES, ROOT  # noqa: E402
+
+pytestmark = [pytest.mark.docs, pytest.mark.slow]
+
+BLOCK_TIMEOUT_S = 240
+SERVER_READY_S = 180
+VARIES = "[varies]"
+SHELL_INFOS = {"bash", "sh", "shell", "console"}
+DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
+OUTPUT_FLAGS = {"--output", "--export", "--export-merged", "-o", ">"}
+
+
+@dataclass
+class Block:
+    doc: str
+    line: int  # line of the opening fence
+    info: str
+    lines: list[str]
+    directives: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+    @property
+    def session(self) -> bool:
+        return any(line.startswith("$ ") for line in self.lines)
+
+    @property
+    def kind(self) -> str:
+        """``skip``, ``output``, ``python``, ``shell`` or ``other`` (not run)."""
+        if "skip" in self.directives:
+            return "skip"
+        if "output" in self.directives:
+            return "output"
+        if self.info == "python":
+            return "python"
+        if self.info in SHELL_INFOS or self.session:
+            return "shell"
+        return "other"
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        """``(command, expected output lines)`` in order: the ``$ `` lines of a session, else the whole script."""
+        if not self.session:
+            return [("\n".join(self.lines), [])]
+        joined: list[str] = []
+        for line in self.lines:  # a command continued with "\\" is one line
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1].rstrip() + " " + line.strip()
+            else:
+                joined.append(line)
+        found: list[tuple[str, list[str]]] = []
+        for line in joined:
+            if line.startswith("$ "):
+                found.append((line[2:], []))
+            elif found:
+                found[-1][1].append(line)
+        return found
+
+
+def parse_directives(comment: str) -> dict[str, str]:
+    """``"skip (needs a GPU); timeout 60"`` -> ``{"skip": "needs a GPU", "timeout": "60"}``."""
+    directives = {}
+    skip = re.search(r"\bskip\b\s*(?:\((.*)\))?", comment)  # a reason may hold ";"
+    if skip:
+        if not (skip.group(1) or "").strip():
+            raise ValueError(f"docs-test skip without a reason: {comment!r}")
+        directives["skip"] = skip.group(1).strip()
+        comment = comment[: skip.start()] + comment[skip.end() :]
+    for part in filter(None, (p.strip() for p in comment.split(";"))):
+        if part == "in the repository":
+            directives["repo"] = ""
+        else:
+            key, _, value = part.partition(" ")
+            if key not in {"output", "exit", "background", "torchrun", "timeout"}:
+                raise ValueError(f"unknown docs-test directive {part!r}")
+            directives[key] = value.strip()
+    return directives
+
+
+def blocks_in(text: str, doc: str) -> list[Block]:
+    """Every fenced block of ``text`` with the directives of the comment just before it."""
+    blocks: list[Block] = []
+    current: Block | None = None
+    last_text = ""  # the last non-blank line outside a block
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            if current is None:
+                match = DIRECTIVE.search(last_text)
+                directives = parse_directives(match.group(1)) if match else {}
+                current = Block(doc, number, stripped[3:].strip().lower(), [], directives)
+            else:
+                blocks.append(current)
+                current = None
+                last_text = ""
+            continue
+        if current is not None:
+            current.lines.append(line)
+        elif stripped:
+            last_text = stripped
+    return blocks
+
+
+DOCS = {str(path.relative_to(ROOT)): path for path in DOC_FILES}
+for extra in sorted((ROOT / "docs").glob("*/*/*.md")):
+    DOCS.setdefault(str(extra.relative_to(ROOT)), extra)
+
+
+def doc_blocks(doc: str) -> list[Block]:
+    return blocks_in(DOCS[doc].read_text(), doc)
+
+
+# --- matching printed output -------------------------------------------------------------------------------------
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("\r", "\n").split())
+
+
+def _pattern(line: str) -> re.Pattern:
+    pieces = [re.escape(piece) for piece in _flat(line).split(VARIES)]
+    return re.compile(r".*?".join(pieces), re.DOTALL)
+
+
+def missing_output(expected: list[str], printed: str) -> str | None:
+    """The first expected line not printed (in order), or None; ``[varies]`` and ``...`` as the module says."""
+    flat = _flat(printed)
+    position = 0
+    for line in expected:
+        if not line.strip() or line.strip() == "...":
+            continue
+        match = _pattern(line).search(flat, position)
+        if match is None:
+            return line
+        position = match.end()
+    return None
+
+
+def expected_files(command: str) -> list[str]:
+    """Files the command says it writes (``--output X``, ``--export X``, ``-o X``, ``> X``)."""
+    try:
+        tokens = shlex.split(command, comments=True)
+    except ValueError:
+        return []
+    tokens = [t for raw in tokens for t in re.split(r"(?<=>)(?=\S)", raw)]
+    files = []
+    for flag, value in zip(tokens, tokens[1:], strict=False):
+        if flag in OUTPUT_FLAGS and not value.startswith(("-", "/dev/")):
+            files.append(value)
+    return files
+
+
+def _written(folder: Path, name: str) -> bool:
+    path = folder / name
+    numbered = path.with_name(f"{path.stem}_0{path.suffix}")
+    return path.exists() or numbered.exists()
+
+
+# --- running ------------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class DocRun:
+    """Runs one doc's blocks in order in ``folder``; servers started by ``background`` blocks live until close()."""
+
+    def __init__(self, doc: str, folder: Path):
+        self.doc = doc
+        self.folder = folder
+        self.env = _environment()
+        self.servers: dict[int, subprocess.Popen] = {}
+        self.last_output = ""
+        self.ran: list[str] = []
+        self.skipped: list[tuple[str, str]] = []
+        text = DOCS[doc].read_text()
+        ports = {int(p) for p in re.findall(r"--port[ =](\d+)", text)}
+        self.ports = {port: _free_port() for port in ports}
+
+    def _localize(self, text: str) -> str:
+        for documented, free in self.ports.items():
+            text = re.sub(rf"(?<!\d){documented}(?!\d)", str(free), text)
+        return text
+
+    def run(self, block: Block) -> None:
+        kind = block.kind
+        if kind == "skip":
+            self.skipped.append((block.where, block.directives["skip"]))
+        elif kind == "output":
+            lines = [self._localize(line) for line in block.lines]
+            problem = missing_output(lines, self.last_output)
+            assert problem is None, self._failure(
+                block, f"the doc shows {problem!r}, not printed", self.last_output
+            )
+        elif kind in ("shell", "python"):
+            if "background" in block.directives:
+                self._start_servers(block)
+            else:
+                self._run_commands(block)
+            self.ran.append(block.where)
+
+    def _cwd(self, block: Block) -> Path:
+        return ROOT if "repo" in block.directives else self.folder
+
+    def _run_commands(self, block: Block) -> None:
+        timeout = float(block.directives.get("timeout") or BLOCK_TIMEOUT_S)
+        want_exit = int(block.directives.get("exit") or 0)
+        self.last_output = ""
+        if block.kind == "python":
+            commands = [(self._python_command(block), [])]
+        else:
+            commands = [
+                (self._localize(c), [self._localize(line) for line in out]) for c, out in block.commands()
+            ]
+        for command, expected in commands:
+            started = time.monotonic()
+            try:
+                done = subprocess.run(
+                    ["bash", "-e", "-o", "pipefail", "-c", command],
+                    cwd=self._cwd(block),
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired as exc:
+                printed = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
+                    errors="replace"
+                )
+                raise AssertionError(
+                    self._failure(block, f"did not finish in {timeout:.0f}s", printed)
+                ) from None
+            printed = done.stdout + done.stderr
+            self.last_output += printed
+            elapsed = time.monotonic() - started
+            assert done.returncode == want_exit, self._failure(
+                block,
+                f"exit code {done.returncode}, the doc expects {want_exit} ({elapsed:.0f}s): {command}",
+                printed,
+            )
+            problem = missing_output(expected, printed)
+            assert problem is None, self._failure(block, f"the doc shows {problem!r}, not printed", printed)
+            for name in expected_files(command) if block.kind == "shell" else ():
+                assert _written(self._cwd(block), name), self._failure(
+                    block, f"{name} was not written", printed
+                )
+
+    def _python_command(self, block: Block) -> str:
+        script = self.folder / f"snippet_{block.line}.py"
+        script.write_text(self._localize("\n".join(block.lines)) + "\n")
+        if "torchrun" in block.directives:
+            nproc = block.directives["torchrun"] or "2"
+            return f"torchrun --standalone --nproc-per-node {nproc} {script.name}"
+        return f"python {script.name}"
+
+    def _start_servers(self, block: Block) -> None:
+        for command, _ in block.commands():
+            for raw in command.replace("\\\n", " ").splitlines():
+                line = self._localize(raw.split(" #")[0].strip())
+                if not line or line.startswith("#"):
+                    continue
+                port = int(re.search(r"--port[ =](\d+)", line).group(1))
+                self._stop(port)
+                log = open(self.folder / f"server-{port}.log", "w")  # noqa: SIM115 (closed with the process)
+                self.servers[port] = subprocess.Popen(
+                    ["bash", "-c", line],
+                    cwd=self._cwd(block),
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                self._wait_ready(block, port)
+
+    def _wait_ready(self, block: Block, port: int) -> None:
+        process = self.servers[port]
+        deadline = time.monotonic() + SERVER_READY_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(self._failure(block, f"server on port {port} exited", self._log(port)))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(
+            self._failure(block, f"server on port {port} not ready in {SERVER_READY_S}s", self._log(port))
+        )
+
+    def _log(self, port: int) -> str:
+        return (self.folder / f"server-{port}.log").read_text(errors="replace")
+
+    def _stop(self, port: int) -> None:
+        process = self.servers.pop(port, None)
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def close(self) -> None:
+        for port in list(self.servers):
+            self._stop(port)
+
+    def _failure(self, block: Block, what: str, printed: str) -> str:
+        tail = "\n".join(printed.replace("\r", "\n").splitlines()[-40:])
+        return f"{block.where}: {what}\n--- printed (last 40 lines) ---\n{tail}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_doc_runs(doc: str, tmp_path: Path):
+    runner = DocRun(doc, tmp_path)
+    try:
+        for block in doc_blocks(doc):
+            runner.run(block)
+    finally:
+        runner.close()
+
+
+def inventory() -> str:
+    """Blocks run and skipped per doc, and the documented commands (tests/test_docs_commands.py) executed."""
+    rows, executed = [], 0
+    run_lines: set[tuple[str, int]] = set()
+    for doc in sorted(DOCS):
+        blocks = doc_blocks(doc)
+        ran = [b for b in blocks if b.kind in ("shell", "python")]
+        for block in ran:
+            run_lines |= {(doc, block.line + i) for i in range(len(block.lines) + 2)}
+        rows.append(f"{doc}: {len(ran)} blocks run, {sum(b.kind == 'skip' for b in blocks)} skipped")
+        rows += [f"    skipped {b.where}: {b.directives['skip']}" for b in blocks if b.kind == "skip"]
+    for command in DOC_COMMANDS:
+        doc, line = command.where.rsplit(":", 1)
+        executed += (doc, int(line)) in run_lines
+    rows.append(f"documented commands executed: {executed} of {len(DOC_COMMANDS)}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(inventory())
