@@ -123,6 +123,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         lora_root=args.lora_root,
         host=args.host,
         forward_prefetch=args.forward_prefetch,
+        cache=args.cache,
+        cache_config=args.cache_config,
+        compile=args.compile,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,
         max_batch_size=args.max_batch_size,
@@ -133,6 +136,25 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve on local ranks, or, under ``torchrun``, over every rank of the job: global rank 0 serves HTTP and
+    leads the engine, the other ranks follow it headless (:mod:`hsdp.engine.leader`)."""
+    from hsdp import distributed
+
+    if not distributed.launched_by_torchrun():
+        return _serve(args, None)
+    from hsdp.engine.leader import LeaderRanks, follow
+
+    distributed.init_distributed()
+    if distributed.rank() != 0:
+        return follow()
+    leader = LeaderRanks()
+    try:
+        return _serve(args, leader)
+    finally:
+        leader.close()
+
+
+def _serve(args: argparse.Namespace, leader) -> int:
     import uvicorn
 
     from hsdp.launch import WorkerError
@@ -144,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hsdp serve: --port {args.port} must be 0..65535", file=sys.stderr)
         return 2
     try:
-        server = Server(settings)
+        server = Server(settings, workers=leader)
         server.start()
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp serve: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import threading
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.adapters import parse_adapters
 from hsdp.engine.images import load_image
+from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
 from hsdp.serve.jobs import Job, JobStore, QueueFull
 from hsdp.serve.media import Upload
@@ -54,10 +56,32 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ADAPTER_COUNTS = ("loads", "switches", "evictions")
 
 
-class Server:
-    """One model behind one queue. ``start`` loads the model (errors surface before the port is bound)."""
+TORCHRUN_RESTART_EXIT = 75
+"""Exit status of rank 0 when a torchrun rank is gone: a failure, so torchrun restarts the group."""
 
-    def __init__(self, settings: ServeSettings):
+
+def _await_torchrun_restart(stopped: threading.Event) -> None:
+    """A torchrun rank died or hangs: this process cannot replace it, torchrun can (``--max-restarts``). The
+    interrupted jobs are already queued again on disk, so the restarted server runs them. Wait for torchrun to
+    stop this process (the dead rank's agent restarts it and the others follow the new rendezvous), and only
+    then exit as failed ourselves: one restarting agent per failure keeps it to one rendezvous round."""
+    logger.error(
+        "a torchrun rank is gone; waiting up to %.0fs for torchrun to restart every rank (--max-restarts), then "
+        "exiting (status %d); queued video jobs stay on disk and run after the restart",
+        RESTART_GRACE_S,
+        TORCHRUN_RESTART_EXIT,
+    )
+    if stopped.wait(RESTART_GRACE_S):
+        raise RuntimeError("the server is stopping")
+    logging.shutdown()
+    os._exit(TORCHRUN_RESTART_EXIT)
+
+
+class Server:
+    """One model behind one queue. ``start`` loads the model (errors surface before the port is bound).
+    ``workers``: under torchrun, rank 0's :class:`hsdp.engine.leader.LeaderRanks` over every rank of the job."""
+
+    def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
         if problems:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -78,9 +102,13 @@ class Server:
         self.base_loads = 0
         """Engines started: the base is loaded once per engine, never to switch adapters."""
         self._earlier_adapter_counts: Counter = Counter()
+        self.leader = workers
+        self._stopped = threading.Event()
 
     def _make_engine(self) -> Engine:
         s = self.settings
+        if self.leader is not None and self.leader.broken:
+            _await_torchrun_restart(self._stopped)
         previous = self.runner.engine.adapter_stats if self.runner.engine is not None else None
         engine = Engine(
             s.model,
@@ -89,12 +117,17 @@ class Server:
             weight_dtype=s.weight_dtype,
             device_memory=s.device_memory,
             forward_prefetch=s.forward_prefetch,
+            cache=s.cache,
+            cache_config=s.cache_config,
+            compile=s.compile,
             lora=dict(self.adapter_paths) or None,
             max_loras=s.adapter_slots,
             max_lora_rank=s.max_lora_rank,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
-            cancellable=True,
+            # torchrun's ranks have no cancel board (a cancelled running job's output is dropped instead).
+            cancellable=self.leader is None,
+            workers=self.leader,
         )
         self.base_loads += 1
         self._earlier_adapter_counts.update({k: (previous or {}).get(k, 0) for k in _ADAPTER_COUNTS})
@@ -131,6 +164,7 @@ class Server:
             self.max_positions = config.get("max_position_embeddings")
 
     def stop(self) -> None:
+        self._stopped.set()
         self.runner.stop()
         self.store.unlock()
 
