@@ -14,13 +14,26 @@ still answer every request once, with the right answer (its interrupted jobs run
 ``--stream`` sends streamed completions and reports the time to first token. ``--model tiny-flux`` (or any image
 pipeline) loads ``/v1/images/generations`` instead (one image per request, seed = its index), checked against the
 one-process diffusers pipeline within one 8-bit level per pixel (``--max-batch-size`` > 1 is within 1e-5 of
-running alone, not bit-exact); give ``--batch-sizes 1 4`` to compare batching side by side.
+running alone, not bit-exact); give ``--batch-sizes 1 4`` to compare batching side by side. ``--model tiny-wan`` (a
+video pipeline) sends asynchronous ``/v1/videos`` jobs and polls them; each mp4 must equal, byte for byte, the
+one-process frames encoded the same way.
+
+``--mixed`` varies what requests carry: every third has a negative prompt and, where the pipeline takes an input
+image, every third another is an edit of an input image (``/v1/images/edits``); true-CFG pipelines get
+``true_cfg_scale`` 4 on all, so the negative prompt decides whether the unconditional pass runs (the case where
+ranks side by side must run the same forwards). ``--disk-full-every S`` adds a chaos run in which, every S
+seconds, the server's output dir is "full" for ``--disk-full-for`` seconds (fault injection from
+``tests/fault_injection``: job records and videos fail to write with ENOSPC); a request refused with 507, or a
+job whose output could not be stored, is sent again by its client, as a 429 is. Every row reports ``stuck``:
+jobs the server still holds queued or running once the load is over, plus requests that ran past their deadline.
 
 Prints latency percentiles and throughput; writes JSON. Stops by itself (every request has a deadline).
 
     .venv/bin/python benchmarks/serve_load.py                       # 200 requests, concurrency 16
     .venv/bin/python benchmarks/serve_load.py --requests 400 --max-tokens 16 --kill-every 20 --stream
     .venv/bin/python benchmarks/serve_load.py --model tiny-flux --requests 64 --batch-sizes 1 4
+    .venv/bin/python benchmarks/serve_load.py --model tiny-flux-kontext --mixed --kill-every 10 --requests 48
+    .venv/bin/python benchmarks/serve_load.py --model tiny-wan --mixed --kill-every 10 --disk-full-every 6
 """
 
 from __future__ import annotations
@@ -53,15 +66,60 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 IMAGE_STEPS = 4
+VIDEO = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 4.0, "fps": 8}
+NEGATIVE = "blurry, low quality"
+STORAGE_CODES = ("storage_error", "output_error")
+"""Errors of a request whose output could not be stored (a full disk): its client sends it again."""
 
 
-def _image_references(model: str, prompts: list[str]) -> list:
-    """One-process diffusers images (uint8) for every prompt, seed = its index."""
+def _input_png(seed: int) -> bytes:
+    """A deterministic 64x64 noise image (every pixel matters) as PNG bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _diffusion_requests(model: str, prompts: list[str], mixed: bool) -> list[dict]:
+    """Per request (seed = its index): the HTTP body, the input image (edits) and the one-process arguments."""
+    from hsdp.engine.model_info import inspect_model
+    from hsdp.models.builtin import resolve_model
+
+    info = inspect_model(resolve_model(model))
+    video = info.output == "video"
+    true_cfg = mixed and info.cfg_scale_param == "true_cfg_scale"
+    requests = []
+    for seed, prompt in enumerate(prompts):
+        body = {
+            "prompt": prompt,
+            "seed": seed,
+            **(VIDEO if video else {"n": 1, "num_inference_steps": IMAGE_STEPS}),
+        }
+        body |= {"true_cfg_scale": 4.0} if true_cfg else {}
+        negative = NEGATIVE if mixed and seed % 3 == 1 else None
+        image = _input_png(seed) if mixed and seed % 3 == 2 and info.takes_image and not video else None
+        body |= {"negative_prompt": negative} if negative else {}
+        requests.append({"body": body, "image": image, "video": video})
+    return requests
+
+
+def _diffusion_references(model: str, requests: list[dict]) -> list:
+    """One-process diffusers outputs: uint8 images, or mp4 bytes encoded as the server encodes them."""
+    import io
+    import tempfile
+
     import numpy as np
     import torch
     from diffusers import DiffusionPipeline
+    from PIL import Image
 
     from hsdp.engine.model_info import inspect_model
+    from hsdp.engine.outputs import save_frames
     from hsdp.models.builtin import resolve_model
 
     torch.set_num_threads(1)
@@ -69,14 +127,26 @@ def _image_references(model: str, prompts: list[str]) -> list:
     defaults = {k: v for k, v in info.defaults.items() if k in info.call_params}  # what the server fills in
     pipe = DiffusionPipeline.from_pretrained(info.path)
     pipe.set_progress_bar_config(disable=True)
-    images = []
-    with torch.no_grad():
-        for seed, prompt in enumerate(prompts):
-            generator = torch.Generator().manual_seed(seed)
-            kwargs = {**defaults, "num_inference_steps": IMAGE_STEPS}
-            out = pipe(prompt=prompt, generator=generator, output_type="np", **kwargs)
-            images.append((np.clip(out.images[0], 0, 1) * 255).round().astype(np.uint8))
-    return images
+    wants = []
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        for request in requests:
+            body = request["body"]
+            kwargs = {**defaults, "num_inference_steps": body["num_inference_steps"]}
+            for name in ("negative_prompt", "true_cfg_scale", "guidance_scale", "num_frames"):
+                kwargs |= {name: body[name]} if name in body else {}
+            if request["video"]:
+                width, height = (int(v) for v in body["size"].split("x"))
+                kwargs |= {"width": width, "height": height}
+            if request["image"] is not None:
+                kwargs["image"] = Image.open(io.BytesIO(request["image"])).convert("RGB")
+            generator = torch.Generator().manual_seed(body["seed"])
+            out = pipe(prompt=body["prompt"], generator=generator, output_type="np", **kwargs)
+            if request["video"]:
+                path = save_frames(out.frames[0], Path(tmp) / "ref.mp4", fps=body["fps"])
+                wants.append(path.read_bytes())
+            else:
+                wants.append((np.clip(out.images[0], 0, 1) * 255).round().astype(np.uint8))
+    return wants
 
 
 def _same_image(b64: str | None, want) -> bool:
@@ -90,6 +160,11 @@ def _same_image(b64: str | None, want) -> bool:
         return False
     got = iio.imread(io.BytesIO(base64.b64decode(b64)), extension=".png").astype(int)
     return got.shape == want.shape and int(np.abs(got - want.astype(int)).max()) <= 1
+
+
+def _same(got, want) -> bool:
+    """Text and mp4 bytes exactly; images within one 8-bit level (see the module docstring)."""
+    return got == want if isinstance(want, (str, bytes)) else _same_image(got, want)
 
 
 def _references(prompts: list[str], max_tokens: int) -> list[str]:
@@ -141,37 +216,60 @@ async def _ask(
     return 200, "".join(pieces), first, dict(response.headers)
 
 
-async def _ask_image(http: httpx.AsyncClient, body: dict) -> tuple[int, str | None, None, dict]:
-    response = await http.post("/v1/images/generations", json=body)
+async def _ask_image(http: httpx.AsyncClient, request: dict) -> tuple[int, str | None, None, dict]:
+    if request["image"] is None:
+        response = await http.post("/v1/images/generations", json=request["body"])
+    else:  # an edit: multipart, the input image as a file part
+        form = {k: str(v) for k, v in request["body"].items()}
+        files = [("image", ("in.png", request["image"], "image/png"))]
+        response = await http.post("/v1/images/edits", data=form, files=files)
     b64 = response.json()["data"][0]["b64_json"] if response.status_code == 200 else None
     return response.status_code, b64, None, dict(response.headers)
+
+
+async def _ask_video(http: httpx.AsyncClient, request: dict) -> tuple[int, bytes | None, None, dict]:
+    """An asynchronous video job, polled until it ends; its mp4. A job whose output could not be stored comes
+    back as 507, which the client sends again."""
+    response = await http.post("/v1/videos", json=request["body"])
+    if response.status_code != 200:
+        return response.status_code, None, None, dict(response.headers)
+    video_id = response.json()["id"]
+    while (job := (await http.get(f"/v1/videos/{video_id}")).json())["status"] not in (
+        "completed",
+        "failed",
+        "cancelled",
+    ):
+        await asyncio.sleep(0.1)
+    if job["status"] != "completed":
+        code = (job.get("error") or {}).get("code")
+        return (507 if code in STORAGE_CODES else 500), json.dumps(job.get("error")), None, {}
+    content = await http.get(f"/v1/videos/{video_id}/content")
+    return content.status_code, content.content, None, dict(content.headers)
 
 
 async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.Namespace) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=args.deadline) as http:
         while True:
             try:
-                index, prompt = queue.get_nowait()
+                index, request = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            started, retries = time.perf_counter(), 0
-            image = args.model != "tiny-llama"
-            body = (
-                {"prompt": prompt, "n": 1, "seed": index, "num_inference_steps": IMAGE_STEPS}
-                if image
-                else {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
-            )
+            started, retries, resent = time.perf_counter(), 0, 0
             while True:
                 try:
-                    if image:
-                        status, text, ttft, headers = await _ask_image(http, body)
-                    else:
+                    if isinstance(request, str):
+                        body = {"prompt": request, "max_tokens": args.max_tokens, "temperature": 0}
                         status, text, ttft, headers = await _ask(http, body, args.stream)
+                    elif request["video"]:
+                        status, text, ttft, headers = await _ask_video(http, request)
+                    else:
+                        status, text, ttft, headers = await _ask_image(http, request)
                 except httpx.HTTPError as exc:
                     results[index] = {"status": f"error: {exc!r}", "latency_s": time.perf_counter() - started}
                     break
-                if status == 429 and time.perf_counter() - started < args.deadline:
-                    retries += 1
+                if status in (429, 507) and time.perf_counter() - started < args.deadline:
+                    retries += status == 429
+                    resent += status == 507  # the disk was full: stored nothing, or lost the output
                     await asyncio.sleep(float(headers.get("retry-after", "1")))
                     continue
                 results[index] = {
@@ -180,6 +278,7 @@ async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.
                     "latency_s": time.perf_counter() - started,
                     "ttft_s": ttft,
                     "retries": retries,
+                    "resent": resent,
                 }
                 break
 
@@ -189,9 +288,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def _run(url: str, prompts: list[str], args: argparse.Namespace) -> tuple[dict, float]:
+async def _run(url: str, requests: list, args: argparse.Namespace) -> tuple[dict, float]:
     queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(prompts):
+    for item in enumerate(requests):
         queue.put_nowait(item)
     results: dict = {}
     started = time.perf_counter()
@@ -216,47 +315,93 @@ def _kill_workers(server: LocalServer, every_s: float, stop: threading.Event, ki
             stop.wait(0.2)
 
 
+def _fill_disk(flag: Path, every_s: float, for_s: float, stop: threading.Event, windows: list[int]) -> None:
+    """Every ``every_s`` seconds, the output dir is full for ``for_s`` seconds (while ``flag`` exists, the fault
+    injection makes the server's record and video writes fail with ENOSPC)."""
+    while not stop.wait(every_s):
+        flag.touch()
+        windows.append(1)
+        stop.wait(for_s)
+        flag.unlink(missing_ok=True)
+
+
+def _settle(server: LocalServer, timeout_s: float = 60.0) -> str:
+    """``/metrics`` once the server holds no queued or running job (or at the deadline: those are stuck)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        held = sum(_metric(text, "hsdp_jobs", state=s) for s in ("queued", "in_progress"))
+        if not held or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
 def load_run(
     layout: str,
-    prompts: list[str],
-    want: list[str],
+    requests: list,
+    want: list,
     args: argparse.Namespace,
     workdir: Path,
     kill_every_s: float | None = None,
+    disk_full_every_s: float | None = None,
 ) -> dict:
-    """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate accounting."""
+    """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate / stuck accounting."""
     server_args = [*layout.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
     kills: list[int] = []
-    with LocalServer(args.model, server_args, log=workdir / "server.log") as server:
+    windows: list[int] = []
+    flag = workdir / "disk-full"
+    env = {}
+    if disk_full_every_s:
+        faults = Path(__file__).resolve().parent.parent / "tests" / "fault_injection"
+        env = {"PYTHONPATH": os.pathsep.join([str(faults), os.environ.get("PYTHONPATH", "")])}
+        env["HSDP_TEST_DISK_FULL"] = str(flag)
+    with LocalServer(args.model, server_args, log=workdir / "server.log", env=env) as server:
         before = httpx.get(server.url + "/metrics").text
         stop = threading.Event()
-        chaos = threading.Thread(target=_kill_workers, args=(server, kill_every_s, stop, kills), daemon=True)
-        if kill_every_s:
-            chaos.start()
+        chaos = [
+            threading.Thread(target=_kill_workers, args=(server, kill_every_s, stop, kills), daemon=True)
+            if kill_every_s
+            else None,
+            threading.Thread(
+                target=_fill_disk,
+                args=(flag, disk_full_every_s, args.disk_full_for, stop, windows),
+                daemon=True,
+            )
+            if disk_full_every_s
+            else None,
+        ]
+        for thread in filter(None, chaos):
+            thread.start()
         try:
-            results, wall_s = asyncio.run(_run(server.url, prompts, args))
+            results, wall_s = asyncio.run(_run(server.url, requests, args))
         finally:
             stop.set()
+            flag.unlink(missing_ok=True)
         server.wait_healthy()
-        after = httpx.get(server.url + "/metrics").text
+        after = _settle(server)
 
     def delta(name: str, **labels: str) -> int:
         return int(_metric(after, name, **labels) - _metric(before, name, **labels))
 
-    answered = [i for i in range(len(prompts)) if results.get(i, {}).get("status") == 200]
-    same = _same_image if args.model != "tiny-llama" else (lambda got, expected: got == expected)
-    wrong = [i for i in answered if not same(results[i]["text"], want[i])]
+    answered = [i for i in range(len(requests)) if results.get(i, {}).get("status") == 200]
+    wrong = [i for i in answered if not _same(results[i]["text"], want[i])]
+    stuck = sum(_metric(after, "hsdp_jobs", state=s) for s in ("queued", "in_progress"))
+    stuck += sum(1 for r in results.values() if "ReadTimeout" in str(r.get("status")))
     latencies = [results[i]["latency_s"] for i in answered] or [float("nan")]
     ttfts = [results[i]["ttft_s"] for i in answered if results[i].get("ttft_s") is not None]
     completed = delta("hsdp_jobs", state="completed")
     return {
-        "layout": layout + (f" (a worker killed every {kill_every_s:g}s)" if kill_every_s else ""),
-        "requests": len(prompts),
+        "layout": layout + _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for),
+        "requests": len(requests),
         "answered_200": len(answered),
-        "lost": len(prompts) - len(answered),
+        "lost": len(requests) - len(answered),
         "wrong_answers": len(wrong),
         "duplicates": completed - len(answered),
+        "stuck": int(stuck),
         "retried_429": sum(r.get("retries", 0) for r in results.values()),
+        "resent_after_disk_full": sum(r.get("resent", 0) for r in results.values()),
+        "disk_full_windows": len(windows),
+        "record_write_errors": delta("hsdp_record_write_errors_total"),
         "workers_killed": len(kills),
         "jobs_run_again": delta("hsdp_job_retries_total"),
         "server_jobs_completed": completed,
@@ -271,15 +416,23 @@ def load_run(
         "latency_s": {f"p{q}": round(_percentile(latencies, q), 4) for q in (50, 90, 99)}
         | {"max": round(max(latencies), 4), "mean": round(statistics.mean(latencies), 4)},
         "not_answered": {
-            i: str(results.get(i, {}).get("status")) for i in range(len(prompts)) if i not in answered
+            i: str(results.get(i, {}).get("status")) for i in range(len(requests)) if i not in answered
         },
-        "ok": not wrong and len(answered) == len(prompts) and completed == len(prompts),
+        "ok": not wrong and not stuck and len(answered) == len(requests) and completed == len(requests),
     }
+
+
+def _chaos_label(kill_every_s: float | None, disk_full_every_s: float | None, disk_full_for_s: float) -> str:
+    faults = [f"a worker killed every {kill_every_s:g}s"] if kill_every_s else []
+    faults += [f"disk full {disk_full_for_s:g}s of every {disk_full_every_s:g}s"] if disk_full_every_s else []
+    return f" ({', '.join(faults)})" if faults else ""
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama", help="tiny-llama (completions) or an image pipeline")
+    parser.add_argument(
+        "--model", default="tiny-llama", help="tiny-llama (completions), an image or a video pipeline"
+    )
     parser.add_argument(
         "--batch-sizes",
         nargs="+",
@@ -304,6 +457,18 @@ def main() -> int:
         help="also run the first layout while killing a worker every S s",
     )
     parser.add_argument(
+        "--disk-full-every",
+        type=float,
+        default=None,
+        help="also run the first layout while the output dir is full --disk-full-for s of every S s",
+    )
+    parser.add_argument("--disk-full-for", type=float, default=2.0)
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="pipelines: some requests with a negative prompt, some with an image",
+    )
+    parser.add_argument(
         "--stream", action="store_true", help="streamed completions (reports time to first token)"
     )
     parser.add_argument("--output", type=Path, default=Path("bench_results/serve_load.json"))
@@ -312,27 +477,40 @@ def main() -> int:
     prompts = [f"request {i}: " for i in range(args.requests)]
     print(f"computing {len(prompts)} one-process references ...", flush=True)
     image = args.model != "tiny-llama"
-    want = _image_references(args.model, prompts) if image else _references(prompts, args.max_tokens)
+    if image:
+        requests: list = _diffusion_requests(args.model, prompts, args.mixed)
+        want = _diffusion_references(args.model, requests)
+    else:
+        requests, want = prompts, _references(prompts, args.max_tokens)
     layouts = [f"{args.layouts[0]} --max-batch-size {b}" for b in args.batch_sizes] if image else args.layouts
     rows = []
     for layout in layouts:
         print(f"load: {layout} ...", flush=True)
-        rows.append(load_run(layout, prompts, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
-    if args.kill_every:
-        print(f"load with a worker killed every {args.kill_every:g}s: {args.layouts[0]} ...", flush=True)
+        rows.append(load_run(layout, requests, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
+    chaos = [(args.kill_every, None)] if args.kill_every else []
+    chaos += [(args.kill_every, args.disk_full_every)] if args.disk_full_every else []
+    chaos_layout = layouts[-1] if image else layouts[0]  # pipelines: the largest --max-batch-size
+    for kill_every_s, disk_full_every_s in chaos:
+        label = _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for)
+        print(f"load{label}: {chaos_layout} ...", flush=True)
         workdir = Path(tempfile.mkdtemp(prefix="serve-chaos-"))
-        rows.append(load_run(args.layouts[0], prompts, want, args, workdir, kill_every_s=args.kill_every))
-    print(
-        f"\n{args.requests} requests ({'one image each' if image else f'{args.max_tokens} tokens each'}), "
-        f"concurrency {args.concurrency}, {args.model}"
+        rows.append(load_run(chaos_layout, requests, want, args, workdir, kill_every_s, disk_full_every_s))
+    what = (
+        "one output each" + (", mixed inputs" if args.mixed else "")
+        if image
+        else f"{args.max_tokens} tokens each"
     )
+    print(f"\n{args.requests} requests ({what}), concurrency {args.concurrency}, {args.model}")
     header = [
         "layout",
         "200",
         "lost",
         "wrong",
         "dup",
+        "stuck",
         "killed",
+        "disk full",
+        "resent",
         "re-run",
         "batches",
         "req/s",
@@ -349,12 +527,14 @@ def main() -> int:
         ratio = row["throughput_rps"] / rows[0]["throughput_rps"]
         ttft = row["ttft_s"]["p50"] if row["ttft_s"] else "-"
         cells = [row["layout"], row["answered_200"], row["lost"], row["wrong_answers"], row["duplicates"],
-                 row["workers_killed"], row["jobs_run_again"], row["server_batches"], row["throughput_rps"],
+                 row["stuck"], row["workers_killed"], row["disk_full_windows"], row["resent_after_disk_full"],
+                 row["jobs_run_again"], row["server_batches"], row["throughput_rps"],
                  f"{ratio:.2f}", lat["p50"], lat["p90"], lat["p99"], lat["max"], ttft]  # fmt: skip
         print(" | ".join(str(c) for c in cells))
     ok = all(r["ok"] for r in rows)
     print(
-        f"\n{'OK' if ok else 'FAILED'}: every request answered once, with the one-process answer for its prompt"
+        f"\n{'OK' if ok else 'FAILED'}: every request answered once, with the one-process answer for its prompt, "
+        "nothing stuck"
     )
     summary = {
         "model": args.model,
@@ -362,6 +542,7 @@ def main() -> int:
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "stream": args.stream,
+        "mixed": args.mixed,
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,9 @@ a job that crashes its workers would.
 rank (a deterministic error of the request); one containing "slow-decode" makes each module of the VAE sleep
 ``HSDP_TEST_SLOW_MODULE_S`` (default 0.08 s) before its forward, so the decode takes far longer than
 ``--step-timeout`` while the ranks keep computing.
+
+``HSDP_TEST_DISK_FULL=<path>``: while the file ``<path>`` exists, the server's disk is "full": writing a job record
+or a video fails with ENOSPC (a video leaves a partial staging file behind, as a real full disk does).
 """
 
 import os
@@ -48,3 +51,30 @@ if os.environ.get("HSDP_TEST_FAULTS") == "1":
                 handle.remove()
 
     diffusion.DiffusionRunner.generate = _generate_with_faults
+
+if os.environ.get("HSDP_TEST_DISK_FULL"):
+    import errno
+    from pathlib import Path
+
+    from hsdp.serve import jobs, runner
+
+    _FLAG = Path(os.environ["HSDP_TEST_DISK_FULL"])
+    _write_json = jobs._write_json_atomic
+    _save_frames = runner.save_frames
+
+    def _no_space() -> OSError:
+        return OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def _write_json_or_full(path, data):
+        if _FLAG.exists():
+            raise _no_space()
+        _write_json(path, data)
+
+    def _save_frames_or_full(frames, path, fps):
+        if _FLAG.exists():
+            Path(path).write_bytes(b"partial")
+            raise _no_space()
+        return _save_frames(frames, path, fps=fps)
+
+    jobs._write_json_atomic = _write_json_or_full
+    runner.save_frames = _save_frames_or_full
