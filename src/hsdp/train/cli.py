@@ -122,6 +122,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--comm-stats", action="store_true", help="count the last step's collectives against the minimum"
     )
+    diffusion = parser.add_argument_group("diffusion pipelines (docs/training-diffusion.md)")
+    diffusion.add_argument("--resolution", type=int, default=256, help="side of the training area in pixels")
+    diffusion.add_argument("--frames", type=int, default=None, help="most frames per video clip (k*t+1 kept)")
+    diffusion.add_argument(
+        "--timestep-sampling",
+        choices=("uniform", "logit_normal", "mode"),
+        default="uniform",
+        help="flow matching: how sigmas are drawn (diffusers' density sampling)",
+    )
+    diffusion.add_argument("--flow-shift", type=float, default=None, help="default: the scheduler's shift")
+    diffusion.add_argument("--caption-dropout", type=float, default=0.0, help="train on the empty caption")
+    diffusion.add_argument(
+        "--train-component", default=None, help="the denoiser to train (transformer, transformer_2, unet)"
+    )
+    diffusion.add_argument(
+        "--cache-latents", action="store_true", help="encode once into OUTPUT_DIR/latent-cache and reuse"
+    )
     add_parallel_arguments(parser, groups=("sharding", "tensor"))  # no CFG, sequence or request ranks
 
 
@@ -166,6 +183,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         report_to=args.report_to,
         logging_dir=args.logging_dir,
         comm_stats=args.comm_stats,
+        resolution=args.resolution,
+        frames=args.frames,
+        timestep_sampling=args.timestep_sampling,
+        flow_shift=args.flow_shift,
+        caption_dropout=args.caption_dropout,
+        train_component=args.train_component,
+        cache_latents=args.cache_latents,
     )
 
 
@@ -190,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         median = sorted(s.tokens_per_s for s in steps)[len(steps) // 2]
         print(
             f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
-            f"median {median:.0f} tokens/s, peak memory per rank {peaks} MiB"
+            f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB"
         )
     if steps and steps[-1].eval_loss is not None:
         print(f"eval loss {steps[-1].eval_loss:.4f}, perplexity {steps[-1].eval_perplexity:.2f}")

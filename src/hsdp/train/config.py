@@ -130,6 +130,21 @@ class TrainConfig:
     progress: bool = True
     comm_stats: bool = False
     """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
+    # Diffusion pipelines (hsdp.train.diffusion): ignored for causal LMs.
+    resolution: int = 256
+    """Side of the training area: each item's size bucket has about ``resolution ** 2`` pixels."""
+    frames: int | None = None
+    """Most frames per video clip (``k * t + 1`` frames are kept, t the VAE's temporal factor)."""
+    timestep_sampling: str = "uniform"
+    """Flow matching: ``uniform``, ``logit_normal`` or ``mode`` (diffusers' density sampling)."""
+    flow_shift: float | None = None
+    """Flow matching shift of the sampled sigmas (default: the pipeline scheduler's)."""
+    caption_dropout: float = 0.0
+    """Probability of training a row on the empty caption (for classifier-free guidance)."""
+    train_component: str | None = None
+    """The denoiser to train (``transformer``, ``transformer_2`` or ``unet``; default: the pipeline's first)."""
+    cache_latents: bool = False
+    """Keep encoded latents and caption embeddings in ``<output_dir>/latent-cache`` and reuse them next run."""
 
     @property
     def use_lora(self) -> bool:
@@ -163,6 +178,12 @@ class TrainConfig:
             "--lora-target-modules": sorted(self.lora_target_modules),
             "--lora-adapter": self.lora_adapter,
             "--strategy": parallel.sharding_strategy.value if parallel.use_hsdp else None,
+            "--resolution": self.resolution,
+            "--frames": self.frames,
+            "--timestep-sampling": self.timestep_sampling,
+            "--flow-shift": self.flow_shift,
+            "--caption-dropout": self.caption_dropout,
+            "--train-component": self.train_component,
             "layout": parallel.describe() if parallel.use_hsdp else "single process",
         }
 
@@ -212,6 +233,7 @@ class TrainConfig:
             out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         out.extend(self._lora_problems())
         out.extend(self._export_format_problems())
+        out.extend(self._diffusion_problems())
         out.extend(schedule_problems(self.lr_scheduler, self.warmup_steps, self.steps))
         out.extend(self._eval_problems())
         out.extend(report_problems(self.report_to, self.output_dir, self.logging_dir))
@@ -232,6 +254,20 @@ class TrainConfig:
                 f"--batch-size={self.batch_size} must be a multiple of the data-parallel size {dp} "
                 f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
             )
+        return out
+
+    def _diffusion_problems(self) -> list[str]:
+        out = []
+        if self.timestep_sampling not in ("uniform", "logit_normal", "mode"):
+            out.append(f"--timestep-sampling={self.timestep_sampling!r}: use uniform, logit_normal or mode")
+        if not 0 <= self.caption_dropout < 1:
+            out.append(f"--caption-dropout={self.caption_dropout} must be in [0, 1)")
+        if self.flow_shift is not None and self.flow_shift <= 0:
+            out.append(f"--flow-shift={self.flow_shift} must be > 0")
+        if self.frames is not None and self.frames < 1:
+            out.append(f"--frames={self.frames} must be >= 1")
+        if self.cache_latents and not self.output_dir:
+            out.append("--cache-latents keeps the cache in --output-dir; set --output-dir")
         return out
 
     def _eval_problems(self) -> list[str]:
@@ -292,11 +328,16 @@ _PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 def _file_digest(path: str) -> str:
     """``sha256:<first 16 hex digits>`` of a data file's bytes: a resumed run must read the same records (the
     path may differ)."""
+    root = Path(path)
     try:
-        info = Path(path).stat()
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        parts = [_digest(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     except OSError:
         return "unreadable"  # preflight names the missing --data file itself
-    return _digest(str(path), info.st_size, info.st_mtime_ns)
+    if not root.is_dir():
+        return parts[0]
+    listing = "".join(f"{f.relative_to(root)}={d}" for f, d in zip(files, parts, strict=True))  # a media folder
+    return f"sha256:{hashlib.sha256(listing.encode()).hexdigest()[:16]}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -327,7 +368,7 @@ class Preflight:
     resume_from: Path | None
 
 
-def _resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None:
+def resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None:
     root = Path(cfg.output_dir) if cfg.output_dir else None
     if cfg.resume is None:
         if root is not None and complete_checkpoints(root):
@@ -479,4 +520,4 @@ def preflight(cfg: TrainConfig) -> Preflight:
     _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:
         _check_lora(cfg, model_dir)
-    return Preflight(model_dir, fingerprint, _resume_target(cfg, fingerprint))
+    return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))

@@ -16,22 +16,44 @@ from hsdp.train.trainer import Trainer, TrainResult, load_data
 __all__ = ["run_training", "train_on_rank"]
 
 
+def trainer_class(cfg: TrainConfig) -> type[Trainer]:
+    """The LM trainer, or the diffusion one for a diffusers pipeline folder (``model_index.json``)."""
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.diffusion.trainer import DiffusionTrainer, is_pipeline
+
+    try:
+        model_dir = resolve_model(cfg.model)
+    except FileNotFoundError:
+        return Trainer  # its preflight names the --model problem
+    return DiffusionTrainer if is_pipeline(model_dir) else Trainer
+
+
 def train_on_rank(cfg: TrainConfig) -> TrainResult:
     """Rank-side entry point: build a trainer, train to the end, release what it owns."""
-    with Trainer(cfg) as trainer:
+    with trainer_class(cfg)(cfg) as trainer:
         return trainer.fit()
 
 
 def run_training(cfg: TrainConfig, *, collective_timeout_s: float | None = None) -> TrainResult:
     """Train ``cfg`` to the end and return rank 0's result."""
+    if trainer_class(cfg) is not Trainer:
+        from hsdp.train.diffusion.trainer import check_diffusion_run
+
+        check_diffusion_run(cfg)
+        return _launch(cfg, collective_timeout_s)
     checks = preflight(cfg)
-    world = cfg.effective_parallel().world_size
+    if not launched_by_torchrun() and cfg.effective_parallel().world_size > 1:
+        load_data(cfg, checks.model_dir)  # a short or malformed file fails here, before ranks start
+    return _launch(cfg, collective_timeout_s)
+
+
+def _launch(cfg: TrainConfig, collective_timeout_s: float | None) -> TrainResult:
+    """Train in place under torchrun or in one process, else spawn the layout's ranks."""
     if launched_by_torchrun():
         init_distributed()
         configure_logging(rank())
         return train_on_rank(cfg)
-    if world == 1:
+    if cfg.effective_parallel().world_size == 1:
         return train_on_rank(cfg)
-    load_data(cfg, checks.model_dir)  # a short or malformed file fails here, before ranks start
-    with WorkerGroup(world, collective_timeout_s=collective_timeout_s) as group:
+    with WorkerGroup(cfg.effective_parallel().world_size, collective_timeout_s=collective_timeout_s) as group:
         return group.run(train_on_rank, cfg)[0]

@@ -38,7 +38,7 @@ from hsdp.measure import peak_memory, reset_peak_memory
 from hsdp.measure.comm import measure_comm
 from hsdp.mesh import build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
-from hsdp.train.config import TrainConfig, TrainConfigError, preflight
+from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, preflight
 from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
 from hsdp.train.report import make_reporter, step_metrics
@@ -72,6 +72,8 @@ class TrainResult:
     checkpoint: str | None = None
     export: str | None = None
     export_merged: str | None = None
+    unit: str = "tokens"
+    """What ``StepResult.tokens_per_s`` counts (``samples`` for diffusion)."""
     comm: dict | None = None
     """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
 
@@ -122,22 +124,22 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        checks = preflight(cfg)  # before any collective: every rank fails alike on bad input
+        checks = self._preflight()  # before any collective: every rank fails alike on bad input
         self.parallel = cfg.effective_parallel()
         self.rank, self.world_size = rank(), world_size()
         self.device = local_device()
         self.model_dir = checks.model_dir
         self.fingerprint = checks.fingerprint
 
-        self.data, self.eval_data = load_data(cfg, self.model_dir)
+        self.data, self.eval_data = self._load_data()
         self.meshes = build_meshes(self.parallel)  # the first collective
         self.dp_size = self.parallel.data_parallel_size
         self.dp_rank = self.meshes.data_parallel_rank
 
         torch.manual_seed(cfg.seed)
-        self.lora = cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM") if cfg.use_lora else None
+        self.lora = self._lora_config() if cfg.use_lora else None
         self.model = load_pretrained(
-            self.model_dir,
+            self._weights_dir(),
             self.parallel,
             plan=self._shard_plan,
             # LoRA keeps the frozen base in its checkpoint dtype; full fine-tuning keeps fp32 masters.
@@ -156,11 +158,7 @@ class Trainer:
                 raise TrainConfigError(
                     f"--activation-checkpointing: {type(self.model).__name__} does not support it"
                 )
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
-                self.model.activation_checkpointing_enable(kwargs)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self._enable_activation_checkpointing()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
@@ -200,6 +198,59 @@ class Trainer:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close(finish_pending=exc_type is None)
+
+    # -- what a kind of model changes (hsdp.train.diffusion.DiffusionTrainer overrides these) -------------------
+    unit = "tokens"
+    """What ``StepResult.tokens_per_s`` counts."""
+
+    def _preflight(self) -> Preflight:
+        return preflight(self.cfg)
+
+    def _load_data(self) -> tuple:
+        return load_data(self.cfg, self.model_dir)
+
+    def _weights_dir(self) -> Path:
+        """The folder whose weights are trained."""
+        return self.model_dir
+
+    def _lora_config(self):
+        return self.cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM")
+
+    def _enable_activation_checkpointing(self) -> None:
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+            self.model.activation_checkpointing_enable(kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def _items_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
+
+    def _micro_loss(self, micro: int) -> torch.Tensor:
+        """This rank's loss on its rows of micro-batch ``micro`` of the current step, scaled so that the summed
+        gradients of the step's micro-batches are those of one batch.
+
+        Masked labels: every rank divides its summed token losses by the step's global target count (times dp,
+        since FSDP averages gradients over dp), so the step's loss is the token mean over all ranks' rows."""
+        cfg = self.cfg
+        batch = self.data.batch(
+            self.step,
+            micro,
+            batch_size=cfg.batch_size,
+            grad_accum=cfg.grad_accum,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        ).to(self.device)
+        with self._autocast():
+            if self.data.uniform:
+                return self.model(**batch.model_inputs(), use_cache=False).loss / cfg.grad_accum
+            targets = self.data.step_targets(self.step, cfg.batch_size, cfg.grad_accum)
+            per_rank = torch.tensor(max(1, targets) / self.dp_size, device=self.device)
+            return self.model(**batch.model_inputs(), use_cache=False, num_items_in_batch=per_rank).loss
+
+    def _data_state(self) -> dict:
+        cfg = self.cfg
+        return {"path": str(cfg.data), "seq_len": cfg.seq_len, "seed": cfg.seed}
 
     # -- setup -----------------------------------------------------------------------------------------------
     def _shard_plan(self, model: nn.Module) -> ShardPlan:
@@ -245,29 +296,9 @@ class Trainer:
         started = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         total = torch.zeros((), device=self.device)
-        # Masked labels: every rank divides its summed token losses by the step's global target count (times dp,
-        # since FSDP averages gradients over dp), so the step's loss is the token mean over all ranks' rows.
-        per_rank = None
-        if not self.data.uniform:
-            targets = self.data.step_targets(self.step, cfg.batch_size, cfg.grad_accum)
-            per_rank = torch.tensor(max(1, targets) / self.dp_size, device=self.device)
         for micro in range(cfg.grad_accum):
             self._set_grad_sync(micro == cfg.grad_accum - 1)
-            batch = self.data.batch(
-                self.step,
-                micro,
-                batch_size=cfg.batch_size,
-                grad_accum=cfg.grad_accum,
-                dp_rank=self.dp_rank,
-                dp_size=self.dp_size,
-            ).to(self.device)
-            with self._autocast():
-                if per_rank is None:
-                    loss = self.model(**batch.model_inputs(), use_cache=False).loss / cfg.grad_accum
-                else:
-                    loss = self.model(
-                        **batch.model_inputs(), use_cache=False, num_items_in_batch=per_rank
-                    ).loss
+            loss = self._micro_loss(micro)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
         all_reduce_plain_grads(self.params)
@@ -292,7 +323,7 @@ class Trainer:
             peaks = torch.cat(gathered)
         self.step += 1
         seconds = time.perf_counter() - started
-        tokens = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        tokens = self._items_per_step()
         return StepResult(
             step=self.step,
             loss=total.item(),
@@ -335,7 +366,7 @@ class Trainer:
         cfg = self.cfg
         return {
             "model": self.fingerprint,
-            "data": {"path": str(cfg.data), "seq_len": cfg.seq_len, "seed": cfg.seed},
+            "data": self._data_state(),
             "batch_size": cfg.batch_size,
             "grad_accum": cfg.grad_accum,
             "world_size": self.world_size,
@@ -354,7 +385,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        result = TrainResult()
+        result = TrainResult(unit=self.unit)
         reporter = make_reporter(cfg) if self.rank == 0 else None
         bar = tqdm(
             total=cfg.steps,
@@ -372,15 +403,16 @@ class Trainer:
                     step = self._guarded_step()
                 result.steps.append(step)
                 bar.update(1)
-                bar.set_postfix(loss=f"{step.loss:.4f}", tok_s=f"{step.tokens_per_s:.0f}")
+                bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f lr %.3g%s tokens/s %.0f peak memory per rank (MiB) %s",
+                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB) %s",
                         step.step,
                         cfg.steps,
                         step.loss,
                         step.lr,
                         "" if step.grad_norm is None else f" grad-norm {step.grad_norm:.4f}",
+                        self.unit,
                         step.tokens_per_s,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
                     )

@@ -1,0 +1,138 @@
+"""The training objective of a diffusers pipeline, read from its own scheduler config.
+
+Flow-matching schedulers (``FlowMatch*``, or any scheduler configured with ``prediction_type="flow_prediction"`` /
+``use_flow_sigmas``, as Wan's UniPC is) train on ``x_t = (1 - s) x_0 + s * noise`` with the target
+``noise - x_0``; ``s`` is drawn with diffusers' own ``compute_density_for_timestep_sampling`` (uniform, logit-normal
+or mode), shifted by the flow shift (``s' = shift * s / (1 + (shift - 1) * s)``, the scheduler's own shift unless
+``--flow-shift`` says otherwise), and the loss is weighted with ``compute_loss_weighting_for_sd3``. DDPM-style
+schedulers (SDXL's) noise with ``DDPMScheduler.add_noise`` and predict ``epsilon`` or ``v_prediction`` (the
+scheduler's ``prediction_type``).
+
+Every random draw comes from a CPU generator the caller seeds per step and micro-batch, drawn for the whole global
+micro-batch, so a run gives the same noise and timesteps at every world size and layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Objective", "TIMESTEP_SAMPLING", "objective_for"]
+
+TIMESTEP_SAMPLING = ("uniform", "logit_normal", "mode")
+
+
+@dataclass(frozen=True)
+class Noised:
+    """One micro-batch, noised: the denoiser's input and timesteps, the target and the per-row loss weights."""
+
+    noisy: torch.Tensor
+    timesteps: torch.Tensor
+    target: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Objective:
+    kind: str
+    """``flow_matching``, ``epsilon`` or ``v_prediction``."""
+    num_train_timesteps: int = 1000
+    shift: float = 1.0
+    sampling: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    min_timestep: float = 0.0
+    max_timestep: float = 1.0
+    """The fraction of the timestep range trained (Wan 2.2's experts each own one side of its boundary)."""
+    scheduler_config: dict | None = None
+
+    def noise(self, latents: torch.Tensor, generator: torch.Generator) -> Noised:
+        """Noise the global micro-batch ``latents`` (CPU, fp32) with draws from ``generator``."""
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+        if self.kind == "flow_matching":
+            return self._flow(latents, noise, generator)
+        return self._ddpm(latents, noise, generator)
+
+    def _flow(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
+        from diffusers.training_utils import (
+            compute_density_for_timestep_sampling,
+            compute_loss_weighting_for_sd3,
+        )
+
+        u = compute_density_for_timestep_sampling(
+            weighting_scheme=self.sampling,
+            batch_size=latents.shape[0],
+            logit_mean=self.logit_mean,
+            logit_std=self.logit_std,
+            mode_scale=self.mode_scale,
+            generator=generator,
+        )
+        u = self.min_timestep + (self.max_timestep - self.min_timestep) * u.float()
+        sigmas = self.shift * u / (1 + (self.shift - 1) * u)
+        s = sigmas.view(-1, *([1] * (latents.dim() - 1)))
+        weights = compute_loss_weighting_for_sd3(weighting_scheme=self.sampling, sigmas=sigmas)
+        return Noised(
+            noisy=(1 - s) * latents + s * noise,
+            timesteps=sigmas * self.num_train_timesteps,
+            target=noise - latents,
+            weights=weights.float(),
+        )
+
+    def _ddpm(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
+        from diffusers import DDPMScheduler
+
+        scheduler = DDPMScheduler.from_config(self.scheduler_config or {})
+        low = int(self.min_timestep * self.num_train_timesteps)
+        high = max(low + 1, int(self.max_timestep * self.num_train_timesteps))
+        timesteps = torch.randint(low, high, (latents.shape[0],), generator=generator)
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        target = noise if self.kind == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+        return Noised(noisy=noisy, timesteps=timesteps, target=target, weights=torch.ones(latents.shape[0]))
+
+
+def _is_flow(config: dict) -> bool:
+    return (
+        str(config.get("_class_name", "")).startswith("FlowMatch")
+        or config.get("prediction_type") == "flow_prediction"
+        or bool(config.get("use_flow_sigmas"))
+    )
+
+
+def objective_for(
+    pipeline_dir: Path,
+    *,
+    sampling: str = "uniform",
+    shift: float | None = None,
+    timestep_range: tuple[float, float] = (0.0, 1.0),
+) -> Objective:
+    """The objective of the pipeline in ``pipeline_dir`` from ``scheduler/scheduler_config.json``."""
+    path = Path(pipeline_dir) / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {pipeline_dir}: no scheduler/scheduler_config.json, so no training objective")
+    config = json.loads(path.read_text())
+    steps = int(config.get("num_train_timesteps", 1000))
+    low, high = timestep_range
+    if _is_flow(config):
+        own = config.get("flow_shift", config.get("shift", 1.0))
+        return Objective(
+            "flow_matching",
+            num_train_timesteps=steps,
+            shift=float(own if shift is None else shift),
+            sampling=sampling,
+            min_timestep=low,
+            max_timestep=high,
+        )
+    prediction = config.get("prediction_type", "epsilon")
+    if prediction not in ("epsilon", "v_prediction"):
+        raise ValueError(f"--model {pipeline_dir}: scheduler prediction_type {prediction!r} cannot be trained")
+    return Objective(
+        prediction,
+        num_train_timesteps=steps,
+        min_timestep=low,
+        max_timestep=high,
+        scheduler_config=config,
+    )
