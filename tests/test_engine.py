@@ -172,12 +172,8 @@ def test_worker_failure_in_memory_report_closes_the_engine(llama_info):
         engine.generate("again")
 
 
-def test_batches_are_the_same_on_every_rank_and_inputs_uniform():
-    from hsdp.engine.params import Request, uniform_inputs
-    from hsdp.engine.worker import batches
+def test_batches_are_consecutive_chunks_when_inputs_are_alike():
+    from hsdp.engine.params import Request, lockstep_rounds
 
     plain = [Request(i, "p", i) for i in range(5)]
-    assert [[r.request_id for r in g] for g in batches(plain, 2)] == [[0, 1], [2, 3], [4]]
-    assert uniform_inputs(plain) and uniform_inputs([Request(0, "p", 0, "neg"), Request(1, "p", 1, "no")])
-    assert not uniform_inputs([Request(0, "p", 0, negative_prompt="neg"), Request(1, "p", 1)])
-    assert not uniform_inputs([Request(0, "p", 0, image="x"), Request(1, "p", 1)])
+    assert [[r.request_id for r in g] for [g] in lockstep_rounds(plain, 1, 2)] == [[0, 1], [2, 3], [4]]

@@ -119,7 +119,8 @@ class DiffusionRunner:
             if decode:  # the rank that reports these requests also reports their progress
                 total = getattr(pipeline, "num_timesteps", None) or params.num_inference_steps or step + 1
                 for request in requests:
-                    emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
+                    if not request.filler:  # its original reports from its own rank
+                        emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
         extra = (

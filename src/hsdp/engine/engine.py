@@ -37,7 +37,6 @@ from hsdp.engine.params import (
     batch_size_problem,
     build_requests,
     request_slots,
-    uniform_inputs,
 )
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
@@ -393,7 +392,9 @@ class Engine:
         caller's thread) after each denoising step or generated token of each request, as the ranks run;
         ``on_token(request_id, token_id)`` after each generated token (causal LMs), for streaming.
         ``batch_size`` > 1 (diffusion) runs up to that many of a rank's requests as one batch through the
-        pipeline, each with its own seed and noise: one forward per step for all of them.
+        pipeline, each with its own seed and noise: one forward per step for all of them. Requests that differ in
+        which inputs they give (negative prompt, image, mask) run in separate batches and rounds
+        (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards.
         ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
         ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
         ``on_start(call_id)`` is called once the call has its id, before the ranks start: :meth:`cancel` with
@@ -408,11 +409,6 @@ class Engine:
         if problem:
             raise ValueError(problem)
         requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
-        if batch_size > 1 and not uniform_inputs(requests):
-            logger.info(
-                "these requests mix given and absent inputs (negative prompt, image, mask): one at a time"
-            )
-            batch_size = 1
         with self._lock:
             self._call_id += 1
             if on_start is not None:

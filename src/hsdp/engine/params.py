@@ -22,6 +22,7 @@ __all__ = [
     "Request",
     "build_requests",
     "request_slots",
+    "lockstep_rounds",
     "batch_size_problem",
     "PIPELINE_ARGS",
 ]
@@ -103,6 +104,9 @@ class Request:
     negative_prompt: str | None = None
     image: Any = None
     mask_image: Any = None
+    filler: bool = False
+    """A copy of another request of its round, run only so that this rank does the same sharded forwards as the
+    ranks beside it (see :func:`lockstep_rounds`); its output is dropped and it reports no progress."""
 
 
 def batch_size_problem(kind: str, batch_size: int) -> str | None:
@@ -117,14 +121,43 @@ def batch_size_problem(kind: str, batch_size: int) -> str | None:
     return None
 
 
-def uniform_inputs(requests: list[Request]) -> bool:
-    """Whether every optional input (negative prompt, image, mask) is given for all requests or for none: a
-    pipeline batch takes a list of them or none, and for true-CFG pipelines the negative prompt decides whether
-    the unconditional pass runs at all."""
-    return all(
-        len({getattr(r, name) is None for r in requests}) <= 1
-        for name in ("negative_prompt", "image", "mask_image")
+def input_signature(request: Request) -> tuple:
+    """What of a request's own inputs decides which sharded forwards the pipeline runs for it: whether it has a
+    negative prompt (one more text encoding, and for true-CFG pipelines an unconditional pass per step) and each
+    input image or mask, with its size (one more VAE encoding, whose tiles and slices follow the size). Everything
+    else that changes the forwards (steps, sizes, guidance) is one value per call. Requests of one signature can
+    also be batched: a pipeline takes a list of such inputs for every prompt or none."""
+    return tuple(
+        None if value is None else getattr(value, "size", True)
+        for value in (getattr(request, name) for name in PER_REQUEST_INPUTS)
     )
+
+
+def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> list[list[list[Request]]]:
+    """The groups each rank runs, round by round: ``rounds[k][d]`` is the batch that the rank with data-parallel
+    index ``d`` generates in round ``k`` (one group per round when ``slots`` is 1).
+
+    Request-parallel ranks run different requests but share the FSDP shard group, so in every round they must run
+    the same sequence of sharded forwards: every request of a round has the same :func:`input_signature`, and
+    every rank's batch the same size. Requests are grouped by signature (in order of first appearance) and dealt
+    ``d, d + slots, ...`` within each run of ``slots * batch_size``, as when the inputs are uniform; a rank that a
+    round leaves short runs *fillers* (copies of the round's first request, output dropped). Padding costs the
+    filler's compute, but every real output is that of one process running the request alone, and no input is
+    changed or refused (encoding an empty negative prompt instead of none would change the images). Every rank
+    computes the same rounds from the same requests, so they agree without a collective.
+    """
+    by_signature: dict[tuple, list[Request]] = {}
+    for request in requests:
+        by_signature.setdefault(input_signature(request), []).append(request)
+    rounds = []
+    per_round = slots * batch_size
+    for members in by_signature.values():
+        for start in range(0, len(members), per_round):
+            chunk = members[start : start + per_round]
+            size = -(-len(chunk) // slots)
+            filler = replace(chunk[0], filler=True)
+            rounds.append([chunk[d::slots] + [filler] * (size - len(chunk[d::slots])) for d in range(slots)])
+    return rounds
 
 
 def request_slots(config: ParallelConfig) -> int:
@@ -220,10 +253,11 @@ def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams, na
             f"--cfg-parallel-size 2 splits the two guidance branches, but {scale_name}={scale} runs only one; "
             f"set {name_of(scale_name)} > 1 or --cfg-parallel-size 1"
         ]
-    if scale_name == "true_cfg_scale" and p.negative_prompt is None:
+    negatives = p.negative_prompt if isinstance(p.negative_prompt, (list, tuple)) else [p.negative_prompt]
+    if scale_name == "true_cfg_scale" and any(n is None for n in negatives):
         return [
             f"--cfg-parallel-size 2: {info.class_name} runs its unconditional pass only with a negative prompt; "
-            f"give {name_of('negative_prompt')} or use --cfg-parallel-size 1"
+            f"give {name_of('negative_prompt')} (for every prompt) or use --cfg-parallel-size 1"
         ]
     return []
 

@@ -20,7 +20,7 @@ from hsdp.distributed import rank
 from hsdp.engine import adapters
 from hsdp.engine.control import CancelWatch, RequestCancelled
 from hsdp.engine.outputs import Timings
-from hsdp.engine.params import Request, SamplingParams, request_slots
+from hsdp.engine.params import Request, SamplingParams, lockstep_rounds, request_slots
 from hsdp.launch import worker_state
 from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
 from hsdp.measure.comm import CommAccounting
@@ -174,35 +174,29 @@ def generate(
     """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
 
     Same-request layouts run every request on every rank and only rank 0 decodes and reports it; in
-    request-parallel HSDP the rank with data-parallel index ``d`` takes requests ``d, d + N, d + 2N, ...``.
+    request-parallel HSDP the rank with data-parallel index ``d`` takes group ``d`` of each of
+    :func:`hsdp.engine.params.lockstep_rounds` (requests ``d, d + N, d + 2N, ...`` when their inputs are alike).
     A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
     ``cancelled``. ``adapter``: the LoRA slot and scalings the call uses (None: the base alone).
     """
     runner, config, meshes, watch = _loaded()
     adapters.activate(runner.modules(), adapter)
     slots = request_slots(config)
-    mine = requests[meshes.data_parallel_rank :: slots] if slots > 1 else requests
+    slot = meshes.data_parallel_rank if slots > 1 else 0
     reports = slots > 1 or rank() == 0
     reset_peak_memory()
     outputs = []
     accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
     with torch.no_grad(), accounting:
-        for group in batches(mine, batch_size):
-            payloads = _generate_group(
-                runner, watch, call_id, group, params, reports, progress and rank() == 0
-            )
-            if reports:
-                outputs += [(r.request_id, p) for r, p in zip(group, payloads, strict=True)]
+        for groups in lockstep_rounds(requests, slots, batch_size):
+            group = groups[slot]
+            decode = reports and not all(r.filler for r in group)
+            payloads = _generate_group(runner, watch, call_id, group, params, decode, progress and rank() == 0)
+            if decode:
+                outputs += [(r.request_id, p) for r, p in zip(group, payloads, strict=True) if not r.filler]
     memory, kind = peak_memory()
     comm = {**accounting.report().to_dict(), "forwards": sum(accounting.forwards)} if measure_comm else None
     return RankResult(rank=rank(), outputs=outputs, peak_memory_bytes=memory, memory_kind=kind, comm=comm)
-
-
-def batches(requests: list[Request], batch_size: int) -> list[list[Request]]:
-    """Consecutive groups of up to ``batch_size``: the same count on every rank, since request-parallel ranks
-    run their groups in lockstep (the engine batches only requests whose optional inputs are all given or all
-    absent, see :func:`hsdp.engine.params.uniform_inputs`)."""
-    return [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
 
 
 def _generate_group(
