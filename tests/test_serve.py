@@ -334,9 +334,9 @@ def test_openai_client_chat_and_streaming(llama, llama_client):
     text = chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
     raw = llama_client.post(
-        "/v1/completions", json={"prompt": "user: Hi\nassistant:", "max_tokens": 6, "temperature": 0}
+        "/v1/completions", json={"prompt": "<s>user\nHi</s>\n<s>assistant\n", "max_tokens": 6, "temperature": 0}
     )
-    assert raw.json()["choices"][0]["text"] == text  # the chat prompt is the documented fallback template
+    assert raw.json()["choices"][0]["text"] == text  # the chat prompt is tiny-llama's chat template
     stream = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
     )
