@@ -109,6 +109,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "or a pipeline's one denoiser: unmerged, in fp32 as peft loads it, sharded with the base (hsdp serve: "
         "repeatable, each served under NAME, default the folder's name)",
     )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        metavar="NAME",
+        help="a diffusers step cache on the denoiser, with skip decisions agreed across ranks: first-block, "
+        "taylorseer, magcache, pab or fastercache (those the installed diffusers has; hsdp serve: every request)",
+    )
+    parser.add_argument(
+        "--cache-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="fields of the cache's diffusers config class, e.g. '{\"threshold\": 0.1}' (first-block's default: 0.05)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each repeated denoiser block (regional; FSDP hooks stay outside the graph), once per "
+        "input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
+    )
 
 
 def _comm_line(comm: dict) -> str:
@@ -144,6 +164,12 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
         f"{unit} (median per request): {steps}; total {sum(o.timings.total_s for o in outputs):.2f}s",
         f"peak memory ({first.memory_kind}): {per_rank}",
     ]
+    if first.cache is not None:
+        c = first.cache
+        lines.append(
+            f"step cache {c['name']}: skipped {c['skipped']} of {c['calls']} {c['unit']} computations "
+            f"({c['calls'] / max(1, c['computed']):.2f}x fewer)"
+        )
     lines += [f"wrote {p}" for p in written]
     return "\n".join(lines)
 
@@ -177,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             image=args.image,
             mask_image=args.mask_image,
             pipeline_kwargs=args.pipeline_kwargs or {},
+            cache=args.cache,
+            cache_config=args.cache_config,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -185,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
         problem = batch_size_problem(info.kind, args.batch_size)
         if problem:
             raise ValueError(problem)
+        if args.compile:
+            from hsdp.distributed import device_type
+            from hsdp.engine.compile import compile_problems
+
+            if problems := compile_problems(device_type(), args.cache):
+                raise ValueError("; ".join(problems))
         if args.lora and len(args.lora) > 1:
             raise ValueError(f"--lora is given {len(args.lora)} times; hsdp generate applies one adapter")
     except (ValueError, FileNotFoundError) as exc:
@@ -200,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             weight_dtype=args.weight_dtype,
             device_memory=args.device_memory,
             lora=next(iter(parse_adapters(args.lora).values())) if args.lora else None,
+            compile=args.compile,
         ) as engine:
             outputs = engine.generate(
                 args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size

@@ -17,6 +17,8 @@ import time
 import torch
 
 from hsdp.distributed import local_device
+from hsdp.engine.cache import StepCache, agreement_group
+from hsdp.engine.compile import compile_blocks
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer, enable_ulysses
@@ -31,7 +33,8 @@ __all__ = ["DiffusionRunner"]
 
 
 def _heartbeat_hook(module: torch.nn.Module, args: tuple) -> None:
-    heartbeat()
+    if not torch.compiler.is_compiling():  # inside a --compile'd block: the block's own (eager) call beats
+        heartbeat()
 
 
 class DiffusionRunner:
@@ -66,10 +69,13 @@ class DiffusionRunner:
             model.register_forward_pre_hook(self._mark_denoising_start)
             if config.sequence_parallel_size > 1:
                 enable_ulysses(model, config, meshes)
+            if spec.compile:
+                compile_blocks(model)
             if config.cfg_parallel_size == 2:
                 wrapper = CFGParallelTransformer(model, meshes.axis("cfg"))
                 setattr(self.pipe, name, wrapper)
                 self.cfg_wrappers.append(wrapper)
+        self.step_cache = StepCache(self.denoisers, agreement_group(config, meshes))
         logger.info(
             "Pipeline %s (%s) ready; sharded components: %s",
             self.info.class_name,
@@ -129,6 +135,8 @@ class DiffusionRunner:
         # The initial noise comes from CPU generators, so it is the same on every device type and layout, and a
         # request's noise is the same alone or in a batch (the pipeline draws each sample from its generator).
         generators = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
+        cache = None if params.cache == "none" else params.cache
+        self.step_cache.prepare(cache, params.cache_config, pipe, params.num_inference_steps)
         result = pipe(
             prompt=[r.prompt for r in requests] if len(requests) > 1 else requests[0].prompt,
             generator=generators if len(requests) > 1 else generators[0],
@@ -144,12 +152,15 @@ class DiffusionRunner:
             decode_s=finished - stamps[-1] if stamps else 0.0,
             step_s=[b - a for a, b in zip([first, *stamps], stamps, strict=False)],
         )
+        common = {"timings": timings}
+        if self.step_cache.stats is not None:
+            common["cache"] = self.step_cache.stats.to_dict()
         if not decode:
-            return [{"timings": timings} for _ in requests]
+            return [dict(common) for _ in requests]
         if hasattr(result, "frames"):
-            return [{"frames": result.frames[i], "timings": timings} for i in range(len(requests))]
+            return [{"frames": result.frames[i], **common} for i in range(len(requests))]
         per_request = len(result.images) // len(requests)
         return [
-            {"images": result.images[i * per_request : (i + 1) * per_request], "timings": timings}
+            {"images": result.images[i * per_request : (i + 1) * per_request], **common}
             for i in range(len(requests))
         ]

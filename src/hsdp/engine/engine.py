@@ -257,6 +257,9 @@ class Engine:
         lora: LoraArg = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        cache: str | None = None,
+        cache_config: dict | None = None,
+        compile: bool = False,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -274,10 +277,20 @@ class Engine:
         per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
         (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
         otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
-        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`)."""
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`).
+        ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
+        None (:mod:`hsdp.engine.cache`; skip decisions agreed across ranks). ``compile``: regional
+        ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
+        from hsdp.engine.cache import cache_problems
+        from hsdp.engine.compile import compile_problems
+
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
+        self.cache, self.cache_config, self.compiled = cache, cache_config, compile
         problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
+        problems += cache_problems(cache, cache_config, self.info, self.config)
+        if compile:
+            problems += compile_problems(distributed.device_type(), cache)
         if problems:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -319,6 +332,7 @@ class Engine:
             weight_dtype=weight_dtype,
             load_options=_load_options(self.info, self.memory_plan),
             lora=self.adapters.slots if self.adapters else None,
+            compile=compile,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
@@ -408,7 +422,7 @@ class Engine:
         problem = batch_size_problem(self.kind, batch_size)
         if problem:
             raise ValueError(problem)
-        requests, resolved = build_requests(self.info, self.config, prompt_list, params or SamplingParams())
+        requests, resolved = build_requests(self.info, self.config, prompt_list, self._with_cache(params))
         with self._lock:
             self._call_id += 1
             if on_start is not None:
@@ -449,6 +463,23 @@ class Engine:
                     )
                 )
         return sorted(outputs, key=lambda o: o.request_id)
+
+    def _with_cache(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` with the engine's cache when it names none; a cache the compiled blocks cannot take is a
+        ``ValueError`` here, before the ranks see it."""
+        from dataclasses import replace
+
+        from hsdp.engine.compile import COMPILABLE_CACHES
+
+        params = params or SamplingParams()
+        if params.cache is None and self.cache is not None:
+            params = replace(params, cache=self.cache, cache_config=self.cache_config)
+        if self.compiled and params.cache not in (None, "none", *COMPILABLE_CACHES):
+            raise ValueError(
+                f"cache={params.cache!r}: this engine compiled its blocks (--compile), and that cache hooks layers "
+                f"inside them; use one of {', '.join(sorted(COMPILABLE_CACHES))} or none"
+            )
+        return params
 
     def _check_adapter(self, name: str | None, scale: float) -> None:
         if name is None:

@@ -65,6 +65,10 @@ class GenerationOutput:
     token_ids: list[int] | None = None
     cancelled: bool = False
     """Stopped by :meth:`hsdp.Engine.cancel` before it finished; it carries no output."""
+    cache: dict | None = None
+    """With a step cache (``SamplingParams.cache``): its ``name``, the hooked ``unit`` class, ``calls`` of those
+    units, ``computed``, ``skipped``, and ``overruled`` (first-block decisions this rank's tokens alone would
+    have taken otherwise) over the whole call (a batch's requests share one count)."""
 
     def save(self, path: str | Path, fps: int = 8) -> list[Path]:
         """Write the frames (``.mp4``, ``.gif``), the images (``.png``, ``.jpg``, ``.webp``; several images get

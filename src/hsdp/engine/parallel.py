@@ -136,8 +136,13 @@ class CFGParallelTransformer(nn.Module):
         self._cond_kwargs = kwargs
         if self._uncond_overrides is None:
             return self._call(kwargs)
-        local_kwargs = kwargs if self._branch_index == 0 else {**kwargs, **self._uncond_overrides}
-        local = _tensor_of(self._call(local_kwargs, return_dict=False)).contiguous()
+        if self._branch_index == 0:
+            local = _tensor_of(self._call(kwargs, return_dict=False)).contiguous()
+        else:  # under the unconditional branch's name, so a step cache keeps that branch's state, as in one process
+            with self.transformer.cache_context("uncond"):
+                local = _tensor_of(
+                    self._call({**kwargs, **self._uncond_overrides}, return_dict=False)
+                ).contiguous()
         both = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(both, local, group=self._group)
         self._pending_uncond = both[1]

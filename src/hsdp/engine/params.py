@@ -83,6 +83,11 @@ class SamplingParams:
     """Inpainting mask (white = repaint), for pipelines that take ``mask_image``; or one per prompt."""
     pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
     """Any other argument of the pipeline's ``__call__`` (checked against its signature), e.g. ``strength``."""
+    cache: str | None = None
+    """A diffusers step cache on the denoiser (:mod:`hsdp.engine.cache`: ``first-block``, ``taylorseer``,
+    ``magcache``, ``pab``, ``fastercache``); None = the engine's (``Engine(cache=...)``), ``"none"`` = off."""
+    cache_config: dict[str, Any] | None = None
+    """Fields of the cache's diffusers config class, e.g. ``{"threshold": 0.1}``."""
     # -- causal LM -------------------------------------------------------------------------------------------
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -265,10 +270,13 @@ def _cfg_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams, na
 def _diffusion_problems(
     info: ModelInfo, config: ParallelConfig, p: SamplingParams, name_of: Naming
 ) -> list[str]:
+    from hsdp.engine.cache import cache_problems
+
     return (
         _argument_problems(info, p, name_of)
         + _shape_problems(info, config, p, name_of)
         + _cfg_problems(info, config, p, name_of)
+        + cache_problems(None if p.cache == "none" else p.cache, p.cache_config, info, config)
     )
 
 

@@ -57,6 +57,8 @@ class LoadSpec:
     """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
     load_options: dict[str, dict] | None = None
     """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
+    compile: bool = False
+    """``--compile``: regional compilation of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
     lora: adapters.SlotSpec | None = None
     """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
     denoiser before sharding; the caller fills them (:func:`load_adapter`) and picks one per call."""

@@ -66,6 +66,12 @@ class ServeSettings:
     """The bound address: adapter loading over HTTP is refused without ``--api-key`` off loopback."""
     forward_prefetch: bool = True
     """Explicit all-gather prefetch through the blocks (``--no-prefetch`` turns it off)."""
+    cache: str | None = None
+    """The diffusers step cache of every request (``--cache``, :mod:`hsdp.engine.cache`)."""
+    cache_config: dict | None = None
+    """Its config fields (``--cache-config``)."""
+    compile: bool = False
+    """Regional compilation of the denoiser's blocks (``--compile``), each shape compiled once for all requests."""
     max_queue: int = 64
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0

@@ -1,0 +1,183 @@
+"""Step caches (diffusers' hooks) under every layout: they complete, skip work, and equal one process.
+
+Each layout runs every cache in one engine (the cache is per call) on tiny-wan, and compares with the unchanged
+``WanPipeline`` in this process with the same cache config and seed: exact. A hang would be a collective timeout
+(the engine's ``call_timeout_s`` and the group's 120 s collective timeout turn it into a failure). The
+disagreement test makes one Ulysses rank's first-block statistic wildly different and shows that both ranks
+still take the same decision at every step.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.cache import available_caches, build_cache_config, cache_problems
+from hsdp.engine.model_info import inspect_model
+from hsdp.launch import worker_state
+from tests.engine_refs import _pipeline, builtin, one_thread
+
+STEPS = 6
+CACHES = {
+    "first-block": {"threshold": 0.2},
+    "taylorseer": {
+        "cache_interval": 2,
+        "disable_cache_before_step": 2,
+        "cache_identifiers": [r"blocks\.\d+\.attn\d"],
+    },
+    "magcache": {"mag_ratios": [1.0] * STEPS, "max_skip_steps": 2},
+    "pab": {},
+}
+"""Configs that skip within a 6-step run of the tiny model (each cache's own defaults assume 28-50 steps)."""
+WAN = {
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "num_inference_steps": STEPS,
+    "guidance_scale": 4.0,
+    "max_sequence_length": 32,
+}
+LAYOUTS = {
+    "hsdp2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2),
+    "ulysses2": ParallelConfig(use_hsdp=True, ulysses_degree=2),
+    "cfg2": ParallelConfig(use_hsdp=True, cfg_parallel_size=2),
+    "request-parallel": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True),
+}
+PROMPTS = ["A cat playing piano", "A red fox in the snow"]
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> Path:
+    return builtin("tiny-wan", tmp_path_factory.getbasetemp() / "hsdp-cache")
+
+
+def reference(path: Path, prompt: str, seed: int, cache: str | None) -> np.ndarray:
+    """WanPipeline in this process with the same diffusers cache config (or none)."""
+    pipe = _pipeline(path)
+    if cache is not None:
+        config = build_cache_config(
+            cache, CACHES[cache], timestep=lambda: pipe.current_timestep, num_inference_steps=STEPS
+        )
+        pipe.transformer.enable_cache(config)
+    try:
+        with one_thread(), torch.no_grad():
+            out = pipe(
+                prompt,
+                negative_prompt="blurry",
+                generator=torch.Generator().manual_seed(seed),
+                output_type="np",
+                **WAN,
+            )
+        return out.frames[0]
+    finally:
+        if cache is not None:
+            pipe.transformer.disable_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_cache_under_layout_equals_one_process(layout, wan, dist_run):
+    config = LAYOUTS[layout].resolved()
+    prompts = PROMPTS if config.request_parallel else PROMPTS[:1]
+    results = {}
+    caches = {k: v for k, v in CACHES.items() if not (k == "pab" and config.cfg_parallel_size == 2)}
+    with Engine(wan, config, workers=dist_run.group(2), call_timeout_s=120) as engine:
+        for cache, fields in caches.items():
+            params = SamplingParams(seed=3, negative_prompt="blurry", cache=cache, cache_config=fields, **WAN)
+            results[cache] = engine.generate(prompts, params)
+    for cache, outputs in results.items():
+        for out in outputs:
+            stats = out.cache
+            assert stats is not None and stats["name"] == cache and stats["skipped"] > 0, (cache, stats)
+            expected = reference(wan, out.prompt, out.seed, cache)
+            np.testing.assert_array_equal(out.frames, expected, err_msg=f"{cache} under {layout}")
+    # the caches changed the result: the comparison above is not trivially the uncached video
+    plain = reference(wan, PROMPTS[0], 3, None)
+    assert not np.array_equal(results["first-block"][0].frames, plain)
+
+
+def _perturb_first_block(scale_on_rank_1: float) -> None:
+    """Rank side: scale this rank's first-block residual (rank 1 only) before the agreed decision, and record
+    every decision taken."""
+    import torch.distributed as dist
+
+    runner = worker_state()["hsdp.engine.runner"][0]
+    cache = runner.step_cache
+    original = type(cache)._agreed_decision
+    decisions: list[bool] = []
+    scale = scale_on_rank_1 if dist.get_rank() == 1 else 1.0
+
+    def patched(self, hook):
+        agreed = original(self, hook)
+
+        def decide(residual):
+            decision = agreed(residual * scale)
+            decisions.append(decision)
+            return decision
+
+        return decide
+
+    cache._agreed_decision = patched.__get__(cache)
+    cache._key = None  # re-instrument on the next call
+    worker_state()["test.decisions"] = decisions
+
+
+def _decisions() -> tuple[list[bool], int]:
+    runner = worker_state()["hsdp.engine.runner"][0]
+    return worker_state()["test.decisions"], runner.step_cache.stats.overruled
+
+
+@pytest.mark.slow
+def test_ranks_with_different_statistics_take_the_same_decision(wan, dist_run):
+    config = LAYOUTS["ulysses2"].resolved()
+    group = dist_run.group(2)
+    params = SamplingParams(
+        seed=3, negative_prompt="blurry", cache="first-block", cache_config={"threshold": 0.2}, **WAN
+    )
+    with Engine(wan, config, workers=group, call_timeout_s=120) as engine:
+        group.run(_perturb_first_block, 1.2)
+        [out] = engine.generate(PROMPTS[0], params)
+        (decisions_0, overruled_0), (decisions_1, overruled_1) = group.run(_decisions)
+    assert out.frames is not None and np.isfinite(out.frames).all()
+    assert decisions_0 == decisions_1 and len(decisions_0) > 0
+    # rank 1's own (scaled) statistic would have computed every step; rank 0's would have skipped some
+    assert overruled_0 + overruled_1 > 0
+    assert False in decisions_0 and True in decisions_0
+
+
+def test_available_caches_are_the_installed_diffusers_configs():
+    assert {"first-block", "taylorseer", "magcache", "pab"} <= set(available_caches())
+
+
+@pytest.mark.parametrize(
+    "name, fields, needle",
+    [
+        ("teacache", None, "unknown cache; available: first-block, taylorseer"),
+        ("first-block", {"treshold": 0.1}, "FirstBlockCacheConfig takes no treshold; it takes threshold"),
+        ("pab", {"current_timestep_callback": 1}, "current_timestep_callback is set by the engine"),
+        ("magcache", None, "`mag_ratios` must be provided"),
+        ("taylorseer", {"taylor_factors_dtype": "bfloat17"}, "'bfloat17' is not a torch dtype"),
+        ("fastercache", None, "runs guidance as a separate unconditional denoiser call"),
+        ("taylorseer", None, "its layer-name patterns match no module of the transformer"),
+        ("pab", None, "with --cfg-parallel-size 2: that cache keeps one state for both guidance branches"),
+        (None, {"threshold": 0.1}, "--cache-config is given without --cache"),
+    ],
+)
+def test_bad_cache_input_named_before_start(name, fields, needle, wan):
+    layout = LAYOUTS["cfg2"] if name == "pab" else ParallelConfig()
+    problems = cache_problems(name, fields, inspect_model(wan), layout.resolved())
+    assert any(needle in p for p in problems), problems
+    with pytest.raises(ValueError, match=re.escape(needle)):  # raised before any process starts
+        Engine(wan, layout, cache=name, cache_config=fields)
+
+
+def test_denoiser_without_cache_support_refused(tmp_path_factory):
+    sdxl = inspect_model(builtin("tiny-sdxl", tmp_path_factory.getbasetemp() / "hsdp-cache"))
+    [problem] = cache_problems("first-block", None, sdxl)
+    assert "UNet2DConditionModel) has no diffusers step-cache support" in problem
