@@ -261,6 +261,16 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _delta_weight(layer: nn.Module) -> torch.Tensor:
+    """What merging adds to the base weight of a peft LoRA ``layer``, whole and in fp32, laid out as the base
+    weight: ``scaling * B @ A`` is (out, in), and layers that store their weight as (in, out) (transformers'
+    ``Conv1D`` in GPT-2, peft's ``fan_in_fan_out``) take its transpose, as peft's ``get_delta_weight`` does."""
+    a = _full(layer.lora_A[ADAPTER].weight).float()
+    b = _full(layer.lora_B[ADAPTER].weight).float()
+    delta = layer.scaling[ADAPTER] * (b @ a)
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
 @torch.no_grad()
 def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The base model's state with every adapter merged in (``W + alpha / r * B @ A``), under the base model's keys,
@@ -274,12 +284,9 @@ def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
         key = name.replace(".base_layer.", ".")
         owner = name.rsplit(".base_layer.", 1)[0]
         if name.endswith(".base_layer.weight") and hasattr(modules[owner], "lora_A"):
-            layer = modules[owner]
-            a = _full(layer.lora_A[ADAPTER].weight).float()
-            b = _full(layer.lora_B[ADAPTER].weight).float()
+            delta = _delta_weight(modules[owner])
             local, region = local_slices(tensor)
-            scaling = layer.scaling[ADAPTER]
-            merged = (local.float() + scaling * (b @ a)[region].reshape(local.shape)).to(local.dtype)
+            merged = (local.float() + delta[region].reshape(local.shape)).to(local.dtype)
             if isinstance(tensor, DTensor):
                 merged = DTensor.from_local(
                     merged, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
