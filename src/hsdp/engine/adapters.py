@@ -21,6 +21,7 @@ when a new one is needed, and counts loads and switches; a call uses one adapter
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -258,7 +259,8 @@ def activate(modules: list[nn.Module], active: ActiveAdapter | None) -> None:
 # -- caller side -------------------------------------------------------------------------------------------------
 class AdapterCache:
     """Which adapter sits in which slot, least recently used first; counts loads (slot fills) and switches (calls
-    whose adapter, None for the base, differs from the previous call's). Not thread-safe: the engine's lock."""
+        whose adapter, None for the base, differs from the previous call's). Thread-safe: adapters are added and removed
+    from request handlers while the engine's thread runs calls."""
 
     def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = ()):
         self.slots = slots
@@ -268,8 +270,13 @@ class AdapterCache:
         self.loads = 0
         self.switches = 0
         self.evictions = 0
+        self._lock = threading.RLock()
 
     def add(self, adapter: AdapterSpec, flag: str) -> None:
+        with self._lock:
+            self._add(adapter, flag)
+
+    def _add(self, adapter: AdapterSpec, flag: str) -> None:
         if adapter.name in self.known:
             raise ValueError(f"{flag}: an adapter named {adapter.name!r} is already loaded; unload it first")
         problem = self.slots.problem(adapter, flag)
@@ -278,47 +285,57 @@ class AdapterCache:
         self.known[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
-        self.spec(name)
-        del self.known[name]
-        self.resident.pop(name, None)
+        with self._lock:
+            self.spec(name)
+            del self.known[name]
+            self.resident.pop(name, None)
 
     def spec(self, name: str) -> AdapterSpec:
-        if name not in self.known:
-            raise UnknownAdapter(name, self.known)
-        return self.known[name]
+        with self._lock:
+            if name not in self.known:
+                raise UnknownAdapter(name, self.known)
+            return self.known[name]
 
     def lookup(self, name: str) -> int | None:
         """The slot holding ``name`` (now the most recently used), or None."""
-        self.spec(name)
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            return self.resident[name]
-        return None
+        with self._lock:
+            self.spec(name)
+            if name in self.resident:
+                self.resident.move_to_end(name)
+                return self.resident[name]
+            return None
 
     def free_slot(self) -> int:
         """An empty slot, or the least recently used one (evicted)."""
-        used = set(self.resident.values())
-        empty = [s for s in range(self.slots.count) if s not in used]
-        if empty:
-            return empty[0]
-        self.evictions += 1
-        return self.resident.popitem(last=False)[1]
+        with self._lock:
+            used = set(self.resident.values())
+            empty = [s for s in range(self.slots.count) if s not in used]
+            if empty:
+                return empty[0]
+            self.evictions += 1
+            return self.resident.popitem(last=False)[1]
 
     def loaded(self, name: str, slot: int) -> None:
-        self.resident[name] = slot
-        self.loads += 1
+        with self._lock:
+            self.resident[name] = slot
+            self.loads += 1
 
     def use(self, name: str | None, slot: int | None, scale: float) -> ActiveAdapter | None:
         """Count the switch (if any) and the per-layer scalings for a call with ``name`` in ``slot``."""
-        if name != self.current:
-            self.switches += 1
-            self.current = name
+        with self._lock:
+            layers = self.spec(name).layers if name is not None else {}  # removed meanwhile: refused
+            if name != self.current:
+                self.switches += 1
+                self.current = name
         if name is None or slot is None:
             return None
-        layers = self.known[name].layers
         return ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in layers.items()})
 
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {
             "adapters": sorted(self.known),
             "resident": list(self.resident),

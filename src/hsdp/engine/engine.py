@@ -515,16 +515,13 @@ class Engine:
         into a slot when first used). ``ValueError`` naming ``flag`` when it does not fit the model or the slots."""
         if self.adapters is None:
             raise ValueError(f"{flag}: this engine has no adapter slots; start it with --max-loras N (or --lora)")
-        spec = adapters.describe_adapter(name, path, lora_target(self.info), flag)
-        with self._lock:
-            self.adapters.add(spec, flag)
+        self.adapters.add(adapters.describe_adapter(name, path, lora_target(self.info), flag), flag)
 
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter ``name`` (its slot is free for the next one)."""
         if self.adapters is None:
             raise adapters.UnknownAdapter(name, [])
-        with self._lock:
-            self.adapters.remove(name)
+        self.adapters.remove(name)
 
     @property
     def adapter_stats(self) -> dict | None:

@@ -256,8 +256,11 @@ class Server:
                 return
             if name in self.adapter_paths or name in self._model_names():
                 raise ApiError(400, f"{flag}: the name {name!r} is already served; unload it or pick another")
+            engine = self.runner.engine
+            if engine is None or engine.closed:
+                raise ApiError(503, f"{flag}: the engine is restarting; retry in a few seconds", code="restarting")
             try:
-                self.runner.engine.add_adapter(name, folder, flag)
+                engine.add_adapter(name, folder, flag)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=flag, code="invalid_lora") from exc
             self.adapter_paths[name] = folder

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
@@ -17,7 +19,8 @@ router = APIRouter()
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, server: ServerDep) -> PlainTextResponse:
     """Checked against the base and the adapter slots now; copied onto the ranks when first used."""
-    server.load_adapter(body.lora_name, body.lora_path, "lora_path")
+    # Off the event loop: checking the folder builds the model on meta.
+    await asyncio.to_thread(server.load_adapter, body.lora_name, body.lora_path, "lora_path")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
