@@ -102,3 +102,116 @@ def test_wan_engine_on_cuda_equals_diffusers(shard: int, model_cache: Path):
     np.testing.assert_allclose(
         out.frames, cuda_reference_video(path, engine.info.defaults), atol=ATOL, rtol=0
     )
+
+
+# -- every layout, the caches and --compile on CUDA + NCCL (issue 18) ------------------------------------------
+
+LAYOUTS = {
+    "hsdp2": (2, ParallelConfig(use_hsdp=True, hsdp_shard_size=2)),
+    "hsdp2x2": (4, ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)),
+    "ulysses2": (2, ParallelConfig(use_hsdp=True, ulysses_degree=2)),
+    "cfg2": (2, ParallelConfig(use_hsdp=True, cfg_parallel_size=2)),
+    "request-parallel": (2, ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True)),
+}
+CACHE_STEPS = 6
+INT8_PSNR_DB = 40.0
+"""int8 shards change the weights: bounded against full precision, as in tests/test_quantize.py on CPU."""
+
+
+def _layout_params(layout: str):
+    devices, _ = LAYOUTS[layout]
+    return pytest.param(layout, marks=needs_cuda_devices(devices))
+
+
+def cuda_cache_reference(path: Path, defaults: dict, cache: str | None, seed: int, prompt: str) -> np.ndarray:
+    """Diffusers on one CUDA device with the cache config the engine builds (or none)."""
+    from diffusers import DiffusionPipeline
+
+    from hsdp.engine.cache import build_cache_config
+    from tests.test_engine_cache import CACHES
+
+    pipe = DiffusionPipeline.from_pretrained(path).to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    if cache is not None:
+        config = build_cache_config(
+            cache, CACHES[cache], timestep=lambda: pipe.current_timestep, num_inference_steps=CACHE_STEPS
+        )
+        pipe.transformer.enable_cache(config)
+    value = {**defaults, "num_inference_steps": CACHE_STEPS}
+    with torch.no_grad():
+        return pipe(
+            prompt,
+            negative_prompt=PARAMS.negative_prompt,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+            **value,
+        ).frames[0]
+
+
+@pytest.mark.parametrize("layout", [_layout_params(name) for name in LAYOUTS])
+def test_every_layout_and_cache_on_cuda_equals_diffusers(layout: str, model_cache: Path):
+    from tests.test_engine_cache import CACHES
+
+    path = builtin("tiny-wan", model_cache)
+    _, config = LAYOUTS[layout]
+    config = config.resolved()
+    prompts = [PROMPT, "A red fox"] if config.request_parallel else [PROMPT]
+    caches = [None, *(c for c in CACHES if not (c == "pab" and config.cfg_parallel_size == 2))]
+    with Engine(path, config) as engine:
+        for cache in caches:
+            params = SamplingParams(
+                seed=PARAMS.seed,
+                num_inference_steps=CACHE_STEPS,
+                negative_prompt=PARAMS.negative_prompt,
+                cache=cache,
+                cache_config=CACHES.get(cache),
+            )
+            for out in engine.generate(prompts, params):
+                want = cuda_cache_reference(path, engine.info.defaults, cache, out.seed, out.prompt)
+                np.testing.assert_allclose(out.frames, want, atol=ATOL, rtol=0, err_msg=f"{layout} {cache}")
+                if cache is not None:
+                    assert out.cache["skipped"] > 0, out.cache
+
+
+@needs_cuda_devices(2)
+def test_int8_shards_on_cuda_close_to_full_precision(model_cache: Path):
+    path = builtin("tiny-wan", model_cache)
+    config = LAYOUTS["hsdp2"][1].resolved()
+    with Engine(path, config, weight_dtype="int8") as engine:
+        [out] = engine.generate(PROMPT, PARAMS)
+    want = cuda_reference_video(path, engine.info.defaults)
+    mse = float(np.mean((out.frames.astype(np.float64) - want) ** 2))
+    assert mse == 0 or 10 * np.log10(1 / mse) >= INT8_PSNR_DB
+
+
+@pytest.mark.parametrize("layout", [_layout_params(n) for n in ("hsdp2", "ulysses2", "cfg2")])
+def test_compiled_blocks_on_cuda_equal_eager(layout: str, model_cache: Path):
+    path = builtin("tiny-wan", model_cache)
+    config = LAYOUTS[layout][1].resolved()
+    with Engine(path, config) as engine:
+        [eager] = engine.generate(PROMPT, PARAMS)
+    with Engine(path, config, compile=True) as engine:
+        [compiled] = engine.generate(PROMPT, PARAMS)
+        [cached] = engine.generate(PROMPT, SamplingParams(**{**vars(PARAMS), "cache": "first-block"}))
+    np.testing.assert_allclose(compiled.frames, eager.frames, atol=1e-3, rtol=0)
+    assert cached.cache is not None
+
+
+@needs_cuda_devices(2)
+def test_cache_and_compile_benchmark_rows_on_cuda(tmp_path: Path):
+    """The rows of docs/performance.md's cache and compile table, measured on this machine's GPUs; the JSON goes
+    to ``$HSDP_GPU_BENCH_OUTPUT`` when set (e.g. benchmarks/results/inference_cache-gpu.json)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    output = Path(os.environ.get("HSDP_GPU_BENCH_OUTPUT", tmp_path / "inference_cache.json"))
+    subprocess.run(
+        [sys.executable, "benchmarks/inference_cache.py", "--compile-width", "1536", "--output", str(output)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    report = json.loads(output.read_text())
+    assert report["caches"] and all(row["psnr_db"] > 0 for row in report["caches"])
+    assert {row["variant"] for row in report["compile"]} == {"eager", "compiled"}

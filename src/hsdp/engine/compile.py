@@ -36,12 +36,16 @@ def compile_problems(device_type: str, cache: str | None = None) -> list[str]:
     problems = []
     if device_type == "cpu":
         from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
 
-        compiler = cpp_builder.get_cpp_compiler()
+        try:
+            compiler = cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler as exc:
+            compiler = str(exc)
         if shutil.which(compiler) is None:
             problems.append(
-                f"--compile: torch.compile's CPU backend (inductor) needs a C++ compiler, and {compiler!r} is not "
-                "on PATH; install g++ (or set CXX) or drop --compile"
+                f"--compile: torch.compile's CPU backend (inductor) needs a C++ compiler, and none works here "
+                f"({compiler}); install g++ (or set CXX to one) or drop --compile"
             )
     elif importlib.util.find_spec("triton") is None:
         problems.append(
