@@ -399,7 +399,10 @@ def inventory() -> str:
         rows += [f"    skipped {b.where}: {b.directives['skip']}" for b in blocks if b.kind == "skip"]
     for command in DOC_COMMANDS:
         doc, line = command.where.rsplit(":", 1)
-        executed += (doc, int(line)) in run_lines
+        ran = (doc, int(line)) in run_lines
+        executed += ran
+        if not ran:
+            rows.append(f"not executed (in a skipped block): {command.where} {command.program} {shlex.join(command.argv[:1])}")
     rows.append(f"documented commands executed: {executed} of {len(DOC_COMMANDS)}")
     return "\n".join(rows)
 
