@@ -297,7 +297,12 @@ def export_safetensors(
     dcp.save(state, storage_writer=writer)
     if rank() == 0:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
-        if hasattr(model, "config"):
+        if hasattr(model, "save_config"):  # a diffusers model: its config and weights file names
+            model.save_config(tmp)
+            (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
+            (written,) = tmp.glob("model-*.safetensors")  # one file: every key maps to index 1
+            written.rename(tmp / "diffusion_pytorch_model.safetensors")
+        elif hasattr(model, "config"):
             config = copy.deepcopy(model.config)
             saved = dtype or next(v.dtype for v in state.values() if v.is_floating_point())
             config.dtype = saved

@@ -282,7 +282,7 @@ class DiffusionTrainer(Trainer):
         # Full fine-tuning: the pipeline folder with the trained denoiser (save_pretrained layout).
         out = Path(cfg.export)
         if self.rank == 0:
-            shutil.copytree(self.model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(self.component))
+            shutil.copytree(self.model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(self.component, ".complete"))
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         export_safetensors(self.model, out / self.component, dtype=dtype, source_dir=self._weights_dir())
         result.export = str(out)
