@@ -91,3 +91,6 @@ def test_bad_input_is_refused_before_training(media, tmp_path):
         check_diffusion_run(_cfg(media, lora_r=4, lora_target_modules=("qkv_proj",)))
     with pytest.raises(TrainConfigError, match="--train-component unet"):
         check_diffusion_run(_cfg(media, train_component="unet"))
+    for packed in ("tiny-wan-i2v", "tiny-flux", "tiny-sdxl"):  # conditions or packing the trainer does not build
+        with pytest.raises(TrainConfigError, match="does not build yet"):
+            check_diffusion_run(_cfg(media, model=packed))

@@ -91,6 +91,7 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
             f"--model {cfg.model}: training {_index(model_dir).get('_class_name')} needs its latent packing / "
             "added conditioning, which hsdp's diffusion trainer does not build yet (DiT pipelines such as Wan train)"
         )
+    _check_plain_latents(cfg, model_dir, component)
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
     if cfg.use_lora:
         try:
@@ -122,6 +123,24 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
                                  frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+
+
+def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> None:
+    """The denoiser must take the VAE's latents as they are: more input channels than the VAE's latent channels
+    mean packed latents or concatenated conditions (FLUX, Qwen-Image, Wan image-to-video), which the generic
+    trainer does not build."""
+    denoiser = json.loads((model_dir / component / "config.json").read_text())
+    vae_config = model_dir / "vae" / "config.json"
+    if not vae_config.is_file():
+        return
+    vae = json.loads(vae_config.read_text())
+    latent = vae.get("z_dim") or vae.get("latent_channels")
+    taken = denoiser.get("in_channels")
+    if latent and taken and taken != latent:
+        raise TrainConfigError(
+            f"--model {cfg.model}: its {component} takes {taken} input channels, the VAE gives {latent}: packed "
+            "latents or concatenated conditions, which hsdp's diffusion trainer does not build yet"
+        )
 
 
 @dataclass
