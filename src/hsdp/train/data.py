@@ -2,10 +2,12 @@
 
 Packing (the default) joins the records (see :mod:`hsdp.train.records`) and cuts them into ``seq_len`` blocks,
 dropping the tail, so no token is padding. Attention must not cross records: when a dataset has several records,
-each batch carries an explicit 4-D block-diagonal causal mask (``attention_mask`` of shape ``(B, 1, L, L)``, which
-transformers passes to SDPA as is) and ``position_ids`` restarting at 0 for each record, so a packed record is
-computed as if it stood alone. (``position_ids``-only packing needs flash-attention's varlen kernels, GPU only.)
-The first token of each record is never a target, so the last token of one record does not learn to predict the
+each batch carries ``position_ids`` restarting at 0 for each record and no ``attention_mask``, from which
+transformers builds the block-diagonal causal mask itself in the form each attention implementation reads
+(``masking_utils``' packed-sequence detection: eager, SDPA, flex attention; flash attention's varlen kernels take
+the position ids), so a packed record is computed as if it stood alone. (An explicit 4-D mask is read differently
+by each implementation: eager attention adds a boolean one to the scores.) :func:`packing_problem` refuses a model
+whose attention implementation transformers builds no such mask for. The first token of each record is never a target, so the last token of one record does not learn to predict the
 next record. A single document (a ``.txt`` file) needs neither and is fed plainly. Without packing each record is
 one row, truncated to ``seq_len`` and right-padded, with a 2-D padding mask.
 
@@ -36,6 +38,8 @@ __all__ = [
     "IGNORE",
     "tokenize_file",
     "split_records",
+    "packing_problem",
+    "check_packing",
 ]
 
 IGNORE = -100
@@ -60,6 +64,8 @@ class Batch:
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward; call it with ``use_cache=False`` too (transformers looks for
+        packed records in ``position_ids`` only when no cache is made)."""
         out = {"input_ids": self.input_ids, "labels": self.labels}
         if self.attention_mask is not None:
             out["attention_mask"] = self.attention_mask
@@ -87,6 +93,39 @@ def split_records(encoded: Encoded, fraction: float, seed: int) -> tuple[Encoded
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, round(fraction * len(encoded)))
     return [encoded[i] for i in sorted(order[held:])], [encoded[i] for i in sorted(order[:held])]
+
+
+def packing_problem(model: torch.nn.Module) -> str | None:
+    """Why packed records would not be computed as if alone in ``model`` (None when they would): it must take
+    ``position_ids`` and run an attention implementation whose mask transformers builds from them (a model with
+    its own mask code or another implementation would let records attend to each other)."""
+    import inspect
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = type(model).__name__
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return (
+            f"--packing: {name} takes no position_ids, so records packed into one row would attend to each other; "
+            "use --no-packing"
+        )
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return (
+            f"--packing: {name} runs attention with {implementation!r}, for which transformers builds no per-record "
+            f"mask from position_ids, so packed records would attend to each other; use --no-packing, or an "
+            f"implementation among {', '.join(sorted(ALL_MASK_ATTENTION_FUNCTIONS))}"
+        )
+    return None
+
+
+def check_packing(model_dir: Path) -> None:
+    """:func:`packing_problem` of the model in ``model_dir`` (built on meta), as a :class:`DatasetError`."""
+    from hsdp.loading import build_empty_model, model_class_for
+
+    problem = packing_problem(build_empty_model(model_class_for(model_dir), model_dir, None))
+    if problem:
+        raise DatasetError(problem)
 
 
 def _position_ids(segments: torch.Tensor) -> torch.Tensor:
@@ -220,8 +259,6 @@ class TokenDataset:
         if self.padded:
             batch.attention_mask = (segments >= 0).long()
             return batch
-        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool).tril()
-        batch.attention_mask = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
         batch.position_ids = self.positions[index]
         return batch
 

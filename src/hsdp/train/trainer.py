@@ -39,7 +39,14 @@ from hsdp.measure.comm import measure_comm
 from hsdp.mesh import build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, preflight
-from hsdp.train.data import IGNORE, DatasetError, TokenDataset, split_records, tokenize_file
+from hsdp.train.data import (
+    IGNORE,
+    DatasetError,
+    TokenDataset,
+    check_packing,
+    split_records,
+    tokenize_file,
+)
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
 from hsdp.train.report import make_reporter, step_metrics
 from hsdp.train.schedule import build_scheduler
@@ -105,6 +112,8 @@ def load_data(cfg: TrainConfig, model_dir: Path) -> tuple[TokenDataset, TokenDat
         held = tokenize_file(cfg.eval_data, tokenizer, cfg.text_key, flag="--eval-data")
     data = _rows(cfg, encoded, tokenizer, str(cfg.data))
     data.require(cfg.batch_size * cfg.grad_accum)
+    if data.positions is not None:  # records packed side by side: the model must keep them apart
+        check_packing(model_dir)
     evaluation = None
     if held is not None:
         evaluation = _rows(
