@@ -181,6 +181,21 @@ def test_engine_budgets_with_its_weight_dtype(model_cache):
     assert len(eight_bit.resident_modules) > len(full.resident_modules)
 
 
+def test_no_prefetch_is_kept_under_a_budget(model_cache):
+    """``--no-prefetch --device-memory``: the plan keeps its residency but prefetches nothing (it planned with
+    prefetch 1 regardless); the estimate, which counts one prefetched block, stays an upper bound."""
+    from hsdp.engine.engine import _memory_plan
+
+    path = builtin("tiny-wan", model_cache)
+    info = inspect_model(path)
+    budget = _need(engine_profiles(path, None, info.shardable), resident=1)
+    default = _memory_plan(info, HSDP2, budget, None, None)
+    plain = _memory_plan(info, HSDP2, budget, None, None, forward_prefetch=False)
+    assert default.prefetch == 1 and plain.prefetch == 0
+    assert plain.resident_modules == default.resident_modules
+    assert plain.load_options()[plain.component]["forward_prefetch"] == 0 and "prefetch 0" in plain.describe()
+
+
 @pytest.mark.slow
 def test_engine_keeps_the_planned_blocks_gathered_and_outputs_are_unchanged(model_cache, dist_run):
     path = builtin("tiny-wan", model_cache)

@@ -75,6 +75,16 @@ def test_torchrun_ranks_run_the_engine_in_process(model_cache, tmp_path):
         np.testing.assert_array_equal(saved[f"frames_{i}"], expected)
 
 
+def test_call_timeout_under_torchrun_is_refused(monkeypatch):
+    """Under torchrun each rank runs ``generate`` itself and nothing watches the call: ``call_timeout_s`` was
+    accepted and ignored; it is refused, by name, before the ranks load anything."""
+    from hsdp import distributed
+
+    monkeypatch.setattr(distributed, "launched_by_torchrun", lambda: True)
+    with pytest.raises(ValueError, match=r"call_timeout_s=30: under torchrun .* HSDP_COLLECTIVE_TIMEOUT"):
+        Engine("tiny-llama", ParallelConfig(use_hsdp=True, hsdp_shard_size=2), call_timeout_s=30)
+
+
 def test_request_parallel_each_request_equals_its_single_process_output(model_cache, dist_run):
     path = builtin("tiny-wan", model_cache)
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True)

@@ -161,3 +161,33 @@ def test_serve_flags_reach_the_engine_settings():
     argv = ["serve", "tiny-wan", "--use-hsdp", "--hsdp-shard-size", "2", "--weight-dtype", "int8"]
     settings = settings_from_args(build_parser().parse_args([*argv, "--device-memory", "2GiB"]))
     assert (settings.weight_dtype, settings.device_memory) == ("int8", "2GiB")
+
+
+def test_engine_reports_the_8_bit_share_of_its_linear_weights(tmp_path, dist_run):
+    """Weights whose rows do not divide by the shard size keep the compute dtype (with a warning in the log);
+    ``Engine.quantized`` says how much was stored in 8 bits, for the server's ``/metrics`` too."""
+    import shutil
+
+    import transformers as tf
+
+    from hsdp.models.builtin import resolve_model
+    from hsdp.quantize import quantizable_linears, rows_split_evenly
+
+    source = resolve_model("tiny-llama")
+    config = tf.AutoConfig.from_pretrained(source)
+    config.intermediate_size = 33  # gate_proj / up_proj rows: odd, so they do not split over 2 ranks
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    for file in source.iterdir():
+        if file.is_file() and not (tmp_path / file.name).exists():
+            shutil.copy(file, tmp_path)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    eight_bit = [m.weight for _, m in quantizable_linears(model) if rows_split_evenly(m.weight.shape[0], 2)]
+    expected = sum(w.numel() for w in eight_bit) / sum(w.numel() for w in linears)
+    assert 0 < expected < 1
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    with Engine(tmp_path, config, workers=dist_run.group(2), weight_dtype="int8") as engine:
+        share = engine.quantized
+    assert share["linear_weights"] == len(linears) and share["quantized_weights"] == len(eight_bit)
+    assert share["quantized_fraction"] == pytest.approx(expected, rel=1e-12)

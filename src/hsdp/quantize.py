@@ -17,12 +17,13 @@ Inference only: the 8-bit weights are frozen and have no gradient.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("hsdp")
 
@@ -36,6 +37,7 @@ __all__ = [
     "quantizable_linears",
     "rows_split_evenly",
     "quantized_bytes",
+    "quantized_share",
     "weight_dtype_problem",
 ]
 
@@ -275,6 +277,29 @@ def quantizable_linears(
             continue
         found.append((name, module))
     return found
+
+
+def quantized_share(modules: Iterable[nn.Module]) -> dict[str, int | float]:
+    """How much of the ``nn.Linear`` weights of loaded ``modules`` (sharded or not) is stored in 8 bits: the
+    number of such weights, how many are quantized, and the fraction of their elements that is. The rest kept
+    the compute dtype (see :func:`quantize_linear_weights`), so this is what ``--weight-dtype`` actually saved."""
+    weights = quantized = elements = quantized_elements = 0
+    for module in modules:
+        for layer in module.modules():
+            weight = getattr(layer, "weight", None)
+            if not isinstance(layer, nn.Linear) or not isinstance(weight, torch.Tensor):
+                continue
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            weights += 1
+            elements += weight.numel()
+            if isinstance(local, QuantizedWeight):
+                quantized += 1
+                quantized_elements += weight.numel()
+    return {
+        "linear_weights": weights,
+        "quantized_weights": quantized,
+        "quantized_fraction": quantized_elements / elements if elements else 0.0,
+    }
 
 
 def rows_split_evenly(rows: int, shard_size: int) -> bool:

@@ -83,10 +83,13 @@ def plan_device_memory(
     budget: int,
     work: Workload,
     weight_dtype: str | None = None,
+    *,
+    prefetch: bool = True,
 ) -> DeviceMemoryPlan:
     """The most resident blocks that fit ``budget`` bytes per rank (``weight_dtype``: with 8-bit weight shards);
     ``ValueError`` naming ``--device-memory``, what the layout needs and the smallest layout that would fit when
-    nothing does."""
+    nothing does. ``prefetch=False`` (``--no-prefetch``) keeps the planned residency without prefetch: the
+    estimate counts one prefetched block's buffer, so it stays an upper bound."""
     config = config.resolved()
     try:
         policy = residency_for_budget(profiles, config, budget, work, weight_dtype=weight_dtype)
@@ -97,7 +100,7 @@ def plan_device_memory(
         budget=budget,
         component=main.name,
         resident_modules=policy.resident_modules,
-        prefetch=policy.prefetch,
+        prefetch=policy.prefetch if prefetch else 0,
         blocks=len(main.blocks),
         estimate=policy.estimate,
         weight_dtype=weight_dtype,

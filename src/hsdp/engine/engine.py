@@ -128,8 +128,10 @@ def _memory_plan(
     device_memory: int | str | None,
     dtype: str | None,
     weight_dtype: str | None,
+    forward_prefetch: bool = True,
 ) -> DeviceMemoryPlan | None:
-    """``--device-memory``: plan residency from the budget before any process starts (and log the choice)."""
+    """``--device-memory``: plan residency from the budget before any process starts (and log the choice); with
+    ``forward_prefetch=False`` (``--no-prefetch``) the plan prefetches nothing either."""
     if device_memory is None:
         return None
     from hsdp.engine.device_memory import engine_profiles, plan_device_memory
@@ -145,7 +147,7 @@ def _memory_plan(
     # into one denoiser call hold twice the activations; those that run them as separate passes do not.
     work = Workload(guidance=info.kind == "diffusion" and not info.separate_uncond_pass)
     profiles = engine_profiles(info.path, dtype, info.shardable)
-    plan = plan_device_memory(profiles, config, budget, work, weight_dtype)
+    plan = plan_device_memory(profiles, config, budget, work, weight_dtype, prefetch=forward_prefetch)
     logger.info("%s (planned for %d tokens per request)", plan.describe(), work.seq_len)
     return plan
 
@@ -305,7 +307,9 @@ class Engine:
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
         self.lora = specs[self.default_adapter].path if self.default_adapter else None
-        self.memory_plan = _memory_plan(self.info, self.config, device_memory, dtype, weight_dtype)
+        self.memory_plan = _memory_plan(
+            self.info, self.config, device_memory, dtype, weight_dtype, forward_prefetch
+        )
         self.progress = progress
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
@@ -320,6 +324,13 @@ class Engine:
                     "cancellable=True needs engine-spawned ranks; under torchrun there is no caller"
                 )
             self._board = CancelBoard()
+        if call_timeout_s is not None and workers is None and distributed.launched_by_torchrun():
+            raise ValueError(
+                f"call_timeout_s={call_timeout_s}: under torchrun every rank runs generate itself and no caller "
+                "watches the call, so nothing could stop it; drop call_timeout_s (a stuck collective still ends at "
+                "the process group's timeout, HSDP_COLLECTIVE_TIMEOUT seconds), or pass workers= a group that times "
+                "its calls (hsdp serve under torchrun does)"
+            )
         started = time.perf_counter()
         self._group = self._ranks(workers, start_timeout_s)
         spec = worker.LoadSpec(
@@ -370,6 +381,14 @@ class Engine:
     def request_slots(self) -> int:
         """Requests generated side by side; ``generate`` takes a multiple of this many prompts."""
         return request_slots(self.config)
+
+    @property
+    def quantized(self) -> dict | None:
+        """With ``weight_dtype``: the ``nn.Linear`` weights of the loaded components (``linear_weights``), how many
+        are stored in 8 bits (``quantized_weights``) and the fraction of their elements that is
+        (``quantized_fraction``); weights whose rows do not divide by the shard size, tied or replicated ones keep
+        the compute dtype (:func:`hsdp.quantize.quantized_share`). None without ``weight_dtype``."""
+        return self.load_report[0].get("quantized")
 
     @property
     def closed(self) -> bool:

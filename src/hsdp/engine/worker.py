@@ -78,7 +78,8 @@ class RankResult:
 
 def load(spec: LoadSpec) -> dict:
     """Build the meshes and load the model sharded on this rank; returns :func:`memory_report` plus
-    ``baseline_memory_bytes``, what the process held before loading (runtime and libraries on CPU)."""
+    ``baseline_memory_bytes``, what the process held before loading (runtime and libraries on CPU), and with
+    ``weight_dtype`` how much of the Linear weights is 8-bit (``quantized``, :func:`hsdp.quantize.quantized_share`)."""
     unload()
     if spec.kind == "diffusion":
         import diffusers  # noqa: F401  (imported before the baseline is taken)
@@ -95,7 +96,12 @@ def load(spec: LoadSpec) -> dict:
     runner = runner_cls(spec, meshes)
     watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
     worker_state()[_KEY] = (runner, spec.config, meshes, watch)
-    return {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
+    report = {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
+    if spec.weight_dtype:
+        from hsdp.quantize import quantized_share
+
+        report["quantized"] = quantized_share(runner.modules())
+    return report
 
 
 def load_component(
