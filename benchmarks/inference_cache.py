@@ -97,18 +97,20 @@ def _cache_line(r: dict) -> str:
     )
 
 
-def wide_wan(folder: Path, width: int) -> Path:
+def wide_wan(folder: Path, width: int, size: int, frames: int) -> Path:
     from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS, build_tiny_wan_pipeline, write_generation_defaults
 
     pipe = build_tiny_wan_pipeline(
         num_attention_heads=width // 128, attention_head_dim=128, ffn_dim=4 * width, num_layers=4
     )
     pipe.save_pretrained(folder)
-    write_generation_defaults(folder, {**TINY_WAN_DEFAULTS, "height": 64, "width": 64, "num_frames": 9})
+    write_generation_defaults(
+        folder, {**TINY_WAN_DEFAULTS, "height": size, "width": size, "num_frames": frames}
+    )
     return folder
 
 
-def compile_rows(width: int, steps: int, repeats: int) -> list[dict]:
+def compile_rows(width: int, steps: int, repeats: int, size: int = 64, frames: int = 9) -> list[dict]:
     from hsdp import ParallelConfig
     from hsdp.engine import Engine, SamplingParams
 
@@ -116,7 +118,7 @@ def compile_rows(width: int, steps: int, repeats: int) -> list[dict]:
     params = SamplingParams(seed=SEED, num_inference_steps=steps)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = wide_wan(Path(tmp) / "wan", width)
+        path = wide_wan(Path(tmp) / "wan", width, size, frames)
         engines = {"eager": Engine(path, config), "compiled": Engine(path, config, compile=True)}
         try:
             started = time.perf_counter()
@@ -139,6 +141,7 @@ def compile_rows(width: int, steps: int, repeats: int) -> list[dict]:
             {
                 "variant": name,
                 "width": width,
+                "video": f"{size}x{size}x{frames}",
                 "s_per_step": per_step,
                 "speedup": eager / per_step,
                 "max_abs_diff": diff,
@@ -156,6 +159,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="denoising steps of the cache rows")
     parser.add_argument("--compile-width", type=int, default=512)
     parser.add_argument("--compile-steps", type=int, default=4)
+    parser.add_argument(
+        "--compile-size", type=int, default=64, help="height and width of the compile rows' video"
+    )
+    parser.add_argument("--compile-frames", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-caches", action="store_true")
@@ -174,7 +181,9 @@ def main() -> None:
         ]
     if not args.skip_compile:
         print("| variant | width | s/step | vs eager | max abs diff |\n|---|---|---|---|---|")
-        report["compile"] = compile_rows(args.compile_width, args.compile_steps, args.repeats)
+        report["compile"] = compile_rows(
+            args.compile_width, args.compile_steps, args.repeats, args.compile_size, args.compile_frames
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {args.output}")
