@@ -15,8 +15,9 @@ still answer every request once, with the right answer (its interrupted jobs run
 pipeline) loads ``/v1/images/generations`` instead (one image per request, seed = its index), checked against the
 one-process diffusers pipeline within one 8-bit level per pixel (``--max-batch-size`` > 1 is within 1e-5 of
 running alone, not bit-exact); give ``--batch-sizes 1 4`` to compare batching side by side. ``--model tiny-wan`` (a
-video pipeline) sends asynchronous ``/v1/videos`` jobs and polls them; each mp4 must equal, byte for byte, the
-one-process frames encoded the same way.
+video pipeline) sends asynchronous ``/v1/videos`` jobs and polls them; each mp4 must equal the one-process frames
+encoded the same way: byte for byte, or (where request-parallel HSDP's ~1e-6 differences flip a pixel's rounding)
+decoded within one level on average (another request's video is ~20 levels away).
 
 ``--mixed`` varies what requests carry: every third has a negative prompt and, where the pipeline takes an input
 image, every third another is an edit of an input image (``/v1/images/edits``); true-CFG pipelines get
@@ -162,9 +163,24 @@ def _same_image(b64: str | None, want) -> bool:
     return got.shape == want.shape and int(np.abs(got - want.astype(int)).max()) <= 1
 
 
+def _same_video(got: bytes | None, want: bytes) -> bool:
+    """The reference mp4's bytes, or its decoded frames within 1 level on average. Request-parallel HSDP differs
+    from one process by ~1e-6 on some requests (a pixel's 8-bit rounding flips, and so do the H.264 bytes:
+    decoded, 0.4 level on average); another request's video differs by ~20 levels."""
+    import imageio.v3 as iio
+    import numpy as np
+
+    if got is None or got == want:
+        return got is not None
+    a, b = (iio.imread(data, extension=".mp4").astype(int) for data in (got, want))
+    return a.shape == b.shape and float(np.abs(a - b).mean()) <= 1.0
+
+
 def _same(got, want) -> bool:
-    """Text and mp4 bytes exactly; images within one 8-bit level (see the module docstring)."""
-    return got == want if isinstance(want, (str, bytes)) else _same_image(got, want)
+    """Text exactly; videos and images as close as sharded and one-process runs are (see the module docstring)."""
+    if isinstance(want, str):
+        return got == want
+    return _same_video(got, want) if isinstance(want, bytes) else _same_image(got, want)
 
 
 def _references(prompts: list[str], max_tokens: int) -> list[str]:
@@ -396,6 +412,7 @@ def load_run(
         "answered_200": len(answered),
         "lost": len(requests) - len(answered),
         "wrong_answers": len(wrong),
+        "wrong": wrong,
         "duplicates": completed - len(answered),
         "stuck": int(stuck),
         "retried_429": sum(r.get("retries", 0) for r in results.values()),
