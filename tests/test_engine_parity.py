@@ -8,10 +8,12 @@ its weights into fresh memory (see ``tests/engine_refs.py``).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
@@ -134,3 +136,83 @@ def test_video_layout_equals_single_process(layout, model_cache, dist_run):
     assert len(out.peak_memory_bytes) == engine.config.world_size
     expected = reference_video(path, PROMPTS[0], 11, PARAMS, engine.info.defaults)
     np.testing.assert_array_equal(out.frames, expected)
+
+
+# -- CFG parallel: the wrapper's risks (issue 21 item 9) ---------------------------------------------------------
+class _Denoiser(torch.nn.Module):
+    """A stand-in denoiser whose output depends on every argument it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str):
+        yield
+
+    def forward(self, hidden_states, context, scale=None, bias=None, return_dict=True):
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        out = self.proj(hidden_states) + context.sum()
+        out = out * (1.0 if scale is None else scale) + (0.0 if bias is None else bias)
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+
+def cfg_wrapper_steps(steps: int, requests: int) -> tuple[list, list, list]:
+    """On each cfg rank: ``requests`` runs of ``steps`` guided steps through the wrapper, a pipeline's way (a
+    labelled conditional call with ``bias``, then an unconditional one without it and with its own context),
+    and the same calls to the bare denoiser; ``reset()`` between runs, as the engine does per request."""
+    from hsdp.engine.parallel import CFGParallelTransformer
+    from hsdp.mesh import build_meshes
+
+    torch.manual_seed(0)
+    model = _Denoiser()
+    wrapper = CFGParallelTransformer(model, build_meshes(CFG2.resolved()).axis("cfg"))
+    got, want, split = [], [], []
+    for request in range(requests):
+        wrapper.reset()
+        context = {"cond": torch.full((2,), 1.0 + request), "uncond": torch.full((2,), -2.0 - request)}
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(request))
+        for step in range(steps):
+            calls = {"cond": {"bias": 0.5 * step, "scale": 2.0}, "uncond": {"scale": 2.0}}
+            outs = {}
+            for branch, extra in calls.items():
+                with torch.no_grad(), wrapper.cache_context(branch):
+                    outs[branch] = wrapper(x, context[branch], **extra).sample
+                    want.append(model(x, context[branch], **extra).sample)
+                got.append(outs[branch])
+            x = outs["cond"] + 0.5 * (outs["cond"] - outs["uncond"])  # the next step's latents
+        split.append(wrapper.parallel_steps)
+    return got, want, split
+
+
+CFG2 = ParallelConfig(use_hsdp=True, cfg_parallel_size=2)
+
+
+def test_cfg_wrapper_many_split_steps_reset_and_an_argument_only_the_conditional_call_passes(dist_run):
+    """Six steps (five split across the two ranks), two requests (``reset()`` between) whose unconditional
+    contexts differ, and a ``bias`` the unconditional call leaves out: every output equals the bare denoiser's.
+    Before, the split unconditional branch ran with the conditional call's ``bias`` and the check then refused."""
+    for got, want, split in dist_run(2, cfg_wrapper_steps, 6, 2):
+        assert split == [5, 5]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_cfg_parallel_second_request_many_steps_and_batches_equal_single_process(model_cache, dist_run):
+    """Through the engine on the tiny Wan: a second request with another negative prompt (the wrapper's
+    ``reset()``), six denoising steps, and two requests batched (1e-5: a batch of two rounds differently)."""
+    path = builtin("tiny-wan", model_cache)
+    first = SamplingParams(seed=3, num_inference_steps=6, negative_prompt="blurry")
+    second = SamplingParams(seed=4, num_inference_steps=6, negative_prompt="dark, low quality")
+    batched = SamplingParams(seed=5, num_inference_steps=2, negative_prompt=["blurry", "grainy"])
+    with Engine(path, CFG2, workers=dist_run.group(2)) as engine:
+        [one] = engine.generate(PROMPTS[0], first)
+        [two] = engine.generate(PROMPTS[1], second)
+        pair = engine.generate(PROMPTS, batched, batch_size=2)
+    np.testing.assert_array_equal(one.frames, reference_video(path, PROMPTS[0], 3, first, engine.info.defaults))
+    np.testing.assert_array_equal(two.frames, reference_video(path, PROMPTS[1], 4, second, engine.info.defaults))
+    for out, negative in zip(pair, ["blurry", "grainy"], strict=True):
+        params = SamplingParams(seed=out.seed, num_inference_steps=2, negative_prompt=negative)
+        want = reference_video(path, out.prompt, out.seed, params, engine.info.defaults)
+        np.testing.assert_allclose(out.frames, want, rtol=0, atol=1e-5)

@@ -81,6 +81,10 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+_OMITTED = object()
+"""Stands for an argument the conditional call passes and the unconditional one leaves out."""
+
+
 def _tensor_of(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output.sample
 
@@ -140,9 +144,7 @@ class CFGParallelTransformer(nn.Module):
             local = _tensor_of(self._call(kwargs, return_dict=False)).contiguous()
         else:  # under the unconditional branch's name, so a step cache keeps that branch's state, as in one process
             with self.transformer.cache_context("uncond"):
-                local = _tensor_of(
-                    self._call({**kwargs, **self._uncond_overrides}, return_dict=False)
-                ).contiguous()
+                local = _tensor_of(self._call(self._uncond_kwargs(kwargs), return_dict=False)).contiguous()
         both = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(both, local, group=self._group)
         self._pending_uncond = both[1]
@@ -156,9 +158,9 @@ class CFGParallelTransformer(nn.Module):
         if self._uncond_overrides is None:  # first step: learn which arguments carry the unconditional inputs
             self._uncond_overrides = {
                 k: v for k, v in kwargs.items() if k not in cond or not _same(v, cond[k])
-            }
+            } | {k: _OMITTED for k in cond.keys() - kwargs.keys()}
             return self._call(kwargs)
-        expected = {**cond, **self._uncond_overrides}
+        expected = self._uncond_kwargs(cond)
         changed = sorted(
             k for k in expected.keys() | kwargs.keys() if not _same(kwargs.get(k), expected.get(k))
         )
@@ -170,6 +172,13 @@ class CFGParallelTransformer(nn.Module):
             )
         out, self._pending_uncond = self._pending_uncond, None
         return self._wrap(out, kwargs)
+
+    def _uncond_kwargs(self, cond: dict[str, Any]) -> dict[str, Any]:
+        """The unconditional call's arguments predicted from a conditional call's: the learned overrides applied,
+        the arguments it left out dropped."""
+        assert self._uncond_overrides is not None
+        merged = {**cond, **self._uncond_overrides}
+        return {k: v for k, v in merged.items() if v is not _OMITTED}
 
     def _call(self, kwargs: dict[str, Any], **override: Any) -> Any:
         args = [
