@@ -12,7 +12,7 @@ plan's ignored modules stay replicated. NO_SHARD uses FSDP2's composable ``repli
 FSDP2 gathers the root's own parameters only around ``forward``, but pipelines call other methods of their
 components (an autoencoder's ``encode`` / ``decode``, which reach the decoder's convolutions without ``forward``).
 :func:`register_entry_points` makes every method the component's own class defines gather them the same way
-(torch's ``register_fsdp_forward_method``), once per outermost call.
+(torch's ``register_fsdp_forward_method``), once per outermost call; for inference (training calls ``forward``).
 """
 
 from __future__ import annotations
@@ -408,7 +408,9 @@ def apply_hsdp_to_model(
     elif forward_prefetch > 0:
         apply_prefetch(model, targets, forward_prefetch)
     _move_replicated(keep.values())
-    entry_points = register_entry_points(model)
+    # Inference only: training steps call forward, and an extra gather outside the step would disturb FSDP's
+    # forward/backward state machine.
+    entry_points = [] if training else register_entry_points(model)
     _guard_inference_mode(model)
     _keep_output_capture(model)
     logger.info("Sharded %d modules + root", len(targets))
