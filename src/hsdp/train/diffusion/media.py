@@ -1,15 +1,31 @@
 """Training media as users keep it: a folder of images or videos with same-name ``.txt`` captions, or a
-``metadata.jsonl`` / ``metadata.csv`` with ``file_name`` and ``text`` (Hugging Face's imagefolder convention, read
-with ``datasets``).
+``metadata.jsonl`` / ``metadata.csv`` with ``file_name`` and ``text`` columns (Hugging Face's imagefolder
+convention, read with ``datasets``).
 
-Every item goes to the size bucket nearest its aspect ratio: height and width multiples of the pipeline's
-``spatial_multiple`` (VAE scale x patch x packing) with an area close to ``resolution ** 2``; it is resized to cover
-the bucket and centre-cropped. Videos keep ``k * temporal_multiple + 1`` frames: the largest such count that the clip
-has and ``frames`` allows. Problems are refused when the dataset is opened, naming the file.
+Sizes. Every item goes to the size bucket nearest its aspect ratio (in log space, so 1:2 and 2:1 are equally far
+from 1:1). Buckets are the largest ``height x width`` with both sides multiples of the pipeline's
+``spatial_multiple`` (VAE scale x patch x packing) and an area of at most ``resolution ** 2``. An item smaller than
+that area is never enlarged to it: its buckets are cut from its own area instead, so the only enlargement is the
+rounding to multiples and the aspect crop (and an item below one multiple, which the VAE cannot take smaller). An
+item is resized by the smallest factor that covers its bucket and centre-cropped.
+
+Frames. Videos keep ``k * temporal_multiple + 1`` frames (the VAE's temporal compression): the largest such count
+the clip has and ``frames`` allows, from the first frame. Images are one frame (video pipelines train on them too).
+
+Everything a run would trip over later is refused when the dataset is opened, naming the file: a missing caption,
+an empty or unreadable file, a metadata row naming a file that is not there, an empty dataset. Headers are read
+there (sizes, frame counts); a file whose pixel data is damaged past its header is refused by :meth:`pixels`,
+which the trainer calls for every item while encoding, still before the first step.
+
+Order. :meth:`MediaDataset.step_indices` gives every optimizer step rows of one bucket (one latent shape per step),
+from a per-epoch shuffle that depends only on (seed, epoch): any step's rows can be computed alone, so a resumed
+run reads what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +35,30 @@ import torch
 
 from hsdp.train.data import DatasetError
 
-__all__ = ["Bucket", "MediaItem", "MediaSpec", "MediaDataset", "IMAGE_SUFFIXES", "VIDEO_SUFFIXES"]
+__all__ = [
+    "Bucket",
+    "MediaItem",
+    "MediaSpec",
+    "MediaDataset",
+    "IMAGE_SUFFIXES",
+    "VIDEO_SUFFIXES",
+    "bucket_for",
+    "frame_count",
+    "drop_captions",
+]
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 VIDEO_SUFFIXES = frozenset({".mp4", ".webm", ".mov", ".mkv", ".gif"})
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv")
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSED = frozenset({5, 6, 7, 8})
+"""EXIF orientations that swap width and height (phone photos): the pixels are turned upright when read."""
 
 
 @dataclass(frozen=True)
 class Bucket:
     frames: int
+    """1 for images."""
     height: int
     width: int
 
@@ -37,157 +68,308 @@ class MediaItem:
     path: Path
     caption: str
     key: str
-    """The file name relative to the dataset root: stable across runs (the latent cache's key)."""
+    """The file name relative to the dataset folder (``#n`` added for the n-th repeat of a metadata file_name):
+    stable across runs, the latent cache's key."""
 
 
 @dataclass(frozen=True)
 class MediaSpec:
     spatial_multiple: int
+    """Height and width multiple: VAE scale factor x the denoiser's patch size x latent packing."""
     temporal_multiple: int | None
-    """Frame counts ``k * temporal_multiple + 1`` (video pipelines); None for image pipelines."""
+    """Frame counts are ``k * temporal_multiple + 1`` (the VAE's temporal factor); None: any count."""
     video: bool
+    """The pipeline generates videos (takes clips and images); an image pipeline refuses clips."""
 
 
-def _records(root: Path, flag: str) -> list[tuple[Path, str]]:
-    """(file, caption) pairs of a folder or metadata file."""
-    folder = root if root.is_dir() else root.parent
-    for name in ("metadata.jsonl", "metadata.csv"):
-        meta = root if root.is_file() else root / name
-        if meta.is_file() and meta.name == name:
-            return _metadata_records(meta, folder, flag)
+# ----------------------------------------------------------------------------------------------- sources
+
+
+def _records(root: Path, flag: str) -> list[tuple[Path, str, str]]:
+    """(file, caption, key) of a folder with captions, a folder with metadata, or a metadata file."""
     if root.is_file():
-        raise DatasetError(f"{flag} {root}: pass a folder of media with .txt captions, or metadata.jsonl / .csv")
+        if root.suffix.lower() not in (".jsonl", ".csv"):
+            raise DatasetError(
+                f"{flag} {root}: pass a folder of media with same-name .txt captions, or a metadata.jsonl / "
+                "metadata.csv with file_name and text columns"
+            )
+        return _metadata_records(root, flag)
+    present = [root / name for name in METADATA_NAMES if (root / name).is_file()]
+    if len(present) > 1:
+        raise DatasetError(f"{flag} {root}: holds both {' and '.join(p.name for p in present)}; keep one")
+    if present:
+        return _metadata_records(present[0], flag)
+    return _captioned_records(root, flag)
+
+
+def _captioned_records(root: Path, flag: str) -> list[tuple[Path, str, str]]:
+    media = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES and p.is_file())
     out = []
-    for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES):
+    for path in media:
         caption = path.with_suffix(".txt")
         if not caption.is_file():
             raise DatasetError(
-                f"{flag}: {path} has no caption file {caption.name}; write one (it may be empty) or list the "
-                "file in metadata.jsonl with its text"
+                f"{flag}: {path} has no caption file {caption.name}; write one next to it (an empty file trains "
+                "it uncaptioned) or list the file in metadata.jsonl with its text"
             )
-        out.append((path, caption.read_text().strip()))
+        out.append((path, caption.read_text(encoding="utf-8").strip(), path.relative_to(root).as_posix()))
     return out
 
 
-def _metadata_records(meta: Path, folder: Path, flag: str) -> list[tuple[Path, str]]:
-    from datasets import load_dataset
+def _metadata_records(meta: Path, flag: str) -> list[tuple[Path, str, str]]:
+    import datasets
 
-    rows = load_dataset("json" if meta.suffix == ".jsonl" else "csv", data_files=str(meta), split="train")
+    bars = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # one bar per metadata file is noise in a training log
+    try:
+        rows = datasets.load_dataset("json" if meta.suffix == ".jsonl" else "csv", data_files=str(meta), split="train")
+    except Exception as exc:  # datasets wraps parser errors in several types
+        raise DatasetError(f"{flag} {meta}: cannot be read as {meta.suffix[1:]} ({exc})") from exc
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     missing = {"file_name", "text"} - set(rows.column_names)
     if missing:
-        raise DatasetError(f"{flag} {meta}: no column {', '.join(sorted(missing))} (needs file_name and text)")
-    out = []
-    for row in rows:
-        path = folder / row["file_name"]
-        if not path.is_file():
-            raise DatasetError(f"{flag} {meta}: file_name {row['file_name']} does not exist in {folder}")
-        out.append((path, str(row["text"] or "")))
+        raise DatasetError(
+            f"{flag} {meta}: no column {', '.join(sorted(missing))}; it needs file_name (relative to its folder) "
+            "and text (the caption)"
+        )
+    out, seen = [], {}
+    for number, row in enumerate(rows, start=1):
+        name = str(row["file_name"] or "")
+        path = meta.parent / name
+        if not name or not path.is_file():
+            raise DatasetError(
+                f"{flag} {meta}: row {number} names file_name {name!r}, which is not a file in {meta.parent}; fix "
+                "the path (relative to the metadata file) or drop the row"
+            )
+        text = row["text"]
+        caption = "" if text is None or (isinstance(text, float) and math.isnan(text)) else str(text).strip()
+        seen[name] = seen.get(name, 0) + 1
+        out.append((path, caption, name if seen[name] == 1 else f"{name}#{seen[name]}"))
     return out
 
 
-def _read(path: Path) -> np.ndarray:
-    """Frames as uint8 ``[F, H, W, 3]``."""
-    import imageio.v3 as iio
+# ------------------------------------------------------------------------------------------------ reading
 
+
+def _is_video(path: Path) -> bool:
+    return path.suffix.lower() in VIDEO_SUFFIXES
+
+
+def _probe(path: Path) -> tuple[int, int, int]:
+    """(frames, height, width) from the file's header, without decoding the pixels."""
+    if path.stat().st_size == 0:
+        raise DatasetError(f"{path} is empty (0 bytes); replace or remove it")
     try:
-        if path.suffix.lower() in IMAGE_SUFFIXES:
+        if not _is_video(path):
             from PIL import Image
 
             with Image.open(path) as image:
-                return np.asarray(image.convert("RGB"))[None]
-        frames = np.asarray(iio.imread(path, index=None))
+                width, height = image.size
+                if image.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED:
+                    width, height = height, width
+            return 1, height, width
+        import imageio.v3 as iio
+
+        count, height, width = iio.improps(path).shape[:3]
+        if not math.isfinite(count):  # ffmpeg containers carry no exact frame count: count by decoding
+            import imageio_ffmpeg
+
+            count = imageio_ffmpeg.count_frames_and_secs(str(path))[0]
     except Exception as exc:  # PIL, imageio and ffmpeg raise many types for unreadable files
-        raise DatasetError(f"cannot read {path}: {exc}") from exc
-    if frames.ndim == 3:
-        frames = frames[None]
-    if frames.shape[0] == 0 or frames.shape[1] == 0 or frames.shape[2] == 0:
-        raise DatasetError(f"{path} holds no frames")
-    return frames[..., :3]
+        raise DatasetError(f"cannot read {path}: {exc}; replace or remove it") from exc
+    if not count or not height or not width:
+        raise DatasetError(f"{path} holds no frames ({count} x {height} x {width}); replace or remove it")
+    return int(count), int(height), int(width)
+
+
+def _decode(path: Path, frames: int) -> np.ndarray:
+    """The first ``frames`` frames as uint8 ``[F, H, W, 3]``."""
+    try:
+        if not _is_video(path):
+            from PIL import Image, ImageOps
+
+            with Image.open(path) as image:
+                return np.array(ImageOps.exif_transpose(image).convert("RGB"))[None]
+        import imageio.v3 as iio
+
+        stream = iio.imiter(path)
+        try:
+            decoded = [np.asarray(frame) for frame in itertools.islice(stream, frames)]
+        finally:
+            stream.close()  # stops ffmpeg: a long clip is not decoded past what the bucket keeps
+    except Exception as exc:
+        raise DatasetError(f"cannot read {path}: {exc}; replace or remove it") from exc
+    if len(decoded) < frames:
+        raise DatasetError(f"{path}: decoded {len(decoded)} frames where its header promised {frames}")
+    return np.stack([f[..., None].repeat(3, -1) if f.ndim == 2 else f[..., :3] for f in decoded])
+
+
+# ------------------------------------------------------------------------------------------------- sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _maximal_sizes(area: int, multiple: int) -> tuple[tuple[int, int], ...]:
+    """Every (height, width) of multiples of ``multiple`` with ``height * width <= area`` where neither side can grow
+    by one multiple."""
+    units = max(1, area // (multiple * multiple))
+    out = []
+    for a in range(1, units + 1):
+        b = units // a
+        if units // b == a:
+            out.append((a * multiple, b * multiple))
+    return tuple(out)
 
 
 def bucket_for(height: int, width: int, frames: int, spec: MediaSpec, resolution: int) -> Bucket:
-    """The bucket of an item: its aspect ratio at an area close to ``resolution ** 2``, in multiples."""
-    m = spec.spatial_multiple
-    ratio = height / width
-    h = max(m, round(resolution * math.sqrt(ratio) / m) * m)
-    w = max(m, round(resolution / math.sqrt(ratio) / m) * m)
+    """The bucket of a ``height x width`` item: the maximal size (see :func:`_maximal_sizes`) nearest its aspect
+    ratio, within ``resolution ** 2`` pixels and within the item's own area (never enlarged to the resolution)."""
+    area = min(resolution * resolution, height * width)
+    ratio = math.log(height / width)
+    h, w = min(
+        _maximal_sizes(area, spec.spatial_multiple),
+        key=lambda s: (abs(math.log(s[0] / s[1]) - ratio), -s[0] * s[1], s[0]),
+    )
     return Bucket(frames, h, w)
 
 
 def frame_count(available: int, spec: MediaSpec, limit: int | None, path: Path) -> int:
-    """The largest ``k * t + 1 <= min(available, limit)``; an image pipeline takes one frame."""
-    if not spec.video or not spec.temporal_multiple:
+    """Frames kept of a clip with ``available`` frames: the largest ``k * t + 1 <= min(available, limit)``."""
+    if not _is_video(path):
         return 1
+    if not spec.video:
+        raise DatasetError(f"{path} is a video and this pipeline generates images; remove it or train a video model")
     top = min(available, limit) if limit else available
     if top < 1:
-        raise DatasetError(f"{path}: no frames")
-    return (top - 1) // spec.temporal_multiple * spec.temporal_multiple + 1
+        raise DatasetError(f"{path} is too short: {available} frames; replace or remove it")
+    step = spec.temporal_multiple or 1
+    return (top - 1) // step * step + 1
+
+
+# ----------------------------------------------------------------------------------------------- dataset
 
 
 class MediaDataset:
+    """Captioned images and clips with their size buckets; pixels are decoded on demand (:meth:`pixels`)."""
+
     def __init__(self, items: list[MediaItem], buckets: list[Bucket]):
         self.items = items
         self.buckets = buckets
+        self._plans: dict[tuple[int, int, int], list[list[int]]] = {}
 
     @classmethod
     def from_source(
-        cls, source: str | Path, spec: MediaSpec, *, resolution: int, frames: int | None = None, flag: str = "--data"
+        cls,
+        source: str | Path,
+        spec: MediaSpec,
+        *,
+        resolution: int,
+        frames: int | None = None,
+        flag: str = "--data",
     ) -> MediaDataset:
+        """Open and check a folder or metadata file (see the module docstring); every problem is a
+        :class:`DatasetError` naming the file or flag."""
         root = Path(source)
         if not root.exists():
             raise DatasetError(f"{flag} {source}: no such file or folder")
         if resolution < spec.spatial_multiple:
             raise DatasetError(
                 f"--resolution {resolution} is below one multiple of the pipeline's VAE and patch size "
-                f"({spec.spatial_multiple}); use a multiple of {spec.spatial_multiple}"
+                f"({spec.spatial_multiple}); use a multiple of {spec.spatial_multiple}, e.g. "
+                f"{max(spec.spatial_multiple, 256 // spec.spatial_multiple * spec.spatial_multiple)}"
             )
         records = _records(root, flag)
         if not records:
-            raise DatasetError(f"{flag} {source}: no images or videos found")
-        base = root if root.is_dir() else root.parent
+            kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
+            raise DatasetError(f"{flag} {source}: no images or videos found ({kinds})")
         items, buckets = [], []
-        for path, caption in records:
-            media = _read(path)
-            count = frame_count(media.shape[0], spec, frames, path)
-            buckets.append(bucket_for(media.shape[1], media.shape[2], count, spec, resolution))
-            items.append(MediaItem(path, caption, str(path.relative_to(base))))
+        for path, caption, key in records:
+            available, height, width = _probe(path)
+            count = frame_count(available, spec, frames, path)
+            buckets.append(bucket_for(height, width, count, spec, resolution))
+            items.append(MediaItem(path, caption, key))
         return cls(items, buckets)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def pixels(self, index: int) -> torch.Tensor:
-        """Item ``index`` as ``[C, F, H, W]`` float32 in [-1, 1], resized to cover its bucket, centre-cropped."""
+        """Item ``index`` as ``[C, F, H, W]`` float32 in [-1, 1]: resized by the smallest factor that covers its
+        bucket (bilinear, antialiased), centre-cropped."""
         import torch.nn.functional as F
 
         bucket = self.buckets[index]
-        frames = torch.from_numpy(_read(self.items[index].path)[: bucket.frames].copy())
+        frames = torch.from_numpy(_decode(self.items[index].path, bucket.frames))
         video = frames.permute(0, 3, 1, 2).float() / 127.5 - 1  # F C H W
         h, w = video.shape[-2:]
         scale = max(bucket.height / h, bucket.width / w)
         size = (max(bucket.height, round(h * scale)), max(bucket.width, round(w * scale)))
-        video = F.interpolate(video, size=size, mode="bilinear", antialias=True, align_corners=False)
+        if size != (h, w):
+            video = F.interpolate(video, size=size, mode="bilinear", antialias=True, align_corners=False)
         top, left = (size[0] - bucket.height) // 2, (size[1] - bucket.width) // 2
         video = video[..., top : top + bucket.height, left : left + bucket.width]
         return video.clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
 
-    def global_batches(self, batch_size: int, epoch: int, seed: int) -> list[list[int]]:
-        """One epoch's global micro-batches: each bucket's items shuffled and cut into full batches (a bucket with
-        fewer items than a batch repeats its items), batch order shuffled; deterministic in (seed, epoch)."""
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    def _groups(self) -> list[list[int]]:
+        """Item indices per bucket, buckets in order of first appearance (stable for a given source)."""
         groups: dict[Bucket, list[int]] = {}
         for index, bucket in enumerate(self.buckets):
             groups.setdefault(bucket, []).append(index)
-        batches = []
-        for members in groups.values():
-            order = [members[i] for i in torch.randperm(len(members), generator=generator).tolist()]
-            while len(order) < batch_size:
-                order = order + order
-            batches += [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
-        return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        return list(groups.values())
+
+    def _epoch_plan(self, epoch: int, rows: int, seed: int) -> list[list[int]]:
+        """Epoch ``epoch``'s steps of ``rows`` rows each: every bucket's items shuffled and cut into steps, its last
+        step filled from the start of its shuffle (a bucket smaller than a step repeats items), steps shuffled."""
+        key = (epoch, rows, seed)
+        if key not in self._plans:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            steps = []
+            for members in self._groups():
+                order = [members[i] for i in torch.randperm(len(members), generator=generator).tolist()]
+                count = -(-len(order) // rows)
+                order = (order * -(-count * rows // len(order)))[: count * rows]
+                steps += [order[i * rows : (i + 1) * rows] for i in range(count)]
+            self._plans = {key: [steps[i] for i in torch.randperm(len(steps), generator=generator).tolist()]}
+        return self._plans[key]
+
+    def steps_per_epoch(self, batch_size: int, grad_accum: int) -> int:
+        """Optimizer steps until every item has been seen once (each bucket rounds up to whole steps)."""
+        rows = batch_size * grad_accum
+        return sum(-(-len(members) // rows) for members in self._groups())
+
+    def step_indices(
+        self, step: int, micro: int, *, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int
+    ) -> list[int]:
+        """This data-parallel rank's item indices in micro-batch ``micro`` of optimizer step ``step``.
+
+        ``batch_size`` is the global micro-batch (split evenly over ``dp_size`` ranks), as in
+        :meth:`hsdp.train.data.TokenDataset.batch`. All ``batch_size * grad_accum`` rows of a step come from one
+        bucket; the rows depend only on (seed, step), so resuming at step k reads what an uninterrupted run reads.
+        """
+        if batch_size % dp_size:
+            raise DatasetError(
+                f"--batch-size={batch_size} must be a multiple of the data-parallel size {dp_size} "
+                "(each rank takes an equal share)"
+            )
+        if not 0 <= micro < grad_accum:
+            raise ValueError(f"micro-batch {micro} outside 0..{grad_accum - 1}")
+        epoch, position = divmod(step, self.steps_per_epoch(batch_size, grad_accum))
+        rows = self._epoch_plan(epoch, batch_size * grad_accum, seed)[position]
+        per_rank = batch_size // dp_size
+        start = micro * batch_size + dp_rank * per_rank
+        return rows[start : start + per_rank]
 
     def micro_batch(self, number: int, batch_size: int, seed: int) -> list[int]:
-        """The global micro-batch ``number`` (counting over epochs) of ``batch_size`` rows."""
-        per_epoch = len(self.global_batches(batch_size, 0, seed))
-        epoch, position = divmod(number, per_epoch)
-        return self.global_batches(batch_size, epoch, seed)[position]
+        """All ranks' rows of global micro-batch ``number`` when every micro-batch is drawn as its own step (one
+        bucket per micro-batch): :meth:`step_indices` at ``grad_accum=1`` on one rank. The trainer slices it."""
+        return self.step_indices(number, 0, batch_size=batch_size, grad_accum=1, dp_rank=0, dp_size=1, seed=seed)
+
+
+def drop_captions(captions: list[str], probability: float, generator: torch.Generator) -> list[str]:
+    """Captions with each replaced by ``""`` with ``probability`` (classifier-free guidance training). One draw per
+    caption from ``generator``, whatever the probability, so the generator's later draws do not depend on it."""
+    if not 0 <= probability <= 1:
+        raise ValueError(f"--caption-dropout={probability} must be in [0, 1]")
+    dropped = (torch.rand(len(captions), generator=generator) < probability).tolist()
+    return ["" if drop else caption for caption, drop in zip(captions, dropped, strict=True)]
