@@ -157,8 +157,9 @@ def _is_video(path: Path) -> bool:
     return path.suffix.lower() in VIDEO_SUFFIXES
 
 
-def _probe(path: Path) -> tuple[int, int, int]:
-    """(frames, height, width) from the file's header, without decoding the pixels."""
+def _probe(path: Path, limit: int | None) -> tuple[int, int, int]:
+    """(frames, height, width) from the file's header, without decoding the pixels; for a clip that has more
+    frames than ``limit`` the count may be any number >= ``limit``."""
     if path.stat().st_size == 0:
         raise DatasetError(f"{path} is empty (0 bytes); replace or remove it")
     try:
@@ -169,19 +170,33 @@ def _probe(path: Path) -> tuple[int, int, int]:
                 width, height = image.size
                 if image.getexif().get(_EXIF_ORIENTATION) in _TRANSPOSED:
                     width, height = height, width
-            return 1, height, width
-        import imageio.v3 as iio
-
-        count, height, width = iio.improps(path).shape[:3]
-        if not math.isfinite(count):  # ffmpeg containers carry no exact frame count: count by decoding
-            import imageio_ffmpeg
-
-            count = imageio_ffmpeg.count_frames_and_secs(str(path))[0]
+            count = 1
+        else:
+            count, height, width = _video_header(path, limit)
     except Exception as exc:  # PIL, imageio and ffmpeg raise many types for unreadable files
         raise DatasetError(f"cannot read {path}: {exc}; replace or remove it") from exc
     if not count or not height or not width:
         raise DatasetError(f"{path} holds no frames ({count} x {height} x {width}); replace or remove it")
     return int(count), int(height), int(width)
+
+
+def _video_header(path: Path, limit: int | None) -> tuple[int, int, int]:
+    """ffmpeg's metadata gives the size (after any rotation) and duration x fps, an estimate of the frame count.
+    The exact count takes a pass over the stream, paid only when the estimate does not clear ``limit`` by a margin
+    (a clip whose estimate lied is refused by :func:`_decode`, which counts what it gets). GIFs (Pillow) carry
+    their exact shape."""
+    import imageio.v3 as iio
+
+    meta = iio.immeta(path)
+    if "size" not in meta:
+        return iio.improps(path).shape[:3]
+    width, height = meta["size"]
+    estimate = meta.get("fps", 0) * meta.get("duration", 0)
+    if limit and estimate >= limit + 2:
+        return limit, height, width
+    import imageio_ffmpeg
+
+    return imageio_ffmpeg.count_frames_and_secs(str(path))[0], height, width
 
 
 def _decode(path: Path, frames: int) -> np.ndarray:
@@ -285,7 +300,7 @@ class MediaDataset:
             raise DatasetError(f"{flag} {source}: no images or videos found ({kinds})")
         items, buckets = [], []
         for path, caption, key in records:
-            available, height, width = _probe(path)
+            available, height, width = _probe(path, frames)
             count = frame_count(available, spec, frames, path)
             buckets.append(bucket_for(height, width, count, spec, resolution))
             items.append(MediaItem(path, caption, key))
