@@ -326,6 +326,7 @@ class MediaDataset:
         video = video[..., top : top + bucket.height, left : left + bucket.width]
         return video.clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
 
+    @functools.cached_property
     def _groups(self) -> list[list[int]]:
         """Item indices per bucket, buckets in order of first appearance (stable for a given source)."""
         groups: dict[Bucket, list[int]] = {}
@@ -340,7 +341,7 @@ class MediaDataset:
         if key not in self._plans:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
             steps = []
-            for members in self._groups():
+            for members in self._groups:
                 order = [members[i] for i in torch.randperm(len(members), generator=generator).tolist()]
                 count = -(-len(order) // rows)
                 order = (order * -(-count * rows // len(order)))[: count * rows]
@@ -351,7 +352,7 @@ class MediaDataset:
     def steps_per_epoch(self, batch_size: int, grad_accum: int) -> int:
         """Optimizer steps until every item has been seen once (each bucket rounds up to whole steps)."""
         rows = batch_size * grad_accum
-        return sum(-(-len(members) // rows) for members in self._groups())
+        return sum(-(-len(members) // rows) for members in self._groups)
 
     def step_indices(
         self, step: int, micro: int, *, batch_size: int, grad_accum: int, dp_rank: int, dp_size: int, seed: int
