@@ -12,11 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hsdp.engine.compile import compile_problems
 from hsdp.models.builtin import resolve_model
 from hsdp.train.data import TokenDataset, packing_problem
 
 # flex attention compiles a kernel per sequence length on the CPU (about a minute here)
 IMPLEMENTATIONS = ["eager", "sdpa", pytest.param("flex_attention", marks=pytest.mark.slow)]
+# The bug was 0.17 off. Eager and SDPA run the same kernels either way; flex runs inductor's generated kernel, whose
+# reduction order follows the block mask and the CPU's vector width (measured 2e-7 here, as eager and SDPA).
+TOLERANCE = {"eager": 1e-5, "sdpa": 1e-5, "flex_attention": 1e-4}
 
 
 def _gpt2(tmp_path_factory):
@@ -41,6 +45,8 @@ def test_packed_records_equal_each_record_alone(name, implementation, models):
 
     if name == "gpt2" and implementation == "flex_attention":
         pytest.skip("transformers has no flex attention for GPT-2")
+    if implementation == "flex_attention" and compile_problems("cpu"):
+        pytest.skip(compile_problems("cpu")[0])
     model = AutoModelForCausalLM.from_pretrained(models[name], attn_implementation=implementation).eval()
     assert model.config._attn_implementation == implementation and packing_problem(model) is None
     generator = torch.Generator().manual_seed(0)
@@ -54,7 +60,8 @@ def test_packed_records_equal_each_record_alone(name, implementation, models):
     for index in (0, 1, 3):  # the records whole within a row
         start = sum(len(r) for r in records[:index])
         got = packed[start : start + len(records[index])]
-        assert (got - alone[index]).abs().max().item() <= 1e-5, (name, implementation, index)
+        error = (got - alone[index]).abs().max().item()
+        assert error <= TOLERANCE[implementation], (name, implementation, index, error)
 
 
 def test_packing_refused_where_transformers_builds_no_per_record_mask(models):
