@@ -178,6 +178,13 @@ def test_metrics_are_valid_prometheus_text(tmp_path):
     assert 'hsdp_queue_depth{model="m\\"x"} 1' in text
     assert 'hsdp_rank_peak_memory_bytes{model="m\\"x",rank="1",kind="cpu peak RSS"} 20' in text
     assert 'hsdp_worker_info{model="m\\"x",rank="1",pid="12"} 1' in text
+    assert "hsdp_quantized_weight_fraction" not in text  # no --weight-dtype: no 8-bit series
+    share = {"linear_weights": 10, "quantized_weights": 7, "quantized_fraction": 0.8125}
+    text = render_metrics("m", store, stats, quantized=share)
+    assert all(line.startswith("# ") or sample.match(line) for line in text.splitlines())
+    assert 'hsdp_quantized_weight_fraction{model="m"} 0.8125' in text
+    assert 'hsdp_linear_weights{model="m",stored="8bit"} 7' in text
+    assert 'hsdp_linear_weights{model="m",stored="dtype"} 3' in text
 
 
 class _FakeEngine:

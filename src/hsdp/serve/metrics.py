@@ -35,9 +35,15 @@ class _Writer:
 
 
 def render_metrics(
-    model: str, store: JobStore, stats: RunnerStats, loads: dict[str, int] | None = None
+    model: str,
+    store: JobStore,
+    stats: RunnerStats,
+    loads: dict[str, int] | None = None,
+    quantized: dict | None = None,
 ) -> str:
-    """``loads``: the server's ``base_loads`` and LoRA adapter ``loads``, ``switches`` and ``evictions``."""
+    """``loads``: the server's ``base_loads`` and LoRA adapter ``loads``, ``switches`` and ``evictions``;
+    ``quantized``: the engine's :attr:`hsdp.engine.Engine.quantized` (with ``--weight-dtype``), so a layout whose
+    rows do not divide by the shard size shows how much of the weights actually stayed in 8 bits."""
     w = _Writer()
     m = {"model": model}
     w.metric("hsdp_queue_depth", "gauge", "Jobs waiting for the engine.", [(m, store.depth())])
@@ -138,6 +144,22 @@ def render_metrics(
             ("evictions", "Adapters evicted from their slot (least recently used) for another."),
         ):
             w.metric(f"hsdp_adapter_{name}_total", "counter", help_text, [(m, loads[name])])
+    if quantized is not None:
+        w.metric(
+            "hsdp_quantized_weight_fraction",
+            "gauge",
+            "Fraction of the nn.Linear weight elements stored in 8 bits (--weight-dtype; the rest kept the dtype).",
+            [(m, float(quantized["quantized_fraction"]))],
+        )
+        w.metric(
+            "hsdp_linear_weights",
+            "gauge",
+            "nn.Linear weights of the loaded components, by how they are stored.",
+            [
+                ({**m, "stored": "8bit"}, quantized["quantized_weights"]),
+                ({**m, "stored": "dtype"}, quantized["linear_weights"] - quantized["quantized_weights"]),
+            ],
+        )
     w.metric(
         "hsdp_engine_state",
         "gauge",

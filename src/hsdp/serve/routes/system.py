@@ -38,6 +38,8 @@ async def models(server: ServerDep) -> ModelList:
 @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def metrics(server: ServerDep) -> Response:
     counts = {**server.adapter_counts(), "base_loads": server.base_loads}
+    engine = server.runner.engine
+    quantized = engine.quantized if engine is not None and not engine.closed else None
     return Response(
-        render_metrics(server.name, server.store, server.runner.stats, counts), media_type=CONTENT_TYPE
+        render_metrics(server.name, server.store, server.runner.stats, counts, quantized), media_type=CONTENT_TYPE
     )
