@@ -4,8 +4,7 @@
   of block ``i + 1`` travel while block ``i`` runs (applied by :func:`hsdp.sharding.apply_hsdp_to_model`).
   Keeping weights gathered across denoising steps is ``ParallelConfig(reshard_after_forward=False)``: every
   unit, root included, stays unsharded after its first forward, so later steps do no all-gather.
-* **Ulysses**: diffusers' ``enable_parallelism(ContextParallelConfig(..., mesh=...))`` on our ``compute`` mesh,
-  whose ``ring`` / ``ulysses`` axes it slices itself; HSDP overlays the same ranks.
+* **Ulysses**: :func:`hsdp.context_parallel.enable_ulysses` (below the engine: training uses it too).
 * **CFG parallel**: :class:`CFGParallelTransformer` stands in for each denoiser inside the unchanged diffusers
   pipeline, for any pipeline that runs guidance as separate labelled ``cond`` / ``uncond`` calls. On the
   conditional call, cfg rank 0 computes the conditional branch and cfg rank 1 the unconditional one; the two
@@ -25,9 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hsdp.config import ParallelConfig, ShardingStrategy
-from hsdp.mesh import ParallelMeshes
 
-__all__ = ["overlap_options", "enable_ulysses", "CFGParallelTransformer"]
+__all__ = ["overlap_options", "CFGParallelTransformer"]
 
 
 def overlap_options(config: ParallelConfig, *, forward_prefetch: bool) -> dict:
@@ -35,32 +33,6 @@ def overlap_options(config: ParallelConfig, *, forward_prefetch: bool) -> dict:
     (nothing to prefetch when weights are replicated)."""
     prefetch = forward_prefetch and config.sharding_strategy is not ShardingStrategy.NO_SHARD
     return {"forward_prefetch": 1 if prefetch else 0}
-
-
-@contextlib.contextmanager
-def _accelerator_count_at_least_one() -> Iterator[None]:
-    """diffusers computes ``rank % torch.accelerator.device_count()``, which divides by zero on a CPU-only build;
-    report one device for the duration of the call only."""
-    if torch.accelerator.device_count() > 0:
-        yield
-        return
-    original = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: 1
-    try:
-        yield
-    finally:
-        torch.accelerator.device_count = original
-
-
-def enable_ulysses(model: nn.Module, config: ParallelConfig, meshes: ParallelMeshes) -> None:
-    """Sequence-parallel attention for a diffusers transformer over the layout's ring x ulysses axes."""
-    from diffusers import ContextParallelConfig
-
-    cp_config = ContextParallelConfig(
-        ulysses_degree=config.ulysses_degree, ring_degree=config.ring_degree, mesh=meshes.compute
-    )
-    with _accelerator_count_at_least_one():
-        model.enable_parallelism(config=cp_config)
 
 
 def _same(a: Any, b: Any) -> bool:

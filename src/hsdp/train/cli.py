@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     diffusion.add_argument(
         "--cache-latents", action="store_true", help="encode once into OUTPUT_DIR/latent-cache and reuse"
     )
-    add_parallel_arguments(parser, groups=("sharding", "tensor"))  # no CFG, sequence or request ranks
+    add_parallel_arguments(parser, groups=("sharding", "sequence", "tensor"))  # no CFG or request ranks
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -248,7 +248,8 @@ class TrainConfig:
             parallel = self.effective_parallel()
         except ValueError as exc:
             return [*out, str(exc)]
-        dp = parallel.data_parallel_size
+        out.extend(_layout_problems(parallel))
+        dp = parallel.data_parallel_size // parallel.sequence_parallel_size  # a sequence group shares its rows
         if self.batch_size % dp:
             out.append(
                 f"--batch-size={self.batch_size} must be a multiple of the data-parallel size {dp} "
@@ -320,6 +321,25 @@ class TrainConfig:
                 "plans shard nn.Linear layers, which LoRA wraps); use --tensor-parallel-size 1"
             )
         return out
+
+
+def _layout_problems(parallel: ParallelConfig) -> list[str]:
+    """The inference-only axes of a layout: training runs one branch of one request at a time."""
+    out = []
+    if parallel.cfg_parallel_size > 1:
+        out.append(
+            f"--cfg-parallel-size={parallel.cfg_parallel_size} splits sampling's two guidance branches; training "
+            "computes one branch: drop it"
+        )
+    if parallel.request_parallel:
+        out.append("--request-parallel splits requests at inference; training splits rows already: drop it")
+    if parallel.ring_degree > 1:
+        out.append(
+            f"--ring-degree={parallel.ring_degree}: ring attention does not train here yet; use --ulysses-degree"
+        )
+    if parallel.sequence_parallel_size > 1 and parallel.tensor_parallel_size > 1:
+        out.append("--ulysses-degree with --tensor-parallel-size: train with one of them")
+    return out
 
 
 _PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
@@ -515,6 +535,11 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(
             f"--export-format {cfg.export_format} writes a diffusers pipeline LoRA, but --model {cfg.model} is not a "
             "diffusers model; use --export-format peft"
+        )
+    if cfg.parallel.ulysses_degree > 1:
+        raise TrainConfigError(
+            f"--ulysses-degree={cfg.parallel.ulysses_degree}: sequence-parallel training splits a diffusers "
+            "denoiser's sequence (its _cp_plan); a causal LM trains with --hsdp-shard-size or --tensor-parallel-size"
         )
     fingerprint = model_fingerprint(model_dir)
     _check_tensor_parallel(cfg, model_dir)

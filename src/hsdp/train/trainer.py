@@ -142,8 +142,11 @@ class Trainer:
 
         self.data, self.eval_data = self._load_data()
         self.meshes = build_meshes(self.parallel)  # the first collective
-        self.dp_size = self.parallel.data_parallel_size
-        self.dp_rank = self.meshes.data_parallel_rank
+        # Ranks of one sequence-parallel group train on the same rows (HSDP overlays them, so they are the FSDP
+        # mesh when the layout has them: data parallel is then 1).
+        self.sequence_parallel = self.parallel.sequence_parallel_size
+        self.dp_size = self.parallel.data_parallel_size // self.sequence_parallel
+        self.dp_rank = self.meshes.data_parallel_rank // self.sequence_parallel
 
         torch.manual_seed(cfg.seed)
         self.lora = self._lora_config() if cfg.use_lora else None
@@ -158,6 +161,8 @@ class Trainer:
             prepare=lora.injector(self.lora) if self.lora else None,
         )
         self.model.train()
+        if self.sequence_parallel > 1:
+            self._enable_sequence_parallel()
         if self.lora:
             count = lora.init_adapters(self.model, cfg.seed, cfg.lora_adapter)
             logger.info("LoRA r=%d alpha=%g: %d adapter parameters", self.lora.r, self.lora.lora_alpha, count)
@@ -231,6 +236,12 @@ class Trainer:
             self.model.activation_checkpointing_enable(kwargs)
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    def _enable_sequence_parallel(self) -> None:
+        raise TrainConfigError(
+            "--ulysses-degree: sequence-parallel training splits a diffusers denoiser's sequence (its _cp_plan); "
+            f"{type(self.model).__name__} has none"
+        )
 
     def _items_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
@@ -308,7 +319,10 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             self._set_grad_sync(micro == cfg.grad_accum - 1)
             loss = self._micro_loss(micro)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            # Under sequence parallel each rank's gradients cover its share of the sequence and FSDP averages
+            # over all of them: scaled by the degree, the average is the sum, the whole sequence's gradient.
+            scaled = loss * self.sequence_parallel if self.sequence_parallel > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach().float()
         all_reduce_plain_grads(self.params)
         if self.scaler:
