@@ -32,15 +32,25 @@ silently trains with plain DDP, so its figures would not be FSDP's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import re
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-MIB = 2**20
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _training import (  # noqa: E402  (the benchmarks' shared helpers, next to this file)
+    MIB,
+    baseline,
+    deepspeed_engine,
+    deepspeed_state_bytes,
+    median_round,
+    run_rounds,
+    run_row,
+    state_bytes,
+    timed_steps,
+)
+
 LORA_R = 16
 LORA_ALPHA = 2 * LORA_R
 LR = 1e-4
@@ -94,40 +104,19 @@ def _batches(spec: dict) -> list[dict]:
 
 def _timed_loop(spec: dict, step_fn) -> dict:
     """``times``: (wall seconds, CPU seconds of this process) of each step after warm-up; ``losses``: every step's
-    loss averaged over the ranks (``step_fn`` returns this rank's loss; averaged after the loop, untimed);
-    ``setup_peak``: peak RSS before the first step."""
-    import torch
-    import torch.distributed as dist
-
+    loss averaged over the ranks (:func:`_training.timed_steps`); ``setup_peak``: peak RSS before the first step."""
     from hsdp.measure import peak_memory
 
     batches = _batches(spec)
     setup_peak = peak_memory(
         "cpu"
     ).bytes  # after loading and sharding: is the peak set by setup or by the steps?
-    times, losses = [], []
-    for batch in batches:
-        wall, cpu = time.perf_counter(), time.process_time()
-        losses.append(float(step_fn(batch)))
-        times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    mean = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean)
-    return {
-        "times": times[spec["warmup"] :],
-        "losses": (mean / dist.get_world_size()).tolist(),
-        "setup_peak": setup_peak,
-    }
+    times, losses = timed_steps(batches, step_fn)
+    return {"times": times[spec["warmup"] :], "losses": losses, "setup_peak": setup_peak}
 
 
 def _baseline() -> int:
-    """Peak RSS once everything every framework needs is imported, so growth counts only the run itself."""
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
-
-    import hsdp.train  # noqa: F401
-    from hsdp.measure import peak_memory
-
-    return peak_memory("cpu").bytes
+    return baseline(("peft", "transformers", "hsdp.train"))
 
 
 def _report(baseline: int, loop: dict, trained: int) -> dict:
@@ -143,25 +132,6 @@ def _report(baseline: int, loop: dict, trained: int) -> dict:
         "losses": loop["losses"],
         "trained_state": trained,
     }
-
-
-def _state_bytes(params, optimizer) -> int:
-    """This rank's bytes of trainable parameters (or their shards), their gradients' size and the optimizer state
-    (DeepSpeed's partitioned flat fp32 groups count as what its optimizer holds)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    def local(t) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    state = sum(
-        local(v)
-        for s in optimizer.state.values()
-        for k, v in s.items()
-        if k != "step" and isinstance(v, torch.Tensor)
-    )
-    return 2 * sum(local(p) for p in params) + state
 
 
 def _load_model(spec: dict):
@@ -210,11 +180,10 @@ def rank_hsdp(spec: dict, strategy: str, lora_r: int = 0) -> dict:
     )  # fmt: skip
     trainer = Trainer(cfg)  # it draws the same rows as _batches(spec), by step
     loop = _timed_loop(spec, lambda batch: trainer.train_step().loss)
-    return _report(baseline, loop, _state_bytes(trainer.params, trainer.optimizer))
+    return _report(baseline, loop, state_bytes(trainer.params, trainer.optimizer))
 
 
 def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
-    import deepspeed
     import torch
 
     baseline = _baseline()
@@ -222,17 +191,7 @@ def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
     model = _load_model(spec)
     if lora_r:
         model = _peft_lora(model, lora_r)
-    config = {
-        "train_micro_batch_size_per_gpu": spec["micro_batch"],
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "gradient_clipping": 0.0,  # 0.19 clips to norm 1.0 by default; the other rows do not clip
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    engine, engine_optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = deepspeed_engine(model, stage=stage, micro_batch=spec["micro_batch"], lr=LR)
 
     def step(batch):
         loss = engine(**batch, use_cache=False).loss
@@ -241,13 +200,9 @@ def rank_deepspeed(spec: dict, stage: int, lora_r: int = 0) -> dict:
         return loss.detach()
 
     loop = _timed_loop(spec, step)
-    # ZeRO keeps fp32 flat partitions of the trainable parameters (their gradients alike) and the inner AdamW's
-    # state over them; stage 3 empties the inner optimizer's param groups between steps, so read its partitions.
-    inner = getattr(engine_optimizer, "optimizer", engine_optimizer)
-    flat = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None) or getattr(
-        engine_optimizer, "single_partition_of_fp32_groups", None
+    return _report(
+        baseline, loop, deepspeed_state_bytes(engine, [p for p in model.parameters() if p.requires_grad])
     )
-    return _report(baseline, loop, _state_bytes(flat or params, inner))
 
 
 def rank_lightning(spec: dict, lora_r: int = 0, fsdp1: bool = False) -> dict:
@@ -292,7 +247,7 @@ def rank_lightning(spec: dict, lora_r: int = 0, fsdp1: bool = False) -> dict:
         return loss.detach()
 
     loop = _timed_loop(spec, step)
-    return _report(baseline, loop, _state_bytes(params, optimizer))
+    return _report(baseline, loop, state_bytes(params, optimizer))
 
 
 def runs_for(world: int) -> dict[str, tuple]:
@@ -320,16 +275,6 @@ LORA_SET = (
 )
 
 
-def first_line_of_exception(text: str) -> str:
-    """``Type: message`` (its first line) of the last exception in a worker's traceback."""
-    lines = text.splitlines()
-    pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Timeout)\b(: |$)")
-    for index in range(len(lines) - 1, -1, -1):
-        if pattern.match(lines[index]):
-            return lines[index].strip()
-    return next((line.strip() for line in reversed(lines) if line.strip()), text)
-
-
 def _select(runs: dict, only: str | None) -> dict:
     if not only:
         return runs
@@ -354,22 +299,11 @@ def _loss_note(rows: list[dict]) -> list[str]:
 
 
 def _run_row(name: str, run: tuple, spec: dict, world: int, tokens: int) -> dict:
-    """One row in fresh processes: its figures, or why it did not run."""
-    from hsdp.launch import WorkerError, WorkerGroup
-
-    fn, extra, modules = run
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        reason = f"{', '.join(missing)} not installed (pip install -e .[bench])"
-        print(f"{name}: not run: {reason}", flush=True)
-        return {"name": name, "error": reason}
-    try:
-        with WorkerGroup(world, env={"DS_ACCELERATOR": "cpu"}) as group:
-            results = group.run(fn, spec, *extra, timeout_s=600)
-    except WorkerError as exc:
-        reason = first_line_of_exception(str(exc))
-        print(f"{name}: failed: {reason}", flush=True)
-        return {"name": name, "error": reason, "traceback": str(exc)[-4000:]}
+    """One row in fresh processes (:func:`_training.run_row`) with its throughput."""
+    row = run_row(name, run, spec, world)
+    if "ranks" not in row:
+        return row
+    results = row["ranks"]
     step_s = max(r["step_s"] for r in results)
     cpu_s = sum(r["cpu_s"] for r in results)
     losses = results[0]["losses"]
@@ -379,26 +313,20 @@ def _run_row(name: str, run: tuple, spec: dict, world: int, tokens: int) -> dict
         flush=True,
     )
     return {
-        "name": name,
+        **row,
         "tokens_per_s": tokens / step_s,
         "tokens_per_cpu_s": tokens / cpu_s,
         "losses": losses,
-        "ranks": results,
     }
 
 
-def _median_round(name: str, rounds: list[dict]) -> dict:
-    """The round with the median tokens per CPU-second (the lower middle of an even count), with every round's
-    figure beside it; a row that failed in any round reports that failure."""
-    failed = next((r for r in rounds if "ranks" not in r), None)
-    if failed is not None:
-        return failed
-    ordered = sorted(rounds, key=lambda r: r["tokens_per_cpu_s"])
-    return {
-        **ordered[(len(ordered) - 1) // 2],
-        "rounds_tokens_per_cpu_s": [r["tokens_per_cpu_s"] for r in rounds],
-        "rounds_tokens_per_s": [r["tokens_per_s"] for r in rounds],
-    }
+def _median_round(rounds: list[dict]) -> dict:
+    """The round with the median tokens per CPU-second (:func:`_training.median_round`), with every round's
+    tokens/s beside it."""
+    row = median_round(rounds, "tokens_per_cpu_s")
+    if "ranks" in row:
+        row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in rounds]
+    return row
 
 
 def main() -> None:
@@ -427,18 +355,16 @@ def main() -> None:
     params = count_parameters(tiny_llama_config(**MODEL))
     tokens = args.micro_batch * args.world * args.seq_len
     names = list(runs)
-    found: dict[str, list[dict]] = {name: [] for name in names}  # each row's result in every round
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data = write_inputs(Path(tmp))
         spec = {
             "model": str(model_dir), "data": str(data), "world": args.world, "steps": args.steps,
             "warmup": args.warmup, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         }  # fmt: skip
-        for round_ in range(args.repeat):
-            # Each round starts one row later, so no row always runs first (while the machine is busiest).
-            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                found[name].append(_run_row(name, runs[name], spec, args.world, tokens))
-    rows = [_median_round(name, found[name]) for name in names]
+        found = run_rounds(
+            names, args.repeat, lambda name: _run_row(name, runs[name], spec, args.world, tokens)
+        )
+    rows = [_median_round(found[name]) for name in names]
 
     reference = next((r for r in rows if r["name"] == "hsdp FULL_SHARD" and "ranks" in r), None)
     total = args.warmup + args.steps
