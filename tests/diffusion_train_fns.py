@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hsdp.train import TrainConfig
@@ -9,24 +11,25 @@ from hsdp.train.diffusion import DiffusionTrainer
 
 
 def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
-    """Train each config; return the losses and the trained parameters (whole, rank 0's copy)."""
+    """Train each config; return the losses, the trained parameters (whole, rank 0's copy) and when it started."""
     out = []
     for cfg in configs:
+        started = time.time_ns()
         with DiffusionTrainer(cfg) as trainer:
             result = trainer.fit()
             state = {n: t for n, t in trainer.full_state().items() if trainer.model.get_parameter(n).requires_grad}
-        out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint})
+        out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started})
     return out
 
 
 def reference_run(cfg: TrainConfig, model_dir) -> dict:
     """One process running the plain libraries: the diffusers pipeline encodes, peft adapts the denoiser, AdamW
-    steps. Rows come from the same media order; noise and sigmas are drawn as the docs say (one CPU generator per
-    step and micro-batch: noise, then diffusers' density sampling, then the scheduler's shift)."""
+    steps. Rows come from the same media order; noise and timesteps are drawn as the docs say (one CPU generator
+    per step and micro-batch: the caption-dropout draw, noise, then the timesteps). The denoiser's call is written
+    per pipeline as diffusers' training scripts write it (:data:`FORWARDS`)."""
     import json
 
     import diffusers
-    from diffusers.training_utils import compute_density_for_timestep_sampling
     from peft import LoraConfig, inject_adapter_in_model
 
     from hsdp.lora import init_adapters
@@ -36,7 +39,8 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
     torch.manual_seed(cfg.seed)
     index = json.loads((model_dir / "model_index.json").read_text())
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(model_dir, torch_dtype=torch.float32)
-    model = pipe.transformer
+    component = "unet" if "unet" in index else "transformer"
+    model = getattr(pipe, component)
     if cfg.lora_r:
         targets = list(cfg.lora_target_modules) or ["to_q", "to_k", "to_v", "to_out.0"]
         inject_adapter_in_model(LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets), model)
@@ -46,12 +50,9 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, "transformer"), resolution=cfg.resolution,
+    data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, component), resolution=cfg.resolution,
                                     frames=cfg.frames)
-    vae = pipe.vae
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    shift = pipe.scheduler.config.flow_shift
+    forward = FORWARDS[index["_class_name"]]
     losses = []
     for step in range(cfg.steps):
         optimizer.zero_grad()
@@ -59,21 +60,85 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
         for micro in range(cfg.grad_accum):
             number = step * cfg.grad_accum + micro
             rows = data.micro_batch(number, cfg.batch_size, cfg.seed)
-            with torch.no_grad():
-                x0 = torch.cat([(vae.encode(data.pixels(i)[None]).latent_dist.mode() - mean) / std for i in rows])
-                prompt = pipe.encode_prompt([data.items[i].caption for i in rows], do_classifier_free_guidance=False,
-                                            device=torch.device("cpu"))[0]
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
             torch.rand(len(rows), generator=generator)  # the caption-dropout draw (dropout 0 here)
-            noise = torch.randn(x0.shape, generator=generator)
-            u = compute_density_for_timestep_sampling("uniform", len(rows), generator=generator)
-            sigma = (shift * u / (1 + (shift - 1) * u)).view(-1, 1, 1, 1, 1)
-            pred = model(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
-                         encoder_hidden_states=prompt, return_dict=False)[0]
-            loss = torch.nn.functional.mse_loss(pred, noise - x0) / cfg.grad_accum
+            pixels = torch.stack([data.pixels(i) for i in rows])
+            pred, target = forward(pipe, model, pixels, [data.items[i].caption for i in rows], generator)
+            loss = torch.nn.functional.mse_loss(pred, target) / cfg.grad_accum
             loss.backward()
             total += loss.item()
         optimizer.step()
         losses.append(total)
     state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "state": state}
+
+
+def _flow_sigmas(rows: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    u = compute_density_for_timestep_sampling("uniform", rows, generator=generator)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def wan_forward(pipe, model, pixels, captions, generator):
+    """Wan text-to-video: per-channel latent statistics, flow matching with the scheduler's flow_shift."""
+    with torch.no_grad():
+        vae = pipe.vae
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        x0 = (vae.encode(pixels).latent_dist.mode() - mean) / std
+        prompt = pipe.encode_prompt(captions, do_classifier_free_guidance=False, device=torch.device("cpu"))[0]
+    noise = torch.randn(x0.shape, generator=generator)
+    sigma = _flow_sigmas(len(x0), pipe.scheduler.config.flow_shift, generator).view(-1, 1, 1, 1, 1)
+    pred = model(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
+                 encoder_hidden_states=prompt, return_dict=False)[0]
+    return pred, noise - x0
+
+
+def flux_forward(pipe, model, pixels, captions, generator):
+    """FLUX.1 as diffusers' train_dreambooth_lora_flux.py calls it: packed latents, image / text ids, pooled CLIP
+    embedding, guidance embedding at the pipeline's default 3.5, timestep in [0, 1]; the prediction unpacked."""
+    with torch.no_grad():
+        vae = pipe.vae
+        x0 = (vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+        prompt, pooled, text_ids = pipe.encode_prompt(captions, prompt_2=None, device=torch.device("cpu"))
+    noise = torch.randn(x0.shape, generator=generator)
+    sigma = _flow_sigmas(len(x0), pipe.scheduler.config.shift, generator).view(-1, 1, 1, 1)
+    rows, channels, height, width = x0.shape
+    noisy = (1 - sigma) * x0 + sigma * noise
+    cls = type(pipe)
+    pred = model(
+        hidden_states=cls._pack_latents(noisy, rows, channels, height, width),
+        timestep=sigma.flatten(),
+        guidance=torch.full((rows,), 3.5),
+        pooled_projections=pooled,
+        encoder_hidden_states=prompt,
+        txt_ids=text_ids,
+        img_ids=cls._prepare_latent_image_ids(rows, height // 2, width // 2, x0.device, x0.dtype),
+        return_dict=False,
+    )[0]
+    scale = pipe.vae_scale_factor
+    return cls._unpack_latents(pred, height * scale, width * scale, scale), noise - x0
+
+
+def sdxl_forward(pipe, model, pixels, captions, generator):
+    """SDXL as diffusers' train_text_to_image_lora_sdxl.py calls its UNet: DDPM noise at integer timesteps, the
+    epsilon target, added conditioning from the second encoder's pooled embedding and the size micro-conditioning
+    (original size = target size = the bucket, crop corner 0, 0)."""
+    from diffusers import DDPMScheduler
+
+    with torch.no_grad():
+        x0 = pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode() * pipe.vae.config.scaling_factor
+        prompt, _, pooled, _ = pipe.encode_prompt(captions, device=torch.device("cpu"),
+                                                  do_classifier_free_guidance=False)
+    noise = torch.randn(x0.shape, generator=generator)
+    timesteps = torch.randint(0, 1000, (len(x0),), generator=generator)
+    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    height, width = pixels.shape[-2:]
+    time_ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).repeat(len(x0), 1)
+    pred = model(scheduler.add_noise(x0, noise, timesteps), timesteps, encoder_hidden_states=prompt,
+                 added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)[0]
+    return pred, noise
+
+
+FORWARDS = {"WanPipeline": wan_forward, "FluxPipeline": flux_forward, "StableDiffusionXLPipeline": sdxl_forward}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
@@ -56,6 +57,23 @@ def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r):
     assert run["losses"][0] != run["losses"][-1]  # it trained
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
+def test_family_lora_hsdp2_equals_diffusers_peft_one_process(dist_run, media, model, tmp_path):
+    """FLUX (packed latents, ids, pooled embedding, guidance) and SDXL (epsilon, added conditioning), with
+    --cache-latents: the first run fills the cache (each rank its share) and stops at step 3; the resumed run reads
+    the cache without encoding and trains step 4. Together they equal four steps of one process."""
+    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    first = _cfg(media, model=model, lora_r=4, parallel=layout, cache_latents=True, output_dir=str(tmp_path))
+    second = first.replace(steps=4, resume="auto")
+    filled, resumed = dist_run(2, train_diffusion, [first, second])[0]
+    _close({"losses": filled["losses"] + resumed["losses"], "state": resumed["state"]},
+           reference_run(second, resolve_model(model)))
+    files = sorted((tmp_path / "latent-cache").rglob("*.safetensors"))
+    assert len(files) == 4
+    assert all(f.stat().st_mtime_ns < resumed["started"] for f in files)  # the resumed run wrote none
+    assert {"latents", "prompt_embeds", "pooled_prompt_embeds"} <= load_file(files[0]).keys()
+
+
 def test_hybrid_2x2_lora_with_grad_accum_equals_one_process(dist_run, media):
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2)
     cfg = _cfg(media, lora_r=4, grad_accum=2, batch_size=4, parallel=layout)
@@ -91,6 +109,6 @@ def test_bad_input_is_refused_before_training(media, tmp_path):
         check_diffusion_run(_cfg(media, lora_r=4, lora_target_modules=("qkv_proj",)))
     with pytest.raises(TrainConfigError, match="--train-component unet"):
         check_diffusion_run(_cfg(media, train_component="unet"))
-    for packed in ("tiny-wan-i2v", "tiny-flux", "tiny-sdxl"):  # conditions or packing the trainer does not build
+    for conditioned in ("tiny-wan-i2v", "tiny-flux-kontext"):  # image conditions the trainer does not encode
         with pytest.raises(TrainConfigError, match="does not build yet"):
-            check_diffusion_run(_cfg(media, model=packed))
+            check_diffusion_run(_cfg(media, model=conditioned))

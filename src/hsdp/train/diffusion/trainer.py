@@ -3,8 +3,14 @@
 The denoiser (``transformer``, ``transformer_2`` or ``unet``, as ``model_index.json`` names it) loads sharded with
 the same plan rules and ``load_pretrained`` as inference, with peft LoRA adapters injected before sharding when
 ``--lora-r`` is set. The frozen VAE and text encoders load once, encode every item's latents and caption
-embeddings (or read them from ``--cache-latents``), and are freed before the first step, so the training peak
-holds only the denoiser, its gradients, optimizer state and activations.
+encodings (every tensor the pipeline's ``encode_prompt`` returns that the denoiser takes: embeddings, pooled
+embeddings, text ids), and are freed before the first step, so the training peak holds only the denoiser, its
+gradients, optimizer state and activations. With ``--cache-latents`` they go through
+:class:`hsdp.train.diffusion.latent_cache.LatentCache`: each rank encodes its share of the missing items, then
+every rank reads every item.
+
+The denoiser's call is the family's (:mod:`hsdp.families`): plain latents, timestep and embeddings for DiT
+pipelines such as Wan; FLUX's packed latents, position ids and guidance; SDXL's added conditioning.
 
 Noise and timesteps come from one CPU generator seeded by (seed, step, micro-batch) and drawn for the whole
 global micro-batch; each data-parallel rank takes its rows. A run therefore sees the same noise at every world
@@ -13,11 +19,13 @@ size and layout, which is what the parity tests compare with one process running
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import json
 import logging
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +34,11 @@ import torch.nn.functional as F
 
 from hsdp.checkpoint import export_safetensors
 from hsdp.config import DTYPES
-from hsdp.families import family_for
+from hsdp.families import DenoiserBatch, Family, family_for, training_family
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
 from hsdp.train.data import DatasetError
+from hsdp.train.diffusion.latent_cache import LatentCache, encoder_fingerprint, fill_cache
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.objective import Objective, objective_for
 from hsdp.train.trainer import Trainer, TrainResult
@@ -85,11 +94,12 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     if lm_only:
         raise TrainConfigError(f"{', '.join(lm_only)}: not available for diffusion training yet")
     component = trained_component(cfg, model_dir)
-    family = family_for(_index(model_dir).get("_class_name", ""))
-    if family.latent_packing != 1 or component == "unet":
+    pipeline_class = _index(model_dir).get("_class_name", "")
+    if training_family(pipeline_class) is None:
         raise TrainConfigError(
-            f"--model {cfg.model}: training {_index(model_dir).get('_class_name')} needs its latent packing / "
-            "added conditioning, which hsdp's diffusion trainer does not build yet (DiT pipelines such as Wan train)"
+            f"--model {cfg.model}: training {pipeline_class} needs its conditioning inputs (reference images, "
+            f"masks), which hsdp's diffusion trainer does not build yet ({family_for(pipeline_class).name} trains "
+            "from its text-to-image pipeline)"
         )
     _check_plain_latents(cfg, model_dir, component)
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
@@ -126,9 +136,9 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
 
 
 def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> None:
-    """The denoiser must take the VAE's latents as they are: more input channels than the VAE's latent channels
-    mean packed latents or concatenated conditions (FLUX, Qwen-Image, Wan image-to-video), which the generic
-    trainer does not build."""
+    """The denoiser must take the VAE's latents as they are, or packed as its family packs them (FLUX: 2 x 2
+    patches, 4x the channels): other counts mean concatenated conditions (Wan image-to-video, FLUX Fill) or a
+    packing no family builds (Qwen-Image)."""
     denoiser = json.loads((model_dir / component / "config.json").read_text())
     vae_config = model_dir / "vae" / "config.json"
     if not vae_config.is_file():
@@ -136,7 +146,8 @@ def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> N
     vae = json.loads(vae_config.read_text())
     latent = vae.get("z_dim") or vae.get("latent_channels")
     taken = denoiser.get("in_channels")
-    if latent and taken and taken != latent:
+    packing = family_for(_index(model_dir).get("_class_name", "")).latent_packing
+    if latent and taken and taken != latent * packing**2:
         raise TrainConfigError(
             f"--model {cfg.model}: its {component} takes {taken} input channels, the VAE gives {latent}: packed "
             "latents or concatenated conditions, which hsdp's diffusion trainer does not build yet"
@@ -145,13 +156,14 @@ def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> N
 
 @dataclass
 class EncodedData:
-    """Latents and caption embeddings of every item, encoded once (the frozen encoders are gone)."""
+    """Latents and caption encodings of every item, encoded once (the frozen encoders are gone)."""
 
     dataset: MediaDataset
     latents: list[torch.Tensor]
-    prompts: list[torch.Tensor]
-    empty_prompt: torch.Tensor
-    """The embedding of the empty caption (caption dropout)."""
+    prompts: list[dict[str, torch.Tensor]]
+    """Per item, the tensors the family names in ``prompt_outputs`` (e.g. prompt_embeds, pooled_prompt_embeds)."""
+    empty_prompt: dict[str, torch.Tensor]
+    """The encodings of the empty caption (caption dropout)."""
 
 
 def _pipeline_without(model_dir: Path, component_names: list[str]):
@@ -191,15 +203,39 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_captions(pipe, captions: list[str]) -> list[torch.Tensor]:
-    """Caption embeddings from the pipeline's own ``encode_prompt`` (no guidance: one embedding per caption)."""
+def encode_captions(pipe, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+    """Each caption's encodings from the pipeline's own ``encode_prompt`` (no guidance), named by the family's
+    ``prompt_outputs``: every tensor the denoiser's call takes, so the latent cache holds all of them."""
+    family = training_family(type(pipe).__name__)
     params = inspect.signature(pipe.encode_prompt).parameters
     kwargs = {"device": torch.device("cpu")}
     if "do_classifier_free_guidance" in params:
         kwargs["do_classifier_free_guidance"] = False
     out = pipe.encode_prompt(prompt=captions, **{k: v for k, v in kwargs.items() if k in params})
-    embeds = out[0] if isinstance(out, tuple) else out
-    return [e for e in embeds.float()]
+    outputs = out if isinstance(out, tuple) else (out,)
+    # Pipelines return more than the family names (e.g. Wan's negative embeddings, None without guidance).
+    named = {name: t.float() for name, t in zip(family.prompt_outputs, outputs, strict=False) if name is not None}
+    return [
+        {name: t if name in family.shared_prompt_outputs else t[row] for name, t in named.items()}
+        for row in range(len(captions))
+    ]
+
+
+def encode_items(pipe, dataset: MediaDataset, indices: Iterable[int]) -> list[dict[str, torch.Tensor]]:
+    """The ``latents`` and caption encodings of items ``indices`` (what the latent cache stores per item)."""
+    return [
+        {"latents": encode_latents(pipe.vae, dataset.pixels(i)), **encode_captions(pipe, [dataset.items[i].caption])[0]}
+        for i in indices
+    ]
+
+
+def encoder_components(model_dir: Path) -> list[str]:
+    """The frozen components cached encodings come from: every component but the denoisers and the scheduler."""
+    return [
+        name
+        for name, entry in _index(model_dir).items()
+        if isinstance(entry, list) and entry[0] is not None and name not in (*DENOISERS, "scheduler")
+    ]
 
 
 class DiffusionTrainer(Trainer):
@@ -208,6 +244,8 @@ class DiffusionTrainer(Trainer):
     unit = "samples"
 
     def _preflight(self) -> Preflight:
+        import diffusers
+
         from hsdp.models.builtin import resolve_model
 
         problems = self.cfg.problems()
@@ -215,7 +253,10 @@ class DiffusionTrainer(Trainer):
             raise TrainConfigError("invalid training settings:\n" + "\n".join(f"  - {p}" for p in problems))
         model_dir = resolve_model(self.cfg.model)
         self.component = trained_component(self.cfg, model_dir)
-        return diffusion_preflight(self.cfg, model_dir)
+        checks = diffusion_preflight(self.cfg, model_dir)
+        self.pipeline_class = getattr(diffusers, _index(model_dir)["_class_name"])
+        self.family: Family = training_family(self.pipeline_class.__name__)
+        return checks
 
     def _weights_dir(self) -> Path:
         return self.model_dir / self.component
@@ -248,23 +289,27 @@ class DiffusionTrainer(Trainer):
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
         except DatasetError as exc:
             raise TrainConfigError(str(exc)) from exc
-        cache = Path(cfg.output_dir or ".") / "latent-cache" if cfg.cache_latents else None
-        latents, prompts = [], []
-        for index, item in enumerate(dataset.items):
-            cached = _read_cache(cache, self.fingerprint, dataset, index) if cache else None
-            if cached is None:
-                cached = {
-                    "latents": encode_latents(pipe.vae, dataset.pixels(index)),
-                    "prompt": encode_captions(pipe, [item.caption])[0],
-                }
-                if cache:
-                    _write_cache(cache, self.fingerprint, dataset, index, cached)
-            latents.append(cached["latents"])
-            prompts.append(cached["prompt"])
+        encode = functools.partial(encode_items, pipe, dataset)
+        items = self._through_cache(dataset, encode) if cfg.cache_latents else encode(range(len(dataset)))
         empty = encode_captions(pipe, [""])[0]
-        del pipe  # the frozen encoders are not needed again: free them before the first step
+        del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
-        return EncodedData(dataset, latents, prompts, empty), None
+        latents = [item.pop("latents") for item in items]
+        return EncodedData(dataset, latents, items, empty), None
+
+    def _through_cache(self, dataset: MediaDataset, encode) -> list[dict[str, torch.Tensor]]:
+        """``--cache-latents``: each rank encodes its share of the items missing from the cache (under
+        ``<output-dir>/latent-cache``, keyed by the encoders' fingerprint), then every rank reads every item."""
+        fingerprint = encoder_fingerprint(
+            self.model_dir, encoder_components(self.model_dir), pipeline=self.pipeline_class.__name__
+        )
+        cache = LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
+        fill_cache(dataset, cache, encode, self.rank, self.world_size)
+        # An item damaged since it was written (get warns) is encoded again here rather than failing the run.
+        return [
+            cache.get(item.key, bucket) or encode([index])[0]
+            for index, (item, bucket) in enumerate(zip(dataset.items, dataset.buckets, strict=True))
+        ]
 
     def _micro_loss(self, micro: int) -> torch.Tensor:
         cfg = self.cfg
@@ -277,14 +322,16 @@ class DiffusionTrainer(Trainer):
         prompts = [self.data.empty_prompt if d else self.data.prompts[i] for i, d in zip(rows, drop.tolist(), strict=True)]
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
-        embeds = _pad_stack(prompts[mine])
+        bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
+        batch = DenoiserBatch(
+            noisy=noised.noisy[mine].to(self.device),
+            timesteps=noised.timesteps[mine].to(self.device),
+            prompts={name: t.to(self.device) for name, t in _batch_prompts(prompts[mine]).items()},
+            size=(bucket.height, bucket.width),
+        )
+        call = self.family.training_inputs(self.pipeline_class, self.model, batch)
         with self._autocast():
-            prediction = self.model(
-                hidden_states=noised.noisy[mine].to(self.device),
-                timestep=noised.timesteps[mine].to(self.device),
-                encoder_hidden_states=embeds.to(self.device),
-                return_dict=False,
-            )[0]
+            prediction = call.to_latents(self.model(**call.kwargs, return_dict=False)[0])
         target = noised.target[mine].to(self.device)
         per_row = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
         return (per_row * noised.weights[mine].to(self.device)).mean() / cfg.grad_accum
@@ -307,41 +354,12 @@ class DiffusionTrainer(Trainer):
         result.export = str(out)
 
 
-def _pad_stack(embeds: list[torch.Tensor]) -> torch.Tensor:
-    """Caption embeddings of one batch, zero-padded to the longest (encoders give fixed lengths; kept general)."""
-    length = max(e.shape[0] for e in embeds)
-    return torch.stack([F.pad(e, (0, 0, 0, length - e.shape[0])) for e in embeds])
+def _batch_prompts(prompts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One micro-batch's caption encodings, stacked per name (shared ones too: the family's call picks one)."""
+    return {name: _pad_stack([p[name] for p in prompts]) for name in prompts[0]}
 
 
-def _cache_file(root: Path, fingerprint: dict, dataset: MediaDataset, index: int) -> Path:
-    import hashlib
-
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    bucket = dataset.buckets[index]
-    key = dataset.items[index].key.replace("/", "__")
-    return root / digest / f"{bucket.frames}x{bucket.height}x{bucket.width}" / f"{key}.safetensors"
-
-
-def _read_cache(root: Path, fingerprint: dict, dataset: MediaDataset, index: int) -> dict | None:
-    from safetensors.torch import load_file
-
-    path = _cache_file(root, fingerprint, dataset, index)
-    if not path.is_file():
-        return None
-    try:
-        return load_file(path)
-    except Exception:  # a partial or corrupt file: encode again
-        logger.warning("latent cache %s is unreadable; encoding the item again", path)
-        return None
-
-
-def _write_cache(root: Path, fingerprint: dict, dataset: MediaDataset, index: int, tensors: dict) -> None:
-    import os
-
-    from safetensors.torch import save_file
-
-    path = _cache_file(root, fingerprint, dataset, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, staging)
-    os.replace(staging, path)
+def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Stack, zero-padding the first dimension to the longest (encoders give fixed lengths; kept general)."""
+    length = max(t.shape[0] for t in tensors)
+    return torch.stack([F.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0])) for t in tensors])
