@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from hsdp.checkpoint import export_safetensors
 from hsdp.config import DTYPES
+from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.families import DenoiserBatch, Family, family_for, training_family
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
@@ -102,6 +103,7 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
             "from its text-to-image pipeline)"
         )
     _check_plain_latents(cfg, model_dir, component)
+    _check_sequence_parallel(cfg, model_dir, component)
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
     if cfg.use_lora:
         try:
@@ -133,6 +135,20 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
                                  frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+
+
+def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) -> None:
+    """``--ulysses-degree`` needs the denoiser's ``_cp_plan`` (where diffusers splits and gathers the sequence)."""
+    import diffusers
+
+    if cfg.parallel.ulysses_degree <= 1:
+        return
+    name = json.loads((model_dir / component / "config.json").read_text()).get("_class_name", "")
+    if not has_cp_plan(getattr(diffusers, name, None)):
+        raise TrainConfigError(
+            f"--ulysses-degree={cfg.parallel.ulysses_degree}: {component} ({name}) has no _cp_plan, so diffusers "
+            "cannot split its sequence; train it with --hsdp-shard-size instead"
+        )
 
 
 def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> None:
@@ -266,6 +282,9 @@ class DiffusionTrainer(Trainer):
 
     def _enable_activation_checkpointing(self) -> None:
         self.model.enable_gradient_checkpointing()
+
+    def _enable_sequence_parallel(self) -> None:
+        enable_ulysses(self.model, self.parallel, self.meshes)
 
     def _items_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum
