@@ -10,6 +10,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 
 from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.planning.estimate import Estimate, Hardware, Workload
@@ -41,6 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-guidance", dest="guidance", action="store_false", help="diffusion without CFG branches"
     )
+    diffusion = parser.add_argument_group(
+        "diffusion training (--train on a pipeline: the denoiser as hsdp train trains it)"
+    )
+    diffusion.add_argument("--height", type=int, default=None, help="pixel height of a training item")
+    diffusion.add_argument("--width", type=int, default=None, help="pixel width of a training item")
+    diffusion.add_argument("--frames", type=int, default=1, help="frames per training item (default 1: images)")
+    diffusion.add_argument("--lora-r", type=int, default=0, help="LoRA rank (default 0: full fine-tuning)")
+    diffusion.add_argument(
+        "--lora-target-modules", nargs="+", default=(), help="LoRA targets (default: hsdp train's)"
+    )
+    diffusion.add_argument("--train-component", default=None, help="the denoiser trained (default: the first)")
     parser.add_argument("--dtype", default=None, help="stored weight dtype (default: the checkpoint's)")
     parser.add_argument(
         "--param-dtype", default=None, help="compute dtype of gathered weights (mixed precision)"
@@ -59,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     problems = [
         f"{flag}={value} must be >= 1"
-        for flag, value in (("--devices", args.devices), ("--seq-len", args.seq_len), ("--batch", args.batch))
+        for flag, value in (
+            ("--devices", args.devices),
+            ("--seq-len", args.seq_len),
+            ("--batch", args.batch),
+            ("--frames", args.frames),
+        )
         if value < 1
     ]
     problems += [
@@ -76,6 +93,10 @@ def _check_args(args: argparse.Namespace) -> None:
         for flag, value in (("--dtype", args.dtype), ("--param-dtype", args.param_dtype))
         if value is not None and value not in DTYPES
     ]
+    problems += [f"{flag}={value} must be >= 1" for flag, value in (("--height", args.height),
+                 ("--width", args.width)) if value is not None and value < 1]  # fmt: skip
+    if args.lora_r < 0:
+        problems.append(f"--lora-r={args.lora_r} must be >= 0 (0: full fine-tuning)")
     if problems:
         raise PlanError("; ".join(problems))
 
@@ -124,12 +145,14 @@ def run(args: argparse.Namespace) -> int:
         memory = parse_size(args.device_memory)
         reserve = _parse_reserve(args.reserve, memory)
         hw = Hardware(memory - reserve, args.device_tflops, args.link_gbps, args.host_gbps)
-        work = Workload(
-            training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
-        )
-        profiles = profile_model(
-            args.model, DTYPES[args.dtype] if args.dtype else None, _engine_sharded(args.model)
-        )
+        sharded = _engine_sharded(args.model)
+        if args.training and sharded is not None:
+            profiles, work = _diffusion_training(args)
+        else:
+            work = Workload(
+                training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
+            )
+            profiles = profile_model(args.model, DTYPES[args.dtype] if args.dtype else None, sharded)
         result = plan(profiles, args.devices, work, hw, args.param_dtype, args.weight_dtype)
     except PlanError as exc:
         print(f"hsdp plan: {exc}", file=sys.stderr)
@@ -143,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
                 + ("" if p.blocks else " (kept whole on every rank)")
             )
         mode = "training" if work.training else "inference"
+        if work.activation_bytes is not None:
+            mode += f" ({_diffusion_label(args)}; the encoders are freed before the first step)"
         print(
             f"{mode} on {args.devices} devices of {format_size(memory)} ({format_size(hw.device_memory)} usable, "
             f"--reserve {args.reserve}), batch {work.batch} x {work.seq_len} tokens\n"
@@ -157,12 +182,53 @@ def run(args: argparse.Namespace) -> int:
         config = result.recommended.layout.config
         if not work.training and config.request_parallel and config.hsdp_shard_size == 1:
             print("one request runs on one device (the model fits whole there; replicas would repeat its work)")
-        print(f"run it: {command_line(args.model, result.recommended, work.training)}")
+        extra = _diffusion_train_flags(args) if work.activation_bytes is not None else []
+        print(f"run it: {command_line(args.model, result.recommended, work.training, extra)}")
         throughput = throughput_command_line(args.model, result.recommended, work.training)
         if throughput:
             slots = config.data_parallel_size
             print(f"for throughput, {slots} requests at a time (one per replica): {throughput}")
     return 0
+
+
+def _diffusion_training(args: argparse.Namespace) -> tuple[list, Workload]:
+    """The trained denoiser's profile and its workload (:mod:`hsdp.planning.diffusion`)."""
+    from hsdp.planning.diffusion import diffusion_training
+
+    if args.height is None or args.width is None:
+        raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
+    found = diffusion_training(
+        args.model,
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
+        batch=args.batch,
+        lora_r=args.lora_r,
+        lora_targets=tuple(args.lora_target_modules),
+        component=args.train_component,
+        param_dtype=args.param_dtype,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+    )
+    return [found.profile], found.work
+
+
+def _diffusion_label(args: argparse.Namespace) -> str:
+    kind = f"LoRA r={args.lora_r}" if args.lora_r else "full fine-tuning"
+    return f"{kind} of the denoiser, {args.height}x{args.width} x {args.frames} frames"
+
+
+def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
+    """``hsdp train`` flags for the planned item size and LoRA (its ``--resolution`` is the side of the area)."""
+    parts = ["--resolution", str(round((args.height * args.width) ** 0.5))]
+    if args.frames > 1:
+        parts += ["--frames", str(args.frames)]
+    if args.lora_r:
+        parts += ["--lora-r", str(args.lora_r)]
+    if args.lora_target_modules:
+        parts += ["--lora-target-modules", *args.lora_target_modules]
+    if args.train_component:
+        parts += ["--train-component", args.train_component]
+    return parts
 
 
 def _engine_sharded(model: str) -> tuple[str, ...] | None:
@@ -185,19 +251,19 @@ def _engine_sharded(model: str) -> tuple[str, ...] | None:
         raise PlanError(str(exc)) from exc
 
 
-def command_line(model: str, chosen: Estimate, training: bool) -> str:
+def command_line(model: str, chosen: Estimate, training: bool, extra: Sequence[str] = ()) -> str:
     """The ``hsdp generate`` / ``hsdp train`` command that runs ``chosen``'s layout for one request (the prompt and
     the data are placeholders). Replicas of a request-parallel inference layout would only repeat one request's
     work, so they are left out: a layout of whole replicas becomes one process on one device
     (:func:`throughput_command_line` gives the command that uses them). Budgeted residency is passed as
-    ``--device-memory``, from which the engine plans the same."""
+    ``--device-memory``, from which the engine plans the same. ``extra``: flags of the planned training run."""
     c = chosen.layout.config
     one_request = not training and c.request_parallel
     parts = ["hsdp", "train" if training else "generate", "--model", model]
     if c.use_hsdp and not (one_request and c.hsdp_shard_size == 1):
         parts += ["--use-hsdp", "--hsdp-shard-size", str(c.hsdp_shard_size)]
     parts += _parallel_flags(chosen, one_request, training)
-    parts += ["--data", "DATA"] if training else ["--prompt", "PROMPT"]
+    parts += [*extra, "--data", "DATA"] if training else ["--prompt", "PROMPT"]
     return shlex.join(parts)
 
 

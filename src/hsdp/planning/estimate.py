@@ -26,6 +26,9 @@ class Workload:
     """Tokens per sample (for a DiT: latent patches per frame stack)."""
     guidance: bool = True
     """Diffusion inference runs two guidance branches (classifier-free guidance) per step."""
+    activation_bytes: int | None = None
+    """Activations of the ``batch`` samples of one rank, traced (:mod:`hsdp.planning.diffusion`) instead of the
+    transformer-shaped per-token formula."""
 
 
 @dataclass(frozen=True)
@@ -157,12 +160,13 @@ def _forward_window(p: ModelProfile, shard: int, elem: int | None, layout: Layou
     return compute, copy_out
 
 
-def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[str, int]:
+def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[str, int]:
     """Exact per-rank bytes of one component: sharded storage, gather buffers, grads, optimizer, comm."""
     c = layout.config
     s, r = _shard_size(c), (c.hsdp_replicate_size if c.use_hsdp else 1)
     ce = DTYPES[c.param_dtype].itemsize if c.param_dtype else None
     re_ = DTYPES[c.reduce_dtype].itemsize if c.reduce_dtype else ce
+    training = work.training
     wd = None if training else layout.weight_dtype
     shards = sum(u.shard_bytes(s, weight_dtype=wd) for u in p.units)
     out = dict(
@@ -184,25 +188,29 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, training: bool) -> dict[s
             out["ag"] = int(frac * sum(u.gathered_bytes(s, ce, wd) for u in moving))
         return out
 
-    # Training: sharded grads (param dtype) and two AdamW states per sharded value.
-    out["host" if c.cpu_offload else "grads"] += shards + p.replicated_bytes
-    out["host" if c.cpu_offload else "optimizer"] += 2 * (shards + p.replicated_bytes)
+    # Training: sharded grads (param dtype) and two AdamW states per sharded trained value (LoRA: the adapters).
+    trained = [u.trained() for u in p.units]
+    state = sum(u.shard_bytes(s) for u in trained) + p.replicated_trained_bytes
+    out["host" if c.cpu_offload else "grads"] += state
+    out["host" if c.cpu_offload else "optimizer"] += 2 * state
     if gathers:
         # Backward of the largest unit, with every activation still saved: its gathered weights, the next unit's
         # (FSDP2 prefetches it in backward) unless every unit stayed gathered from forward, and its unsharded
         # gradients (the reduce-scatter buffer replaces them as that layer's activations are freed).
         biggest = max(p.blocks or p.units, key=lambda u: u.unsharded_bytes(ce))
-        root = p.root.unsharded_bytes(ce) + p.root.gathered_bytes(s, re_)
-        grads = biggest.gathered_bytes(s, re_)
+        root = p.root.unsharded_bytes(ce)
+        if work.activation_bytes is None:  # a traced step holds the root's gradients as backward makes them
+            root += p.root.trained().gathered_bytes(s, re_)
+        grads = biggest.trained().gathered_bytes(s, re_)
         if c.reshard_after_forward is False:  # SHARD_GRAD_OP
             out["gather"] = sum(u.unsharded_bytes(ce) for u in p.blocks) + root + grads
         else:
             out["gather"] = root + biggest.unsharded_bytes(ce) + biggest.gathered_bytes(s, ce) + grads
         passes = 1 if c.reshard_after_forward is False else 2
         out["ag"] = int(passes * frac * sum(u.gathered_bytes(s, ce) for u in p.units))
-        out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in p.units))
+        out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in trained))
     if r > 1:  # HSDP: the reduce-scattered shards are all-reduced across the replica groups
-        out["ar"] = int(2 * (r - 1) / r * sum(u.shard_bytes(s, re_) for u in p.units))
+        out["ar"] = int(2 * (r - 1) / r * sum(u.shard_bytes(s, re_) for u in trained))
     return out
 
 
@@ -220,6 +228,8 @@ def _activations(p: ModelProfile, layout: Layout, work: Workload) -> tuple[int, 
     elem = _activation_elem(p, c)
     branches = 2 if p.kind == "diffusion" and work.guidance and not work.training else 1
     tokens = work.batch * work.seq_len * branches / c.compute_parallel_size
+    if work.activation_bytes is not None:
+        return int(work.activation_bytes * branches / c.compute_parallel_size), tokens
     per_token = (4 * p.hidden + 2 * p.ffn) * elem
     if work.training:
         per_token = p.layers * (12 * p.hidden + 4 * p.ffn) * elem
@@ -237,7 +247,7 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     """
     main = main_component(profiles)
     parts = {
-        p.name: _weights_and_comm(p, layout if p is main else Layout(layout.config), work.training)
+        p.name: _weights_and_comm(p, layout if p is main else Layout(layout.config), work)
         for p in profiles
     }
     m = parts[main.name]

@@ -35,6 +35,7 @@ __all__ = [
     "main_component",
     "model_kind",
     "profile_module",
+    "root_parameters",
     "build_meta_model",
     "component_folders",
     "profile_model",
@@ -79,6 +80,16 @@ class UnitProfile:
     linear: tuple[bool, ...] = ()
     """Per parameter: an ``nn.Linear`` weight ``--weight-dtype`` stores in 8 bits when its rows split evenly over
     the shard size (:func:`hsdp.quantize.quantizable_linears`); empty: none is."""
+    trainable: tuple[bool, ...] = ()
+    """Per parameter: trained (gradients, AdamW state); empty: every one is (LoRA freezes the base)."""
+
+    def trained(self) -> UnitProfile:
+        """The unit's trained parameters only: what has gradients and optimizer state."""
+        if not self.trainable or all(self.trainable):
+            return self
+        keep = [i for i, t in enumerate(self.trainable) if t]
+        linear = tuple(self.linear[i] for i in keep) if self.linear else ()
+        return UnitProfile(self.name, tuple(self.params[i] for i in keep), linear)
 
     @property
     def numel(self) -> int:
@@ -161,6 +172,12 @@ class ModelProfile:
     vocab: int
     num_params: int
     """Every parameter, sharded or not (tied weights once)."""
+    replicated_trained: int | None = None
+    """Bytes of ``replicated_bytes`` that are trained parameters; None: all of them (as before LoRA was planned)."""
+
+    @property
+    def replicated_trained_bytes(self) -> int:
+        return self.replicated_bytes if self.replicated_trained is None else self.replicated_trained
 
     @property
     def units(self) -> tuple[UnitProfile, ...]:
@@ -217,17 +234,21 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
     )
     owned: dict[str, list[tuple[int, int, int]]] = {n: [] for n in [*targets, ""]}
     linear: dict[str, list[bool]] = {n: [] for n in owned}
+    trainable: dict[str, list[bool]] = {n: [] for n in owned}
+    frozen = any(not p.requires_grad for p in model.parameters())
+    replicated_trained = 0
     # The weights --weight-dtype would store in 8 bits (those left whole are skipped below, as quantizing skips them).
     eight_bit = {f"{n}.weight" if n else "weight" for n, _ in quantizable_linears(model)}
     replicated = sum(b.numel() * b.element_size() for b in model.buffers())
     for pname, param in model.named_parameters():
         if pname in whole:
             replicated += param.numel() * param.element_size()
+            replicated_trained += param.numel() * param.element_size() if param.requires_grad else 0
             continue
-        # fully_shard runs leaf-first, so the deepest selected module that contains a parameter owns it.
-        owner = max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
+        owner = _owner(pname, targets)
         owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
         linear[owner].append(pname in eight_bit)
+        trainable[owner].append(param.requires_grad)
     if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
         found = getattr(model, "config", None)
         config = found.to_dict() if hasattr(found, "to_dict") else dict(found or {})
@@ -239,8 +260,8 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         name=name,
         class_name=type(model).__name__,
         kind=model_kind(type(model)),
-        blocks=tuple(UnitProfile(t, tuple(owned[t]), tuple(linear[t])) for t in targets if owned[t]),
-        root=UnitProfile("", tuple(owned[""]), tuple(linear[""])),
+        blocks=tuple(_unit(t, owned, linear, trainable, frozen) for t in targets if owned[t]),
+        root=_unit("", owned, linear, trainable, frozen),
         replicated_bytes=replicated,
         hidden=hidden,
         ffn=_config_int(config, "intermediate_size", "ffn_dim", "d_ff", "n_inner", default=4 * hidden),
@@ -248,7 +269,26 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         heads=heads,
         vocab=_config_int(config, "vocab_size"),
         num_params=sum(p.numel() for p in model.parameters()),
+        replicated_trained=replicated_trained if frozen else None,
     )
+
+
+def _owner(pname: str, targets: Sequence[str]) -> str:
+    """The unit that owns parameter ``pname``: fully_shard runs leaf-first, so the deepest selected module that
+    contains it ("" for the root)."""
+    return max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
+
+
+def root_parameters(model: nn.Module) -> set[str]:
+    """Names of the parameters the root unit owns under the model's shard plan."""
+    plan = resolve_plan(model)
+    targets = [n for n, m in model.named_modules() if n and plan.should_shard(n, m)]
+    return {n for n, _ in model.named_parameters() if not _owner(n, targets)}
+
+
+def _unit(name: str, owned: dict, linear: dict, trainable: dict, frozen: bool) -> UnitProfile:
+    """One unit's profile; which parameters are trained is recorded only when some parameter is frozen."""
+    return UnitProfile(name, tuple(owned[name]), tuple(linear[name]), tuple(trainable[name]) if frozen else ())
 
 
 def _stored_dtype(folder: Path, config: dict) -> torch.dtype:

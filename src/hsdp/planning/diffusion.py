@@ -1,0 +1,216 @@
+"""Planning ``hsdp train`` on a diffusers pipeline: the trained denoiser's profile and its step's activations.
+
+The diffusion trainer (:mod:`hsdp.train.diffusion.trainer`) frees the VAE and text encoders before the first step,
+so a training step holds the denoiser alone: its shards, gradients and AdamW state (of the LoRA adapters only, when
+``lora_r`` is set; the frozen base in its stored dtype), gathered units, and the activations of one micro-batch.
+Weights, gradients and optimizer state are the planner's exact arithmetic over the profile of the denoiser as the
+trainer builds it (fp32 for full fine-tuning, adapters injected by the trainer's own hook for LoRA).
+
+Activations are traced, not guessed: the denoiser built from its config runs one forward and backward on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no memory, no arithmetic) with the inputs the trainer gives it, and
+torch's ``MemTracker`` reads the peak of what that step holds besides the parameters (saved activations, the
+backward's temporaries; each gradient is dropped as it is made, since the estimate counts gradients itself). A
+DiT's cross-attention to the text tokens, its modulation and attention kernels are then counted as they run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hsdp.config import DTYPES
+from hsdp.planning.estimate import Workload
+from hsdp.planning.profile import ModelProfile, PlanError, build_meta_model, profile_module, root_parameters
+
+__all__ = ["DiffusionTraining", "diffusion_training", "traced_activation_bytes", "trainer_step_peak"]
+
+
+@dataclass(frozen=True)
+class DiffusionTraining:
+    """What ``hsdp plan --train`` needs for a pipeline: the trained denoiser's profile and the workload."""
+
+    profile: ModelProfile
+    work: Workload
+    latent_shape: tuple[int, ...]
+    """One sample's latents as the denoiser takes them (``[C, F, H, W]`` or ``[C, H, W]``)."""
+    text_shape: tuple[int, int]
+    """One caption's embedding (tokens, width)."""
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _meta_pipeline(model_dir: Path, cls):
+    """The pipeline class with only its VAE, built on meta from config (its scale factors come from the VAE)."""
+    init = inspect.signature(cls.__init__).parameters
+    parts = {n: None for n, p in init.items() if n != "self" and p.default is inspect.Parameter.empty}
+    if (model_dir / "vae" / "config.json").is_file():
+        parts["vae"] = build_meta_model(model_dir / "vae")[0]
+    return cls(**parts)
+
+
+def _text_shape(model_dir: Path, cls) -> tuple[int, int]:
+    """Caption embedding (tokens, width) as the trainer encodes it: ``encode_prompt``'s default length (the
+    tokenizer's ``model_max_length`` when it takes none) and the text encoder's width."""
+    default = inspect.signature(cls.encode_prompt).parameters.get("max_sequence_length")
+    tokens = default.default if default is not None and isinstance(default.default, int) else None
+    tokens = tokens or _read(model_dir / "tokenizer" / "tokenizer_config.json").get("model_max_length")
+    encoder = _read(model_dir / "text_encoder" / "config.json")
+    width = next((encoder[k] for k in ("d_model", "hidden_size") if isinstance(encoder.get(k), int)), None)
+    if not isinstance(tokens, int) or not width:
+        raise PlanError(f"{model_dir}: cannot tell the caption embedding's length and width from its configs")
+    return tokens, width
+
+
+def _patch(config: dict) -> tuple[int, int, int]:
+    """The denoiser's (frames, height, width) patch: Wan's ``[1, 2, 2]``, an image DiT's ``2``."""
+    patch = config.get("patch_size") or 1
+    return tuple(patch) if isinstance(patch, (list, tuple)) else (1, patch, patch)
+
+
+def _latent_shape(spec, config: dict, height: int, width: int, frames: int) -> tuple[int, ...]:
+    """One sample's latents for a ``height x width`` item of ``frames`` frames; sizes the VAE cannot take are
+    refused naming the flag, as the trainer refuses such media."""
+    for flag, value in (("--height", height), ("--width", width)):
+        if value % spec.spatial_multiple:
+            raise PlanError(f"{flag}={value} must be a multiple of {spec.spatial_multiple} for this pipeline")
+    scale = spec.spatial_multiple // _patch(config)[-1]
+    channels = config.get("in_channels") or 4
+    if not spec.video:
+        if frames != 1:
+            raise PlanError(f"--frames={frames}: this pipeline makes images (use --frames 1)")
+        return (channels, height // scale, width // scale)
+    if (frames - 1) % spec.temporal_multiple:
+        raise PlanError(f"--frames={frames} must be k * {spec.temporal_multiple} + 1 for this pipeline's VAE")
+    return (channels, (frames - 1) // spec.temporal_multiple + 1, height // scale, width // scale)
+
+
+def _tokens(latent: tuple[int, ...], config: dict) -> int:
+    """Tokens per sample: the latent divided into the denoiser's patches."""
+    sizes = latent[1:] if len(latent) == 4 else (1, *latent[1:])
+    tokens = 1
+    for size, patch in zip(sizes, _patch(config), strict=True):
+        tokens *= max(1, size // patch)
+    return tokens
+
+
+def _tracker():
+    """torch's ``MemTracker`` without gradient hooks (LoRA's frozen base refuses them): gradients count as the
+    tensors they are, from their allocation."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    return Tracker()
+
+
+def trainer_step_peak(trainer) -> int:
+    """Per-rank peak bytes of live tensors over one step of a running :class:`hsdp.train.trainer.Trainer` (torch's
+    ``MemTracker``: what ``max_memory_allocated`` counts on a GPU, without the CPU's allocator and Python
+    overheads): what the plan is checked against. Run it after the first step, which creates the AdamW state."""
+    tracker = _tracker()
+    tracker.track_external(trainer.model, trainer.optimizer)
+    with tracker:
+        trainer.train_step()
+    return int(tracker.get_tracker_snapshot("peak")[trainer.device]["Total"])
+
+
+def traced_activation_bytes(
+    model: nn.Module, inputs: dict[str, tuple[tuple[int, ...], torch.dtype]], target_shape: tuple[int, ...]
+) -> int:
+    """Peak bytes a training forward and backward of ``model`` hold besides its parameters, on fake tensors.
+
+    ``model``: on the meta device, parameters in the dtypes the step computes in. ``inputs``: keyword arguments of
+    the forward as (shape, dtype); ``target_shape``: the flow/noise target the mean squared error compares with.
+    The gradients of the shard plan's blocks are dropped as they are made (FSDP2 reduce-scatters each block's as
+    its backward ends: the estimate counts one block's); the root unit's are kept, as FSDP2 reduces them last.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from hsdp.distributed import local_device
+
+    device = local_device()
+    root = root_parameters(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # buffers a model computes at init are real
+        model.to_empty(device=device)
+        for name, param in model.named_parameters():
+            if param.requires_grad and name not in root:
+                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        tracker = _tracker()
+        with tracker:
+            args = {k: torch.empty(shape, dtype=dtype, device=device) for k, (shape, dtype) in inputs.items()}
+            target = torch.empty(target_shape, device=device)
+            prediction = model(**args, return_dict=False)[0]
+            F.mse_loss(prediction.float(), target).backward()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    # Every parameter and buffer is tracked by the first forward, before the peak: the rest is the step's own.
+    return int(peak["Total"] - peak[_MemRefType.PARAM] - peak[_MemRefType.BUFFER])
+
+
+def diffusion_training(
+    model: str,
+    *,
+    height: int,
+    width: int,
+    frames: int = 1,
+    batch: int = 1,
+    lora_r: int = 0,
+    lora_targets: tuple[str, ...] = (),
+    component: str | None = None,
+    param_dtype: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> DiffusionTraining:
+    """The trained denoiser of pipeline ``model`` as ``hsdp train`` builds it, and a workload of ``batch`` samples
+    of ``height x width x frames`` per rank (``seq_len``: the denoiser's tokens per sample). ``dtype``: LoRA's
+    frozen base as stored (default: the checkpoint's); full fine-tuning always holds fp32 masters."""
+    import diffusers
+
+    from hsdp import lora
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.config import TrainConfig, TrainConfigError
+    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, media_spec, trained_component
+
+    folder = resolve_model(model)
+    index = _read(folder / "model_index.json")
+    cfg = TrainConfig(model=model, data="", lora_r=lora_r, lora_target_modules=lora_targets,
+                      train_component=component)  # fmt: skip
+    try:
+        component = trained_component(cfg, folder)
+    except TrainConfigError as exc:
+        raise PlanError(str(exc)) from exc
+    cls = getattr(diffusers, index.get("_class_name", ""), None)
+    if cls is None:
+        raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
+    # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
+    denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
+    if lora_r:
+        lora.injector(cfg.lora_config(str(folder / component), default_targets=DEFAULT_LORA_TARGETS))(denoiser)
+    profile = profile_module(denoiser, component, config)
+
+    spec = media_spec(_meta_pipeline(folder, cls), folder, component)
+    latent = _latent_shape(spec, config, height, width, frames)
+    text = _text_shape(folder, cls)
+    compute = DTYPES[param_dtype] if param_dtype else None
+    if compute is not None:  # FSDP2's mixed precision computes every parameter in param_dtype
+        denoiser.to(compute)
+    act_dtype = compute or torch.float32
+    inputs = {
+        "hidden_states": ((batch, *latent), act_dtype),
+        "timestep": ((batch,), torch.float32),
+        "encoder_hidden_states": ((batch, *text), act_dtype),
+    }
+    denoiser.train()
+    acts = traced_activation_bytes(denoiser, inputs, (batch, *latent))
+    tokens = _tokens(latent, config)
+    work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=acts)
+    return DiffusionTraining(profile, work, latent, text)
