@@ -60,11 +60,13 @@ def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r):
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
 def test_family_lora_hsdp2_equals_diffusers_peft_one_process(dist_run, media, model, tmp_path):
     """FLUX (packed latents, ids, pooled embedding, guidance) and SDXL (epsilon, added conditioning), with
-    --cache-latents: the first run fills the cache (each rank its share) and stops at step 3; the resumed run reads
-    the cache without encoding and trains step 4. Together they equal four steps of one process."""
+    --cache-latents: the first run fills the cache (each rank its share) and stops at step 2; the resumed run reads
+    the cache without encoding and trains step 3. Together they equal three steps of one process. lr 1e-4: at 1e-3
+    AdamW takes FLUX's adapters to 7.8e-6 of the reference (6.1e-7 here), too near the tolerance."""
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    first = _cfg(media, model=model, lora_r=4, parallel=layout, cache_latents=True, output_dir=str(tmp_path))
-    second = first.replace(steps=4, resume="auto")
+    first = _cfg(media, model=model, lora_r=4, lr=1e-4, steps=2, parallel=layout, cache_latents=True,
+                 output_dir=str(tmp_path))
+    second = first.replace(steps=3, resume="auto")
     filled, resumed = dist_run(2, train_diffusion, [first, second])[0]
     _close({"losses": filled["losses"] + resumed["losses"], "state": resumed["state"]},
            reference_run(second, resolve_model(model)))

@@ -178,8 +178,8 @@ class EncodedData:
     latents: list[torch.Tensor]
     prompts: list[dict[str, torch.Tensor]]
     """Per item, the tensors the family names in ``prompt_outputs`` (e.g. prompt_embeds, pooled_prompt_embeds)."""
-    empty_prompt: dict[str, torch.Tensor]
-    """The encodings of the empty caption (caption dropout)."""
+    empty_prompt: dict[str, torch.Tensor] | None
+    """The encodings of the empty caption (caption dropout; None without it)."""
 
 
 def _pipeline_without(model_dir: Path, component_names: list[str]):
@@ -310,7 +310,7 @@ class DiffusionTrainer(Trainer):
             raise TrainConfigError(str(exc)) from exc
         encode = functools.partial(encode_items, pipe, dataset)
         items = self._through_cache(dataset, encode) if cfg.cache_latents else encode(range(len(dataset)))
-        empty = encode_captions(pipe, [""])[0]
+        empty = encode_captions(pipe, [""])[0] if cfg.caption_dropout else None
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
         latents = [item.pop("latents") for item in items]
