@@ -63,6 +63,8 @@ def _text(client: httpx.Client, model: str, prompt: str) -> str:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
+    if not Path(model).is_absolute():  # an adapter's name answers as that model (vLLM's convention)
+        assert response.json()["model"] == model
     return response.json()["choices"][0]["text"]
 
 

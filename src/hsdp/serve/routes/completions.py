@@ -40,12 +40,17 @@ def _text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Jo
     return choices
 
 
+def _answered_by(server: Server, jobs: list[Job]) -> str:
+    """The ``model`` of the response: the adapter the request named (vLLM's convention), else the base."""
+    return jobs[0].meta.get("adapter", server.name) if jobs else server.name
+
+
 async def _stream_text(
     server: Server, body: CompletionRequest | ChatCompletionRequest, jobs: list[Job], chat: bool
 ) -> AsyncIterator[str]:
     """Each choice's text as its tokens arrive; a client that goes away cancels what still runs."""
     store = server.store
-    chunks = SseChunks(server.name, chat=chat)
+    chunks = SseChunks(_answered_by(server, jobs), chat=chat)
     budget = body.token_budget() if chat else body.max_tokens
     choices = []
     try:
@@ -85,7 +90,8 @@ async def _text_response(
         server.submit(jobs)
         return StreamingResponse(_stream_text(server, body, jobs, chat), media_type="text/event-stream")
     choices = _text_choices(body, await run_jobs(server, jobs, request))
-    return JSONResponse(chat_body(server.name, choices[0]) if chat else completion_body(server.name, choices))
+    model = _answered_by(server, jobs)
+    return JSONResponse(chat_body(model, choices[0]) if chat else completion_body(model, choices))
 
 
 async def _chat_media(server: Server, body: ChatCompletionRequest, request: Request) -> JSONResponse:
