@@ -53,6 +53,7 @@ def step_metrics(step) -> dict[str, float]:
         out["train/grad_norm"] = step.grad_norm
     if step.eval_loss is not None:
         out["eval/loss"] = step.eval_loss
+    if step.eval_perplexity is not None:
         out["eval/perplexity"] = step.eval_perplexity
     return out
 

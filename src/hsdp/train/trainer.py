@@ -444,11 +444,12 @@ class Trainer:
                 ):
                     step.eval_loss, step.eval_perplexity = self.evaluate()
                     if self.rank == 0:
+                        perplexity = step.eval_perplexity  # None for diffusion: a loss, not a likelihood
                         logger.info(
-                            "eval at step %d: loss %.4f perplexity %.2f",
+                            "eval at step %d: loss %.4f%s",
                             step.step,
                             step.eval_loss,
-                            step.eval_perplexity,
+                            "" if perplexity is None else f" perplexity {perplexity:.2f}",
                         )
                 if reporter is not None:
                     reporter.log(step.step, step_metrics(step))

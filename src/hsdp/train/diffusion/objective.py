@@ -57,20 +57,14 @@ class Objective:
             return self._flow(latents, noise, generator)
         return self._ddpm(latents, noise, generator)
 
-    def _flow(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
-        from diffusers.training_utils import (
-            compute_density_for_timestep_sampling,
-            compute_loss_weighting_for_sd3,
-        )
+    def at(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor) -> Noised:
+        """Noise ``latents`` with ``noise`` at fractions ``u`` (``[B]`` in [0, 1]) of the trained timestep range:
+        training draws ``u``, evaluation fixes it (:mod:`hsdp.train.diffusion.evaluation`)."""
+        if self.kind != "flow_matching":
+            low, high = self._timestep_bounds()
+            return self._ddpm_at(latents, noise, (low + u * (high - low)).long().clamp(low, high - 1))
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-        u = compute_density_for_timestep_sampling(
-            weighting_scheme=self.sampling,
-            batch_size=latents.shape[0],
-            logit_mean=self.logit_mean,
-            logit_std=self.logit_std,
-            mode_scale=self.mode_scale,
-            generator=generator,
-        )
         u = self.min_timestep + (self.max_timestep - self.min_timestep) * u.float()
         sigmas = self.shift * u / (1 + (self.shift - 1) * u)
         s = sigmas.view(-1, *([1] * (latents.dim() - 1)))
@@ -82,13 +76,31 @@ class Objective:
             weights=weights.float(),
         )
 
+    def _flow(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
+        from diffusers.training_utils import compute_density_for_timestep_sampling
+
+        u = compute_density_for_timestep_sampling(
+            weighting_scheme=self.sampling,
+            batch_size=latents.shape[0],
+            logit_mean=self.logit_mean,
+            logit_std=self.logit_std,
+            mode_scale=self.mode_scale,
+            generator=generator,
+        )
+        return self.at(latents, noise, u)
+
+    def _timestep_bounds(self) -> tuple[int, int]:
+        low = int(self.min_timestep * self.num_train_timesteps)
+        return low, max(low + 1, int(self.max_timestep * self.num_train_timesteps))
+
     def _ddpm(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
+        low, high = self._timestep_bounds()
+        return self._ddpm_at(latents, noise, torch.randint(low, high, (latents.shape[0],), generator=generator))
+
+    def _ddpm_at(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
         from diffusers import DDPMScheduler
 
         scheduler = DDPMScheduler.from_config(self.scheduler_config or {})
-        low = int(self.min_timestep * self.num_train_timesteps)
-        high = max(low + 1, int(self.max_timestep * self.num_train_timesteps))
-        timesteps = torch.randint(low, high, (latents.shape[0],), generator=generator)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.kind == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
         return Noised(noisy=noisy, timesteps=timesteps, target=target, weights=torch.ones(latents.shape[0]))

@@ -39,6 +39,7 @@ from hsdp.families import GENERIC, DenoiserBatch, Family, family_for, training_f
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
 from hsdp.train.data import DatasetError
+from hsdp.train.diffusion import evaluation
 from hsdp.train.diffusion.latent_cache import LatentCache, encoder_fingerprint, fill_cache
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.objective import Objective, objective_for
@@ -86,7 +87,7 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     lm_only = [
         flag
         for flag, used in (
-            ("--eval-data/--eval-split", cfg.eval_data or cfg.eval_split),
+            ("--eval-split", cfg.eval_split),
             ("--export-merged", cfg.export_merged),
             ("--tensor-parallel-size", cfg.parallel.tensor_parallel_size > 1),
         )
@@ -131,11 +132,13 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
     pipe = _pipeline_without(model_dir, [n for n in DENOISERS if n in _index(model_dir)])
+    spec = media_spec(pipe, model_dir, component)
     try:
-        MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, component), resolution=cfg.resolution,
-                                 frames=cfg.frames)
+        MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+    if cfg.eval_data:
+        evaluation.open_eval_media(cfg, spec)
 
 
 def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) -> None:
@@ -312,10 +315,11 @@ class DiffusionTrainer(Trainer):
         encode = functools.partial(encode_items, pipe, dataset)
         items = self._through_cache(dataset, encode) if cfg.cache_latents else encode(range(len(dataset)))
         empty = encode_captions(pipe, [""])[0] if cfg.caption_dropout else None
+        held_out = evaluation.load_evaluation(cfg, pipe, spec) if cfg.eval_data else None
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
         latents = [item.pop("latents") for item in items]
-        return EncodedData(dataset, latents, items, empty), None
+        return EncodedData(dataset, latents, items, empty), held_out
 
     def _through_cache(self, dataset: MediaDataset, encode) -> list[dict[str, torch.Tensor]]:
         """``--cache-latents``: each rank encodes its share of the items missing from the cache (under
@@ -343,18 +347,29 @@ class DiffusionTrainer(Trainer):
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
-        batch = DenoiserBatch(
-            noisy=noised.noisy[mine].to(self.device),
-            timesteps=noised.timesteps[mine].to(self.device),
-            prompts={name: t.to(self.device) for name, t in _batch_prompts(prompts[mine]).items()},
-            size=(bucket.height, bucket.width),
-        )
-        call = self.family.training_inputs(self.pipeline_class, self.model, batch)
-        with self._autocast():
-            prediction = call.to_latents(self.model(**call.kwargs, return_dict=False)[0])
+        size = (bucket.height, bucket.width)
+        prediction = self.denoise(noised.noisy[mine], noised.timesteps[mine], _batch_prompts(prompts[mine]), size)
         target = noised.target[mine].to(self.device)
         per_row = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
         return (per_row * noised.weights[mine].to(self.device)).mean() / cfg.grad_accum
+
+    def denoise(
+        self, noisy: torch.Tensor, timesteps: torch.Tensor, prompts: dict[str, torch.Tensor], size: tuple[int, int]
+    ) -> torch.Tensor:
+        """The denoiser's prediction for one batch of this rank (training and ``--eval-data``), as latents."""
+        batch = DenoiserBatch(
+            noisy=noisy.to(self.device),
+            timesteps=timesteps.to(self.device),
+            prompts={name: t.to(self.device) for name, t in prompts.items()},
+            size=size,
+        )
+        call = self.family.training_inputs(self.pipeline_class, self.model, batch)
+        with self._autocast():
+            return call.to_latents(self.model(**call.kwargs, return_dict=False)[0])
+
+    def evaluate(self) -> tuple[float, None]:
+        """(loss at fixed timesteps on ``--eval-data``, no perplexity): :mod:`hsdp.train.diffusion.evaluation`."""
+        return evaluation.evaluate(self), None
 
     def _export(self, result: TrainResult) -> None:
         cfg = self.cfg

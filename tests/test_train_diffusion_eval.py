@@ -1,0 +1,83 @@
+"""``--eval-data`` for diffusion training: loss at fixed timesteps, deterministic, equal to one process.
+
+The reference is one process running diffusers on the trained weights: the pipeline's own VAE and
+``encode_prompt``, the documented noise (one generator per item, seeded from the run's seed) and sigmas (the
+fractions of :data:`EVAL_FRACTIONS`, shifted by the scheduler's flow shift). fp32; HSDP 2 sums in another order,
+so within 1e-5 as the training parity tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsdp.config import ParallelConfig
+from hsdp.models.builtin import resolve_model
+from hsdp.train import TrainConfig, TrainConfigError
+from hsdp.train.diffusion.evaluation import EVAL_FRACTIONS, eval_noise
+from hsdp.train.diffusion.trainer import check_diffusion_run
+from tests.test_train_diffusion import media  # noqa: F401  (the module's media fixture)
+
+TOL = 1e-5
+
+
+def train_with_eval(configs: list[TrainConfig]) -> list[dict]:
+    """Train each config; the eval losses per step and the trained weights (whole)."""
+    from hsdp.train.diffusion import DiffusionTrainer
+
+    out = []
+    for cfg in configs:
+        with DiffusionTrainer(cfg) as trainer:
+            result = trainer.fit()
+            out.append({"eval": [s.eval_loss for s in result.steps], "state": trainer.full_state()})
+    return out
+
+
+def reference_eval(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> float:
+    """One process: diffusers' pipeline with ``state`` loaded into its transformer, scored as the docs say."""
+    import diffusers
+
+    from hsdp.train.diffusion.media import MediaDataset
+    from hsdp.train.diffusion.trainer import media_spec
+
+    folder = resolve_model(cfg.model)
+    pipe = diffusers.WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe.transformer.load_state_dict(state)
+    data = MediaDataset.from_source(cfg.eval_data, media_spec(pipe, folder, "transformer"),
+                                    resolution=cfg.resolution, frames=cfg.frames)  # fmt: skip
+    vae = pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    shift = pipe.scheduler.config.flow_shift
+    u = torch.tensor(EVAL_FRACTIONS)
+    sigma = (shift * u / (1 + (shift - 1) * u)).view(-1, 1, 1, 1, 1)
+    losses = []
+    with torch.no_grad():
+        for i, item in enumerate(data.items):
+            x0 = (vae.encode(data.pixels(i)[None]).latent_dist.mode() - mean) / std
+            prompt = pipe.encode_prompt([item.caption], do_classifier_free_guidance=False,
+                                        device=torch.device("cpu"))[0]  # fmt: skip
+            noise = eval_noise(cfg.seed, i, x0[0])
+            pred = pipe.transformer(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
+                                    encoder_hidden_states=prompt.expand(len(u), -1, -1), return_dict=False)[0]  # fmt: skip
+            losses.append(((pred - (noise - x0)) ** 2).flatten(1).mean(1))
+    return torch.cat(losses).mean().item()
+
+
+@pytest.mark.slow
+def test_eval_loss_is_deterministic_and_equals_one_process(dist_run, media):  # noqa: F811
+    cfg = TrainConfig(model="tiny-wan", data=str(media), eval_data=str(media), eval_every=1, resolution=32,
+                      steps=2, batch_size=2, lr=1e-4, seed=3, progress=False,
+                      parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2))  # fmt: skip
+    first, second = dist_run(2, train_with_eval, [cfg, cfg])[0]
+    assert first["eval"] == second["eval"]  # two runs: the same figures, bit for bit
+    assert first["eval"][0] != first["eval"][1]  # it scores the model being trained
+    reference = reference_eval(cfg, first["state"])
+    assert abs(first["eval"][-1] - reference) < TOL, (first["eval"], reference)
+
+
+def test_eval_media_are_checked_before_training(media, tmp_path):  # noqa: F811
+    base = TrainConfig(model="tiny-wan", data=str(media), resolution=32, progress=False)
+    with pytest.raises(TrainConfigError, match="--eval-data .*missing: no such file or folder"):
+        check_diffusion_run(base.replace(eval_data=str(tmp_path / "missing")))
+    with pytest.raises(TrainConfigError, match="--eval-split: not available for diffusion"):
+        check_diffusion_run(base.replace(eval_split=0.5))
