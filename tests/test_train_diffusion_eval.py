@@ -1,9 +1,15 @@
-"""``--eval-data`` for diffusion training: loss at fixed timesteps, deterministic, equal to one process.
+"""``--eval-data`` and validation samples for diffusion training.
+
+Eval: loss at fixed timesteps, deterministic, equal to one process.
 
 The reference is one process running diffusers on the trained weights: the pipeline's own VAE and
 ``encode_prompt``, the documented noise (one generator per item, seeded from the run's seed) and sigmas (the
 fractions of :data:`EVAL_FRACTIONS`, shifted by the scheduler's flow shift). fp32; HSDP 2 sums in another order,
-so within 1e-5 as the training parity tests."""
+so within 1e-5 as the training parity tests.
+
+Validation samples: written under ``<output_dir>/samples/step-N`` at step 0, every ``--validation-every`` steps and
+at the end; the step-0 sample (LoRA adapters start at zero) equals the base diffusers pipeline's on the same seed
+within 1e-5 (pixels in [0, 1]; HSDP 2 sums in another order)."""
 
 from __future__ import annotations
 
@@ -81,3 +87,47 @@ def test_eval_media_are_checked_before_training(media, tmp_path):  # noqa: F811
         check_diffusion_run(base.replace(eval_data=str(tmp_path / "missing")))
     with pytest.raises(TrainConfigError, match="--eval-split: not available for diffusion"):
         check_diffusion_run(base.replace(eval_split=0.5))
+
+
+def train_with_samples(cfg: TrainConfig) -> dict:
+    """The samples before training and after it (fit writes every due step's files)."""
+    from hsdp.train.diffusion import DiffusionTrainer
+
+    with DiffusionTrainer(cfg) as trainer:
+        first = trainer.sample()
+        trainer.fit()
+        return {"first": first, "last": trainer.sample()}
+
+
+@pytest.mark.slow
+def test_validation_samples_at_their_steps_start_from_the_base_pipeline(dist_run, media, tmp_path):  # noqa: F811
+    import diffusers
+
+    from hsdp.train.diffusion.validation import generation_kwargs, sample_paths
+
+    prompts = ("a cat playing piano", "a dog")
+    cfg = TrainConfig(model="tiny-wan", data=str(media), resolution=32, steps=3, batch_size=2, lr=1e-2, seed=3,
+                      lora_r=4, progress=False, output_dir=str(tmp_path / "run"), validation_prompts=prompts,
+                      validation_every=2, parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2))  # fmt: skip
+    run = dist_run(2, train_with_samples, cfg)[0]
+    written = sorted(p.relative_to(tmp_path / "run" / "samples").as_posix()
+                     for p in (tmp_path / "run" / "samples").rglob("*.mp4"))  # fmt: skip
+    expected = [p.relative_to(tmp_path / "run" / "samples").as_posix()
+                for step in (0, 2, 3) for p in sample_paths(cfg.output_dir, step, prompts, video=True)]  # fmt: skip
+    assert written == sorted(expected) and "step-0/0-a-cat-playing-piano.mp4" in written
+
+    folder = resolve_model("tiny-wan")
+    pipe = diffusers.WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    for prompt, sample in zip(prompts, run["first"], strict=True):
+        base = pipe(prompt=prompt, generator=torch.Generator().manual_seed(cfg.seed), **generation_kwargs(folder))
+        assert abs(sample - base.frames[0]).max() < TOL
+    assert abs(run["last"][0] - run["first"][0]).max() > 1e-3  # the samples show the training
+
+
+def test_validation_flags_are_checked():
+    base = TrainConfig(model="tiny-wan", data="media", progress=False)
+    assert "--validation-every needs prompts" in " ".join(base.replace(validation_every=2).problems())
+    assert "--validation-prompt writes samples under --output-dir" in " ".join(
+        base.replace(validation_prompts=("a cat",)).problems()
+    )

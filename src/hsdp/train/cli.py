@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-data", default=None, help="held-out file (any --data format)")
     parser.add_argument("--eval-split", type=float, default=0.0, help="hold out this fraction of --data")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at the end)")
+    parser.add_argument(
+        "--validation-prompt",
+        action="append",
+        default=[],
+        help="diffusion: generate this prompt with the model being trained (repeatable; <output-dir>/samples)",
+    )
+    parser.add_argument(
+        "--validation-every", type=int, default=0, help="validation samples every N steps (and at 0 and the end)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to reach")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch over all ranks")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -171,6 +180,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_data=args.eval_data,
         eval_split=args.eval_split,
         eval_every=args.eval_every,
+        validation_prompts=tuple(args.validation_prompt),
+        validation_every=args.validation_every,
         output_dir=args.output_dir,
         save_every=args.save_every,
         keep_last=args.keep_last,
@@ -217,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
             f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB"
         )
     if steps and steps[-1].eval_loss is not None:
-        print(f"eval loss {steps[-1].eval_loss:.4f}, perplexity {steps[-1].eval_perplexity:.2f}")
+        perplexity = steps[-1].eval_perplexity  # None for diffusion
+        print(f"eval loss {steps[-1].eval_loss:.4f}" + ("" if perplexity is None else f", perplexity {perplexity:.2f}"))
     if result.comm:
         print(CommReport(**result.comm).summary().replace("per step", "in the last step (rank 0)"))
     if result.checkpoint:

@@ -107,6 +107,10 @@ class TrainConfig:
     """Hold out this fraction of ``data``'s records for evaluation instead of ``eval_data``."""
     eval_every: int = 0
     """Evaluate every N steps (0: only at the end, when there is eval data)."""
+    validation_prompts: tuple[str, ...] = ()
+    """Diffusion: prompts generated with the model being trained, written under ``<output_dir>/samples/step-N``."""
+    validation_every: int = 0
+    """Validation samples every N steps (0: only before the first step and at the end)."""
     output_dir: str | None = None
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end, when --output-dir is set)."""
@@ -281,6 +285,12 @@ class TrainConfig:
             out.append(f"--eval-every={self.eval_every} must be >= 0")
         if self.eval_every and not (self.eval_split or self.eval_data):
             out.append("--eval-every needs eval data: add --eval-data FILE or --eval-split 0.05")
+        if self.validation_every < 0:
+            out.append(f"--validation-every={self.validation_every} must be >= 0")
+        if self.validation_every and not self.validation_prompts:
+            out.append("--validation-every needs prompts: add --validation-prompt TEXT")
+        if self.validation_prompts and not self.output_dir:
+            out.append("--validation-prompt writes samples under --output-dir: give one")
         return out
 
     def _export_format_problems(self) -> list[str]:
@@ -526,6 +536,8 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(f"--data {cfg.data}: no such file")
     if cfg.eval_data and not Path(cfg.eval_data).is_file():
         raise TrainConfigError(f"--eval-data {cfg.eval_data}: no such file")
+    if cfg.validation_prompts:
+        raise TrainConfigError("--validation-prompt: validation samples are for diffusion pipelines")
     for flag, folder in (("--export", cfg.export), ("--export-merged", cfg.export_merged)):
         if folder and Path(folder).exists() and any(Path(folder).iterdir()):
             raise TrainConfigError(

@@ -272,6 +272,9 @@ class Trainer:
         cfg = self.cfg
         return {"path": str(cfg.data), "seq_len": cfg.seq_len, "seed": cfg.seed}
 
+    def _validate(self) -> None:
+        """Validation samples when due, before the first step and after each (diffusion); none for an LM."""
+
     # -- setup -----------------------------------------------------------------------------------------------
     def _shard_plan(self, model: nn.Module) -> ShardPlan:
         return resolve_plan(model).with_ignored(self.cfg.replicated_modules)
@@ -418,6 +421,8 @@ class Trainer:
             leave=False,
         )
         try:
+            if self.step == 0:
+                self._validate()
             while self.step < cfg.steps:
                 if cfg.comm_stats and self.step == cfg.steps - 1:
                     step, report = measure_comm(self.model, self._guarded_step, training=True)
@@ -451,6 +456,7 @@ class Trainer:
                             step.eval_loss,
                             "" if perplexity is None else f" perplexity {perplexity:.2f}",
                         )
+                self._validate()
                 if reporter is not None:
                     reporter.log(step.step, step_metrics(step))
                 if on_step is not None:

@@ -39,7 +39,7 @@ from hsdp.families import GENERIC, DenoiserBatch, Family, family_for, training_f
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
 from hsdp.train.data import DatasetError
-from hsdp.train.diffusion import evaluation
+from hsdp.train.diffusion import evaluation, validation
 from hsdp.train.diffusion.latent_cache import LatentCache, encoder_fingerprint, fill_cache
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.objective import Objective, objective_for
@@ -316,6 +316,8 @@ class DiffusionTrainer(Trainer):
         items = self._through_cache(dataset, encode) if cfg.cache_latents else encode(range(len(dataset)))
         empty = encode_captions(pipe, [""])[0] if cfg.caption_dropout else None
         held_out = evaluation.load_evaluation(cfg, pipe, spec) if cfg.eval_data else None
+        prompts = cfg.validation_prompts
+        self.validation = validation.capture_encodings(pipe, self.model_dir, prompts) if prompts else None
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
         latents = [item.pop("latents") for item in items]
@@ -366,6 +368,15 @@ class DiffusionTrainer(Trainer):
         call = self.family.training_inputs(self.pipeline_class, self.model, batch)
         with self._autocast():
             return call.to_latents(self.model(**call.kwargs, return_dict=False)[0])
+
+    def sample(self) -> list:
+        """Validation samples of the model as it is now (collective; rank 0 writes them): :mod:`.validation`."""
+        return validation.generate_samples(self, self.validation)
+
+    def _validate(self) -> None:
+        cfg, every = self.cfg, self.cfg.validation_every
+        if self.validation and (self.step == 0 or (every and self.step % every == 0) or self.step == cfg.steps):
+            self.sample()
 
     def evaluate(self) -> tuple[float, None]:
         """(loss at fixed timesteps on ``--eval-data``, no perplexity): :mod:`hsdp.train.diffusion.evaluation`."""
