@@ -77,5 +77,7 @@ def test_plan_command_diffusion_training(capsys):
     assert "--frames=4 must be k * 4 + 1" in capsys.readouterr().err
     assert main(argv) == 2
     assert "give --height and --width" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="FluxPipeline's denoiser takes more"):
+        diffusion_training("tiny-flux", height=SIDE, width=SIDE)
     with pytest.raises(PlanError, match="--train-component transformer_2"):
         diffusion_training("tiny-wan", height=SIDE, width=SIDE, component="transformer_2")

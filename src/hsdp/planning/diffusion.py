@@ -176,6 +176,7 @@ def diffusion_training(
     import diffusers
 
     from hsdp import lora
+    from hsdp.families import plain_inputs, training_family
     from hsdp.models.builtin import resolve_model
     from hsdp.train.config import TrainConfig, TrainConfigError
     from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, media_spec, trained_component
@@ -191,6 +192,12 @@ def diffusion_training(
     cls = getattr(diffusers, index.get("_class_name", ""), None)
     if cls is None:
         raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
+    family = training_family(cls.__name__)
+    if family is None or family.training_inputs is not plain_inputs:
+        raise PlanError(
+            f"--train {model}: the plan traces denoisers called with latents, a timestep and caption embeddings "
+            f"(Wan-style DiTs); {cls.__name__}'s denoiser takes more, which it does not build yet"
+        )
     # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
     denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
     if lora_r:
