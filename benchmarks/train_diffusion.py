@@ -16,7 +16,8 @@ scheduler's flow shift, from ``hsdp.train.diffusion.objective``). The loss is th
 LoRA: rank 16, alpha 32, dropout 0 on ``to_q to_k to_v to_out.0`` (hsdp's default, diffusers' training scripts'
 targets), adapters started from the values hsdp draws (``hsdp.lora.init_adapters``), so the losses compare.
 
-- **hsdp**: ``DiffusionTrainer`` at FULL_SHARD over the world (adapters injected before sharding for LoRA).
+- **hsdp**: ``DiffusionTrainer`` at FULL_SHARD over the world (``--hsdp-strategy`` for another; adapters injected
+  before sharding for LoRA).
 - **Accelerate FSDP2**: what the diffusers example scripts run under ``accelerate launch`` with an FSDP config:
   ``FullyShardedDataParallelPlugin(fsdp_version=2)``, each ``WanTransformerBlock`` sharded
   (``transformer_based_wrap``), ``accelerator.prepare`` of the whole model loaded on every rank, peft adapters via
@@ -83,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=2, help="samples per step over all ranks")
     parser.add_argument("--steps", type=int, default=3, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--hsdp-strategy",
+        default="FULL_SHARD",
+        choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+        help="hsdp's sharding strategy (SHARD_GRAD_OP keeps each block gathered from forward to backward)",
+    )
     parser.add_argument("--only", default=None, help="comma-separated run names, or 'lora' / 'full'")
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over the rows (rotated); median reported"
@@ -244,7 +251,7 @@ def _measure(spec: dict, base: int, batches: list, step_fn, trained, whole: int)
 
 
 def rank_hsdp(spec: dict, lora: bool) -> dict:
-    """``hsdp train``'s ``DiffusionTrainer`` (FULL_SHARD over the world, ``--cache-latents``); also returns its
+    """``hsdp train``'s ``DiffusionTrainer`` (``--hsdp-strategy`` over the world, ``--cache-latents``); also returns its
     peak while encoding (the pipeline's encoders loaded) and its step peaks as the trainer reports them."""
     import torch.distributed as dist
 
@@ -262,7 +269,11 @@ def rank_hsdp(spec: dict, lora: bool) -> dict:
 
     base = baseline(MODULES)
     world = dist.get_world_size()
-    parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=world, hsdp_replicate_size=1)
+    strategy = spec["hsdp_strategy"]
+    shard = 1 if strategy == "NO_SHARD" else world
+    parallel = ParallelConfig(
+        use_hsdp=True, hsdp_shard_size=shard, hsdp_replicate_size=world // shard, sharding_strategy=strategy
+    )
     cfg = TrainConfig(
         model=spec["model"], data=spec["data"], parallel=parallel, steps=spec["warmup"] + spec["steps"],
         batch_size=spec["batch_size"], resolution=spec["resolution"], lr=LR, seed=SEED, progress=False,
@@ -333,8 +344,10 @@ def rank_accelerate(spec: dict, lora: bool) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    trained = lambda: state_bytes(params, optimizer.optimizer)  # noqa: E731
-    return _measure(spec, base, _my_batches(spec), step, trained, _whole_state(params))
+    whole = _whole_state(params)
+    return _measure(
+        spec, base, _my_batches(spec), step, lambda: state_bytes(params, optimizer.optimizer), whole
+    )
 
 
 def rank_deepspeed(spec: dict, stage: int, lora: bool) -> dict:
@@ -493,7 +506,7 @@ def main() -> None:
         spec = {
             "model": str(root / "pipeline"), "data": str(root / "media"), "cache_dir": str(root / "run"),
             "batches": str(root / "batches.pt"), "resolution": args.resolution, "batch_size": args.batch_size,
-            "steps": args.steps, "warmup": args.warmup,
+            "steps": args.steps, "warmup": args.warmup, "hsdp_strategy": args.hsdp_strategy,
         }  # fmt: skip
         # The first hsdp run encodes (its cache then feeds every row): the --cache-latents measurement.
         first = _with_figures(
@@ -514,7 +527,8 @@ def main() -> None:
     tokens = (args.resolution // 16) ** 2
     head = (
         f"Wan-shaped denoiser: {args.blocks} blocks of width {args.width}, {tokens} latent tokens + 512 text tokens "
-        f"per sample, batch {args.batch_size} over world {args.world} (CPU + gloo), fp32 AdamW; median of "
+        f"per sample, batch {args.batch_size} over world {args.world} (CPU + gloo), hsdp {args.hsdp_strategy}, "
+        f"fp32 AdamW; median of "
         f"{args.steps} steps after {args.warmup} warm-up"
         + (
             f"; each row's round with the median samples per CPU-second of {args.repeat}"
