@@ -4,10 +4,11 @@ Each row trains with :class:`hsdp.train.diffusion.DiffusionTrainer` at world 2 (
 rank) and measures the second step with torch's ``MemTracker`` (:func:`hsdp.planning.diffusion.trainer_step_peak`:
 every live tensor storage, what ``max_memory_allocated`` counts on a GPU). The prediction is
 :func:`hsdp.planning.diffusion.diffusion_training` + :func:`hsdp.planning.estimate` for the same item size.
-Models: ``tiny-wan`` (width 32, 3 blocks) and a wider Wan (width 128, FFN 512, 5 blocks) built into ``--work``.
+Models: ``tiny-wan`` (width 32, 3 blocks), a wider Wan (width 128, FFN 512, 5 blocks) built into ``--work``,
+``tiny-flux`` and ``tiny-sdxl``.
 Target: within 10 %.
 
-    .venv/bin/python benchmarks/plan_diffusion_train.py    # about 2 minutes; bench_results/plan_diffusion_train.json
+    .venv/bin/python benchmarks/plan_diffusion_train.py    # about 4 minutes; bench_results/plan_diffusion_train.json
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 MIB = 2**20
 WIDE = dict(num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=5)
 # model ("wide": the WIDE pipeline), side, frames
-ROWS = [("tiny-wan", 64, 1), ("tiny-wan", 64, 9), ("wide", 96, 5), ("wide", 128, 9)]
+ROWS = [("tiny-wan", 64, 1), ("tiny-wan", 64, 9), ("wide", 96, 5), ("wide", 128, 9), ("tiny-flux", 64, 1), ("tiny-sdxl", 64, 1)]
 
 
 def clips(folder: Path, frames: int, side: int) -> Path:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,22 +39,49 @@ class DiffusionTraining:
     profile: ModelProfile
     work: Workload
     latent_shape: tuple[int, ...]
-    """One sample's latents as the denoiser takes them (``[C, F, H, W]`` or ``[C, H, W]``)."""
-    text_shape: tuple[int, int]
-    """One caption's embedding (tokens, width)."""
+    """One sample's latents as the VAE gives them (``[C, F, H, W]`` or ``[C, H, W]``)."""
 
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _meta_pipeline(model_dir: Path, cls):
-    """The pipeline class with only its VAE, built on meta from config (its scale factors come from the VAE)."""
+def _meta_pipeline(model_dir: Path, cls, index: dict):
+    """The pipeline without denoisers or scheduler: VAE and text encoders built on meta from their configs (no
+    weights read), tokenizers as saved. Its scale factors come from the VAE, its caption encodings from
+    ``encode_prompt`` once the encoders are fake (:func:`_fake_captions`)."""
+    import importlib
+
+    from hsdp.train.diffusion.trainer import encoder_components
+
     init = inspect.signature(cls.__init__).parameters
     parts = {n: None for n, p in init.items() if n != "self" and p.default is inspect.Parameter.empty}
-    if (model_dir / "vae" / "config.json").is_file():
-        parts["vae"] = build_meta_model(model_dir / "vae")[0]
-    return cls(**parts)
+    for name in encoder_components(model_dir):
+        if (model_dir / name / "config.json").is_file():
+            parts[name] = build_meta_model(model_dir / name)[0]
+        elif name.startswith("tokenizer"):
+            library, class_name = index[name][:2]
+            parts[name] = getattr(importlib.import_module(library), class_name).from_pretrained(model_dir / name)
+    return cls(**{k: v for k, v in parts.items() if k in init})
+
+
+def _fake_captions(pipe, model_dir: Path, batch: int) -> dict[str, torch.Tensor]:
+    """One micro-batch of caption encodings on fake tensors, from the pipeline's own ``encode_prompt`` as the
+    trainer encodes captions (call inside ``FakeTensorMode``). An encoder whose output length depends on the
+    tokens' values (Wan trims each caption and pads it back) cannot run on fake tensors: its embedding is then
+    ``encode_prompt``'s padded length by the text encoder's width."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from hsdp.distributed import local_device
+    from hsdp.train.diffusion.trainer import _batch_prompts, encode_captions
+
+    for module in pipe.components.values():
+        if isinstance(module, nn.Module):
+            module.to_empty(device=local_device())
+    try:
+        return _batch_prompts(encode_captions(pipe, [""] * batch))
+    except DataDependentOutputException:
+        return {"prompt_embeds": torch.empty(batch, *_text_shape(model_dir, type(pipe)), device=local_device())}
 
 
 def _text_shape(model_dir: Path, cls) -> tuple[int, int]:
@@ -75,14 +103,18 @@ def _patch(config: dict) -> tuple[int, int, int]:
     return tuple(patch) if isinstance(patch, (list, tuple)) else (1, patch, patch)
 
 
-def _latent_shape(spec, config: dict, height: int, width: int, frames: int) -> tuple[int, ...]:
-    """One sample's latents for a ``height x width`` item of ``frames`` frames; sizes the VAE cannot take are
-    refused naming the flag, as the trainer refuses such media."""
+def _latent_shape(
+    spec, model_dir: Path, config: dict, packing: int, height: int, width: int, frames: int
+) -> tuple[int, ...]:
+    """One sample's latents as the VAE gives them for a ``height x width`` item of ``frames`` frames (``packing``:
+    the family's latent packing); sizes the VAE cannot take are refused naming the flag, as the trainer refuses
+    such media."""
     for flag, value in (("--height", height), ("--width", width)):
         if value % spec.spatial_multiple:
             raise PlanError(f"{flag}={value} must be a multiple of {spec.spatial_multiple} for this pipeline")
-    scale = spec.spatial_multiple // _patch(config)[-1]
-    channels = config.get("in_channels") or 4
+    scale = spec.spatial_multiple // _patch(config)[-1] // packing
+    vae = _read(model_dir / "vae" / "config.json")
+    channels = vae.get("z_dim") or vae.get("latent_channels") or config.get("in_channels") or 4
     if not spec.video:
         if frames != 1:
             raise PlanError(f"--frames={frames}: this pipeline makes images (use --frames 1)")
@@ -92,13 +124,13 @@ def _latent_shape(spec, config: dict, height: int, width: int, frames: int) -> t
     return (channels, (frames - 1) // spec.temporal_multiple + 1, height // scale, width // scale)
 
 
-def _tokens(latent: tuple[int, ...], config: dict) -> int:
-    """Tokens per sample: the latent divided into the denoiser's patches."""
+def _tokens(latent: tuple[int, ...], config: dict, packing: int) -> int:
+    """Tokens per sample: the latent divided into the denoiser's patches and the family's packing."""
     sizes = latent[1:] if len(latent) == 4 else (1, *latent[1:])
     tokens = 1
     for size, patch in zip(sizes, _patch(config), strict=True):
         tokens *= max(1, size // patch)
-    return tokens
+    return max(1, tokens // packing**2)
 
 
 def _tracker():
@@ -125,14 +157,17 @@ def trainer_step_peak(trainer) -> int:
 
 
 def traced_activation_bytes(
-    model: nn.Module, inputs: dict[str, tuple[tuple[int, ...], torch.dtype]], target_shape: tuple[int, ...]
+    model: nn.Module,
+    inputs: Callable[[], dict[str, torch.Tensor]],
+    loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
 ) -> int:
     """Peak bytes a training forward and backward of ``model`` hold besides its parameters, on fake tensors.
 
-    ``model``: on the meta device, parameters in the dtypes the step computes in. ``inputs``: keyword arguments of
-    the forward as (shape, dtype); ``target_shape``: the flow/noise target the mean squared error compares with.
-    The gradients of the shard plan's blocks are dropped as they are made (FSDP2 reduce-scatters each block's as
-    its backward ends: the estimate counts one block's); the root unit's are kept, as FSDP2 reduces them last.
+    ``model``: on the meta device, parameters in the dtypes the step computes in. ``inputs()`` makes what the
+    trainer holds before the step (called in the fake mode, not tracked); ``loss(model, inputs)`` is the step's
+    forward and loss, whose backward runs too. The gradients of the shard plan's blocks are dropped as they are
+    made (FSDP2 reduce-scatters each block's as its backward ends: the estimate counts one block's); the root
+    unit's are kept, as FSDP2 reduces them last.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
@@ -143,15 +178,13 @@ def traced_activation_bytes(
     root = root_parameters(model)
     with FakeTensorMode(allow_non_fake_inputs=True):  # buffers a model computes at init are real
         model.to_empty(device=device)
+        held = inputs()
         for name, param in model.named_parameters():
             if param.requires_grad and name not in root:
                 param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         tracker = _tracker()
         with tracker:
-            args = {k: torch.empty(shape, dtype=dtype, device=device) for k, (shape, dtype) in inputs.items()}
-            target = torch.empty(target_shape, device=device)
-            prediction = model(**args, return_dict=False)[0]
-            F.mse_loss(prediction.float(), target).backward()
+            loss(model, held).backward()
     peak = tracker.get_tracker_snapshot("peak")[device]
     # Every parameter and buffer is tracked by the first forward, before the peak: the rest is the step's own.
     return int(peak["Total"] - peak[_MemRefType.PARAM] - peak[_MemRefType.BUFFER])
@@ -176,7 +209,7 @@ def diffusion_training(
     import diffusers
 
     from hsdp import lora
-    from hsdp.families import plain_inputs, training_family
+    from hsdp.families import DenoiserBatch, training_family
     from hsdp.models.builtin import resolve_model
     from hsdp.train.config import TrainConfig, TrainConfigError
     from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, media_spec, trained_component
@@ -193,31 +226,34 @@ def diffusion_training(
     if cls is None:
         raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
     family = training_family(cls.__name__)
-    if family is None or family.training_inputs is not plain_inputs:
-        raise PlanError(
-            f"--train {model}: the plan traces denoisers called with latents, a timestep and caption embeddings "
-            f"(Wan-style DiTs); {cls.__name__}'s denoiser takes more, which it does not build yet"
-        )
+    if family is None:
+        raise PlanError(f"--train {model}: hsdp train refuses {cls.__name__} (see hsdp train's message)")
     # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
     denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
     if lora_r:
         lora.injector(cfg.lora_config(str(folder / component), default_targets=DEFAULT_LORA_TARGETS))(denoiser)
     profile = profile_module(denoiser, component, config)
 
-    spec = media_spec(_meta_pipeline(folder, cls), folder, component)
-    latent = _latent_shape(spec, config, height, width, frames)
-    text = _text_shape(folder, cls)
-    compute = DTYPES[param_dtype] if param_dtype else None
-    if compute is not None:  # FSDP2's mixed precision computes every parameter in param_dtype
+    pipe = _meta_pipeline(folder, cls, index)
+    spec = media_spec(pipe, folder, component)
+    latent = _latent_shape(spec, folder, config, family.latent_packing, height, width, frames)
+    compute = DTYPES[param_dtype] if param_dtype else torch.float32
+    if param_dtype:  # FSDP2's mixed precision computes every parameter in param_dtype
         denoiser.to(compute)
-    act_dtype = compute or torch.float32
-    inputs = {
-        "hidden_states": ((batch, *latent), act_dtype),
-        "timestep": ((batch,), torch.float32),
-        "encoder_hidden_states": ((batch, *text), act_dtype),
-    }
+
+    def inputs() -> dict[str, torch.Tensor]:
+        return {name: t.to(compute) for name, t in _fake_captions(pipe, folder, batch).items()}
+
+    def loss(model: nn.Module, prompts: dict[str, torch.Tensor]) -> torch.Tensor:
+        device = next(model.parameters()).device
+        noisy = torch.empty(batch, *latent, dtype=compute, device=device)
+        step = DenoiserBatch(noisy, torch.empty(batch, device=device), prompts, (height, width))
+        call = family.training_inputs(cls, model, step)
+        prediction = call.to_latents(model(**call.kwargs, return_dict=False)[0])
+        return F.mse_loss(prediction.float(), torch.empty(batch, *latent, device=device))
+
     denoiser.train()
-    acts = traced_activation_bytes(denoiser, inputs, (batch, *latent))
-    tokens = _tokens(latent, config)
+    acts = traced_activation_bytes(denoiser, inputs, loss)
+    tokens = _tokens(latent, config, family.latent_packing)
     work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=acts)
-    return DiffusionTraining(profile, work, latent, text)
+    return DiffusionTraining(profile, work, latent)
