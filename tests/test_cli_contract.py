@@ -19,13 +19,7 @@ from hsdp.launch import WorkerError, WorkerTimeout
 # main() runs fake commands and refusals found before any rank starts.
 pytestmark = pytest.mark.unit
 
-INFERENCE_ONLY_FLAGS = (
-    "--request-parallel",
-    "--cfg-parallel-size",
-    "--ulysses-degree",
-    "--usp",
-    "--ring-degree",
-)
+INFERENCE_ONLY_FLAGS = ("--request-parallel", "--cfg-parallel-size", "--ring-degree")
 
 
 def _help(*argv: str) -> str:
@@ -47,6 +41,7 @@ def test_train_help_lists_only_training_parallel_flags():
         assert flag not in text
     for flag in ("--use-hsdp", "--hsdp-shard-size", "--strategy", "--cpu-offload", "--tensor-parallel-size"):
         assert flag in text
+    assert "--ulysses-degree" in text and "--usp" in text  # diffusion denoisers train sequence-parallel
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "train": (
         "hsdp.train.cli",
-        "fine-tune a causal LM on a text/JSONL file with FSDP2 (checkpoints, resume, export)",
+        "fine-tune a causal LM or a diffusers pipeline's denoiser with FSDP2 (checkpoints, resume, export)",
     ),
     "plan": (
         "hsdp.planning.cli",
@@ -36,9 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-ParallelGroup = Literal["sharding", "sequence", "cfg", "tensor", "request"]
+ParallelGroup = Literal["sharding", "ulysses", "ring", "cfg", "tensor", "request"]
 """A set of parallel flags a subcommand can offer: FSDP2 sharding (with its strategy, dtypes and offload),
-Ulysses / ring sequence parallel, CFG parallel, tensor parallel, request parallel."""
+Ulysses and ring sequence parallel (apart: training has no ring attention), CFG parallel, tensor parallel, request
+parallel."""
 
 ALL_PARALLEL_GROUPS: frozenset[ParallelGroup] = frozenset(get_args(ParallelGroup))
 
@@ -70,8 +71,11 @@ def _add_sharding_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--cpu-offload", action="store_true", help="keep sharded weights in host memory")
 
 
-def _add_sequence_flags(group: argparse._ArgumentGroup) -> None:
+def _add_ulysses_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ulysses-degree", "--usp", type=int, default=1, help="Ulysses sequence parallel")
+
+
+def _add_ring_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ring-degree", type=int, default=1, help="ring-attention sequence parallel")
 
 
@@ -89,7 +93,8 @@ def _add_request_flags(group: argparse._ArgumentGroup) -> None:
 
 _GROUP_ADDERS: dict[ParallelGroup, Callable[[argparse._ArgumentGroup], None]] = {
     "sharding": _add_sharding_flags,
-    "sequence": _add_sequence_flags,
+    "ulysses": _add_ulysses_flags,
+    "ring": _add_ring_flags,
     "cfg": _add_cfg_flags,
     "tensor": _add_tensor_flags,
     "request": _add_request_flags,

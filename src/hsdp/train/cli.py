@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     diffusion.add_argument(
         "--cache-latents", action="store_true", help="encode once into OUTPUT_DIR/latent-cache and reuse"
     )
-    add_parallel_arguments(parser, groups=("sharding", "sequence", "tensor"))  # no CFG or request ranks
+    add_parallel_arguments(parser, groups=("sharding", "ulysses", "tensor"))  # no CFG, ring or request ranks
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
