@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from hsdp.generation_defaults import DEFAULTS_FILE
 from hsdp.models.builtin import BUILTIN_MODELS, resolve_model
-from hsdp.models.tiny_wan import DEFAULTS_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Literal
 
 from hsdp.families import family_for
+from hsdp.generation_defaults import DEFAULTS_FILE
 
-__all__ = ["ModelInfo", "inspect_model", "DEFAULTS_FILE", "TEXT_ENCODER_SHARD_FRACTION"]
+__all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION"]
 
-DEFAULTS_FILE = "hsdp_defaults.json"
 """Optional generation defaults next to ``model_index.json`` (height, width, steps, ...)."""
 
 TEXT_ENCODER_SHARD_FRACTION = 0.3

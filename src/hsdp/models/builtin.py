@@ -14,26 +14,12 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
+from hsdp.models.registry import BUILTIN_MODELS, BUILTIN_VERSIONS, register_builtin
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama, default_cache_dir
 
 __all__ = ["BUILTIN_MODELS", "BUILTIN_VERSIONS", "builtin_names", "resolve_model", "register_builtin"]
-
-BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {}
-"""name -> function that writes the model into an empty folder."""
-BUILTIN_VERSIONS: dict[str, str] = {}
-"""name -> the version its ``.complete`` marker holds; bump it when what the writer writes changes."""
-
-
-def register_builtin(name: str, version: str = "") -> Callable[[Callable[[Path], None]], Callable[[Path], None]]:
-    def decorator(writer: Callable[[Path], None]) -> Callable[[Path], None]:
-        BUILTIN_MODELS[name] = writer
-        BUILTIN_VERSIONS[name] = version
-        return writer
-
-    return decorator
 
 
 TINY_LLAMA_CHAT_TEMPLATE = (
@@ -108,5 +94,6 @@ def _replace(folder: Path, staging: Path, name: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# Built-ins defined in their own modules register themselves on import (after register_builtin exists).
+# Built-ins defined in their own modules register themselves on import (in hsdp.models.registry, which they
+# import instead of this module, so importing one of them first makes no import circle).
 from hsdp.models import tiny_flux, tiny_sdxl, tiny_wan, tiny_wan_i2v  # noqa: E402,F401

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from hsdp.models.builtin import register_builtin
+from hsdp.generation_defaults import write_generation_defaults
+from hsdp.models.registry import register_builtin
 from hsdp.models.tiny import TINY_SEED, build_byte_tokenizer
-from hsdp.models.tiny_wan import write_generation_defaults
 
 __all__ = [
     "build_tiny_flux_pipeline",

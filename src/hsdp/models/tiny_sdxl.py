@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from hsdp.models.builtin import register_builtin
+from hsdp.generation_defaults import write_generation_defaults
+from hsdp.models.registry import register_builtin
 from hsdp.models.tiny import TINY_SEED
 from hsdp.models.tiny_flux import (
     TINY_CLIP_VERSION,
@@ -23,7 +24,6 @@ from hsdp.models.tiny_flux import (
     tiny_clip_text_config,
     tiny_flux_vae,
 )
-from hsdp.models.tiny_wan import write_generation_defaults
 
 __all__ = ["build_tiny_sdxl_pipeline", "build_tiny_sdxl_unet", "TINY_SDXL_DEFAULTS"]
 

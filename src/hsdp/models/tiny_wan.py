@@ -10,13 +10,12 @@ defaults (shapes and steps) so ``hsdp generate --model tiny-wan`` runs in second
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from hsdp.engine.model_info import DEFAULTS_FILE
-from hsdp.models.builtin import register_builtin
+from hsdp.generation_defaults import DEFAULTS_FILE, write_generation_defaults
+from hsdp.models.registry import register_builtin
 from hsdp.models.tiny import TINY_SEED, build_byte_tokenizer, build_tiny_wan_transformer
 
 __all__ = ["build_tiny_wan_pipeline", "TINY_WAN_DEFAULTS", "DEFAULTS_FILE"]
@@ -96,10 +95,6 @@ def build_tiny_wan_pipeline(
         transformer_2=second,
         boundary_ratio=boundary_ratio,
     )
-
-
-def write_generation_defaults(folder: Path, defaults: dict) -> None:
-    (Path(folder) / DEFAULTS_FILE).write_text(json.dumps(defaults, indent=2) + "\n")
 
 
 @register_builtin("tiny-wan")

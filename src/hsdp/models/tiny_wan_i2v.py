@@ -14,14 +14,15 @@ from pathlib import Path
 
 import torch
 
-from hsdp.models.builtin import register_builtin
+from hsdp.generation_defaults import write_generation_defaults
+from hsdp.models.registry import register_builtin
 from hsdp.models.tiny import (
     TINY_SEED,
     build_byte_tokenizer,
     build_tiny_wan_transformer,
     tiny_wan_transformer_config,
 )
-from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS, _tiny_umt5, _tiny_vae, write_generation_defaults
+from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS, _tiny_umt5, _tiny_vae
 
 __all__ = ["build_tiny_wan_i2v_pipeline", "TINY_WAN_I2V_DEFAULTS", "IMAGE_SIZE"]
 
