@@ -1,11 +1,13 @@
 """Run ``hsdp serve`` as a child process on a free loopback port: for tests, benchmarks and the fuzz run.
 
 The server is a real process started through the CLI, so what is exercised is exactly what users run; only
-127.0.0.1 is ever bound or contacted.
+127.0.0.1 is ever bound or contacted. :class:`LocalNodes` runs it over several torchrun agents on this host, as on
+that many nodes (docs/serving.md, multi-node).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["LocalServer", "free_port"]
+__all__ = ["LocalNodes", "LocalServer", "free_port"]
 
 
 def free_port() -> int:
@@ -127,6 +129,163 @@ class LocalServer:
             return self.proc.wait(10)
 
     def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _health(url: str) -> int | None:
+    """``/health``'s status, or None while nothing answers (a group being restarted)."""
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux: read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()  # pid (comm) state ppid ...; comm may hold spaces
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _torchrun_rank(pid: int) -> int | None:
+    """The global ``RANK`` torchrun gave process ``pid``, or None (not a torchrun worker, or gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    return None
+
+
+class LocalNodes:
+    """``hsdp serve`` over ``nnodes`` torchrun agents on this host, as if on that many nodes: each runs
+    ``torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d`` against a free loopback rendezvous port, and
+    global rank 0 (on whichever agent c10d gives it) serves HTTP on :attr:`port`. Linux only (ranks are found in
+    /proc). Each agent logs to ``<log_dir>/node<i>.log``.
+
+    ``with LocalNodes("tiny-wan", ["--use-hsdp", "--hsdp-shard-size", "2"], log_dir=path) as nodes: ...``
+    """
+
+    def __init__(
+        self,
+        model: str,
+        args: list[str] | None = None,
+        *,
+        log_dir: Path,
+        nnodes: int = 2,
+        nproc_per_node: int = 1,
+        max_restarts: int = 0,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 300.0,
+    ):
+        self.model, self.args, self.log_dir = model, list(args or []), Path(log_dir)
+        self.nnodes, self.nproc_per_node, self.max_restarts = nnodes, nproc_per_node, max_restarts
+        # A fresh store per rendezvous round, as docs/serving.md says (torch's shared one keeps a dead round's
+        # addresses, and a restarted group may read them).
+        self.env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.agents: list[subprocess.Popen] = []
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> LocalNodes:
+        rdzv, self.port = free_port(), free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for node in range(self.nnodes):
+            cmd = [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
+                *("--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts)),
+                *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"),
+                *("-m", "hsdp.cli", "serve", self.model, "--port", str(self.port), *self.args),
+            ]
+            with open(self.log_dir / f"node{node}.log", "ab") as log:
+                self.agents.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                    )
+                )
+        try:
+            self.wait_healthy(self.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def health(self) -> int | None:
+        return _health(self.url)
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Wait for ``/health`` 200 (at start, or after torchrun restarted the group); raise if an agent ended."""
+        deadline = time.monotonic() + timeout_s
+        while self.health() != 200:
+            ended = [i for i, agent in enumerate(self.agents) if agent.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                what = f"torchrun agent(s) {ended} ended" if ended else f"not healthy within {timeout_s:.0f}s"
+                raise RuntimeError(
+                    f"hsdp serve {self.model} over {self.nnodes} nodes: {what}\n{self.log_tail()}"
+                )
+            time.sleep(0.2)
+
+    def ranks(self) -> dict[int, tuple[int, int]]:
+        """Global rank -> (node, pid) of the ranks running now."""
+        found = {}
+        for node, agent in enumerate(self.agents):
+            for pid in _children(agent.pid):
+                rank = _torchrun_rank(pid)
+                if rank is not None:
+                    found[rank] = (node, pid)
+        return found
+
+    def head_node(self) -> int | None:
+        """The node whose agent runs global rank 0 (the HTTP server); c10d may move it at a restart."""
+        return self.ranks().get(0, (None, 0))[0]
+
+    def kill_node(self, node: int) -> list[int]:
+        """SIGKILL every rank of ``node`` (its agent lives on: torchrun restarts them, up to --max-restarts)."""
+        pids = [pid for n, pid in self.ranks().values() if n == node]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def log_tail(self, lines: int = 20) -> str:
+        tails = []
+        for node in range(len(self.agents)):
+            with contextlib.suppress(OSError):
+                text = (self.log_dir / f"node{node}.log").read_text(errors="replace").splitlines()[-lines:]
+                tails.append(f"--- node{node}.log\n" + "\n".join(text))
+        return "\n".join(tails)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every agent at once (torchrun stops its ranks), SIGKILL what is left after ``timeout_s``."""
+        ranks = [pid for _, pid in self.ranks().values()]
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for agent in self.agents:
+            try:
+                agent.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        for pid in ranks:  # ranks run in sessions of their own: an agent killed above leaves them behind
+            if _torchrun_rank(pid) is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def __enter__(self) -> LocalNodes:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
