@@ -142,3 +142,40 @@ def sdxl_forward(pipe, model, pixels, captions, generator):
 
 
 FORWARDS = {"WanPipeline": wan_forward, "FluxPipeline": flux_forward, "StableDiffusionXLPipeline": sdxl_forward}
+
+
+def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
+    """The frozen components of ``cfg``'s pipeline with the engine's size rule at ``fraction``
+    (``TEXT_ENCODER_SHARD_FRACTION``): which load sharded on the training layout, whether their parameters are
+    DTensors and the bytes this rank holds of them (local, whole), every item's latents and caption encodings, and
+    the losses of training ``cfg`` with them."""
+    from torch.distributed.tensor import DTensor
+
+    import hsdp.engine.model_info as model_info
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.diffusion.media import MediaDataset
+    from hsdp.train.diffusion.trainer import encode_items, frozen_pipeline, frozen_sharded, media_spec
+
+    saved = model_info.TEXT_ENCODER_SHARD_FRACTION
+    model_info.TEXT_ENCODER_SHARD_FRACTION = fraction
+    try:
+        model_dir = resolve_model(cfg.model)
+        sharded = frozen_sharded(model_dir)
+        pipe = frozen_pipeline(model_dir, cfg.effective_parallel())
+        modules = {name: getattr(pipe, name) for name in sharded}
+        data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, "transformer"), resolution=cfg.resolution)
+        items = encode_items(pipe, data, range(len(data)))
+        del pipe
+        losses = train_diffusion([cfg])[0]["losses"]
+    finally:
+        model_info.TEXT_ENCODER_SHARD_FRACTION = saved
+    return {
+        "sharded": sharded,
+        "dtensor": {n: all(isinstance(p, DTensor) for p in m.parameters()) for n, m in modules.items()},
+        "bytes": {
+            n: (sum(p.to_local().nbytes for p in m.parameters()), sum(p.nbytes for p in m.parameters()))
+            for n, m in modules.items()
+        },
+        "items": items,
+        "losses": losses,
+    }

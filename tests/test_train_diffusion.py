@@ -18,7 +18,7 @@ from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.diffusion_train_fns import reference_run, train_diffusion
+from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -121,3 +121,28 @@ def test_bad_input_is_refused_before_training(media, tmp_path):
     for conditioned in ("tiny-wan-i2v", "tiny-flux-kontext", str(refiner)):  # inputs the trainer does not build
         with pytest.raises(TrainConfigError, match="does not build yet"):
             check_diffusion_run(_cfg(media, model=conditioned))
+
+
+def test_large_frozen_encoders_shard_as_inference_does(dist_run, media):
+    """The engine's size rule decides which frozen components shard (tiny FLUX's T5 at the default fraction; its
+    CLIP and VAE too at fraction 0): each rank holds half of their bytes as DTensor shards, and the latents,
+    caption encodings and losses equal those of whole encoders (fraction inf) on the same layout (measured: equal
+    bit for bit; bound 1e-6)."""
+    from hsdp.train.diffusion.trainer import frozen_sharded
+
+    assert frozen_sharded(resolve_model("tiny-flux")) == ["text_encoder_2"]  # written here: transformers 5 saves
+    # text encoders only on rank 0 of a process group, so ranks writing the built-in could lose its weights
+    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    cfg = _cfg(media, model="tiny-flux", lora_r=4, lr=1e-4, steps=2, parallel=layout)
+    whole, forced = (dist_run(2, sharded_encoders, cfg, f) for f in (float("inf"), 0.0))
+    assert whole[0]["sharded"] == [] and sorted(forced[0]["sharded"]) == ["text_encoder", "text_encoder_2", "vae"]
+    for name in forced[0]["sharded"]:
+        assert all(rank["dtensor"][name] for rank in forced)
+        total = forced[0]["bytes"][name][1]
+        held = [rank["bytes"][name][0] for rank in forced]
+        assert sum(held) == total and max(held) <= 0.55 * total, (name, held, total)
+    for got, ref in zip(forced[0]["items"], whole[0]["items"], strict=True):
+        assert got.keys() == ref.keys()
+        worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        assert worst <= 1e-6, worst
+    assert np.allclose(forced[0]["losses"], whole[0]["losses"], atol=1e-6, rtol=0), (forced[0]["losses"], whole[0]["losses"])

@@ -25,7 +25,7 @@ from hsdp.train.diffusion.media import Bucket, MediaDataset
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["LatentCache", "fill_cache", "encoder_fingerprint"]
+__all__ = ["LatentCache", "fill_cache", "encoder_fingerprint", "agreed_indices"]
 
 _KEY_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _SAMPLE_BYTES = 1 << 20
@@ -149,7 +149,7 @@ def fill_cache(
     timeout instead of hanging when a rank is gone.
     """
     pairs = zip(dataset.items, dataset.buckets, strict=True)
-    missing = _agreed([i for i, (item, bucket) in enumerate(pairs) if not cache.has(item.key, bucket)], group)
+    missing = agreed_indices([i for i, (item, bucket) in enumerate(pairs) if not cache.has(item.key, bucket)], group)
     groups: dict[Bucket, list[int]] = {}
     for index in missing:
         groups.setdefault(dataset.buckets[index], []).append(index)
@@ -172,8 +172,9 @@ def fill_cache(
     return written
 
 
-def _agreed(missing: list[int], group: dist.ProcessGroup | None) -> list[int]:
-    """The union of every rank's missing indices (ranks may see a file another is still renaming into place)."""
+def agreed_indices(missing: list[int], group: dist.ProcessGroup | None = None) -> list[int]:
+    """The union of every rank's missing indices, sorted (ranks may see a file another is still renaming into
+    place, or one damaged that another read whole)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return missing
     every: list[list[int] | None] = [None] * dist.get_world_size(group)

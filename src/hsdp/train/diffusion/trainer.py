@@ -5,7 +5,9 @@ the same plan rules and ``load_pretrained`` as inference, with peft LoRA adapter
 ``--lora-r`` is set. The frozen VAE and text encoders load once, encode every item's latents and caption
 encodings (every tensor the pipeline's ``encode_prompt`` returns that the denoiser takes: embeddings, pooled
 embeddings, text ids), and are freed before the first step, so the training peak holds only the denoiser, its
-gradients, optimizer state and activations. With ``--cache-latents`` they go through
+gradients, optimizer state and activations. Those that inference shards (:func:`frozen_sharded`: the engine's size
+rule, e.g. T5-XXL beside FLUX, UMT5 beside Wan) load sharded on the training mesh with the engine's loader, the
+others whole, all on this rank's device (:func:`frozen_pipeline`). With ``--cache-latents`` they go through
 :class:`hsdp.train.diffusion.latent_cache.LatentCache`: each rank encodes its share of the missing items, then
 every rank reads every item.
 
@@ -26,28 +28,37 @@ import json
 import logging
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hsdp.checkpoint import export_safetensors
-from hsdp.config import DTYPES
+from hsdp.config import DTYPES, ParallelConfig, ShardingStrategy
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
+from hsdp.distributed import local_device
 from hsdp.families import GENERIC, DenoiserBatch, Family, family_for, training_family
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
 from hsdp.train.data import DatasetError
 from hsdp.train.diffusion import evaluation, validation
-from hsdp.train.diffusion.latent_cache import LatentCache, encoder_fingerprint, fill_cache
+from hsdp.train.diffusion.latent_cache import LatentCache, agreed_indices, encoder_fingerprint, fill_cache
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.objective import Objective, objective_for
 from hsdp.train.trainer import Trainer, TrainResult
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["DiffusionTrainer", "DEFAULT_LORA_TARGETS", "is_pipeline", "diffusion_preflight", "EncodedData"]
+__all__ = [
+    "DiffusionTrainer",
+    "DEFAULT_LORA_TARGETS",
+    "is_pipeline",
+    "diffusion_preflight",
+    "EncodedData",
+    "frozen_sharded",
+    "frozen_pipeline",
+]
 
 DEFAULT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 """The attention projections diffusers' training scripts adapt; every diffusers denoiser has them."""
@@ -131,7 +142,7 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     model_dir = resolve_model(cfg.model)
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
-    pipe = _pipeline_without(model_dir, [n for n in DENOISERS if n in _index(model_dir)])
+    pipe = _pipeline_without(model_dir)
     spec = media_spec(pipe, model_dir, component)
     try:
         MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
@@ -186,12 +197,71 @@ class EncodedData:
     """The encodings of the empty caption (caption dropout; None without it)."""
 
 
-def _pipeline_without(model_dir: Path, component_names: list[str]):
-    """The pipeline of ``model_dir`` on the CPU with its denoisers left out (they are trained, not encoded)."""
+def _pipeline_without(model_dir: Path, **components):
+    """The pipeline of ``model_dir`` on the CPU with its denoisers left out (they are trained, not encoded) and
+    ``components`` in place of loading those."""
     import diffusers
 
     cls = getattr(diffusers, _index(model_dir)["_class_name"])
-    return cls.from_pretrained(model_dir, **{name: None for name in component_names}, torch_dtype=torch.float32)
+    absent = {name: None for name in DENOISERS if name in _index(model_dir)}
+    return cls.from_pretrained(model_dir, **absent, **components, torch_dtype=torch.float32)
+
+
+def frozen_sharded(model_dir: Path) -> list[str]:
+    """The frozen components inference shards: every component :func:`hsdp.engine.model_info.inspect_model` marks
+    shardable (a shard plan, and weights at least ``TEXT_ENCODER_SHARD_FRACTION`` of the largest denoiser's) that
+    is not a denoiser. The rule compares sizes, so it holds for any scale of the same pipeline."""
+    from hsdp.engine.model_info import inspect_model
+
+    info = inspect_model(model_dir)
+    return [name for name in info.shardable if name not in info.denoisers]
+
+
+def frozen_layout(parallel: ParallelConfig) -> ParallelConfig:
+    """The layout frozen encoders shard on: the training mesh, computing in fp32 as whole ones do, each block's
+    weights freed after its forward (they never run backward: kept gathered, as SHARD_GRAD_OP keeps them until
+    the backward, they would stay whole on every rank)."""
+    parallel = parallel.resolved()
+    return replace(
+        parallel,
+        reshard_after_forward=parallel.sharding_strategy is not ShardingStrategy.NO_SHARD,
+        param_dtype=None,
+        reduce_dtype=None,
+    ).resolved()
+
+
+def frozen_pipeline(model_dir: Path, parallel: ParallelConfig | None = None):
+    """The pipeline of ``model_dir`` without its denoisers (they are trained, not encoded with), in fp32 on this
+    rank's device. With HSDP, :func:`frozen_sharded` components load sharded over the training mesh through the
+    engine's own loader (:func:`hsdp.engine.worker.load_component`: the same plan, prefetch and entry points, so a
+    sharded VAE's ``encode`` gathers like ``forward``); encoding with them is then collective."""
+
+    from hsdp.engine.worker import LoadSpec, load_component
+    from hsdp.mesh import build_meshes
+
+    components = {}
+    sharded = frozen_sharded(model_dir) if parallel is not None and parallel.use_hsdp else []
+    if sharded:
+        layout = frozen_layout(parallel)
+        spec = LoadSpec(path=Path(model_dir), kind="diffusion", config=layout, dtype="fp32")
+        meshes = build_meshes(layout)  # the training mesh (built once per process, reused by the trainer)
+        components |= {name: load_component(spec, meshes, name) for name in sharded}
+        logger.info("frozen components sharded as inference shards them: %s", ", ".join(sharded))
+    pipe = _pipeline_without(model_dir, **components)
+    device = local_device()
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and name not in sharded:
+            module.to(device)
+    return pipe
+
+
+def _device_of(*modules) -> torch.device:
+    """Where the (frozen) modules compute: their first parameter's device (a sharded one's local shard)."""
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            for param in module.parameters():
+                return param.device
+    return torch.device("cpu")
 
 
 def media_spec(pipe, model_dir: Path, component: str) -> MediaSpec:
@@ -209,15 +279,15 @@ def media_spec(pipe, model_dir: Path, component: str) -> MediaSpec:
 def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     """``[C, F, H, W]`` pixels -> normalised latents (the mode of the VAE's posterior, as diffusers' scripts do),
     laid out as the denoiser takes them (5-D for video VAEs, 4-D for image ones)."""
-    video = pixels[None]
+    video = pixels[None].to(_device_of(vae))
     config = vae.config
     if "latents_mean" in config and config.get("latents_mean") is not None:  # Wan-style per-channel statistics
-        latents = vae.encode(video).latent_dist.mode()
+        latents = vae.encode(video).latent_dist.mode().cpu()
         shape = (1, -1) + (1,) * (latents.dim() - 2)
         mean = torch.tensor(config.latents_mean).view(shape)
         std = torch.tensor(config.latents_std).view(shape)
         return ((latents - mean) / std)[0]
-    latents = vae.encode(video[:, :, 0]).latent_dist.mode()
+    latents = vae.encode(video[:, :, 0]).latent_dist.mode().cpu()
     shift = config.get("shift_factor") or 0.0
     return ((latents - shift) * config.scaling_factor)[0]
 
@@ -228,13 +298,16 @@ def encode_captions(pipe, captions: list[str]) -> list[dict[str, torch.Tensor]]:
     ``prompt_outputs``: every tensor the denoiser's call takes, so the latent cache holds all of them."""
     family = training_family(type(pipe).__name__)
     params = inspect.signature(pipe.encode_prompt).parameters
-    kwargs = {"device": torch.device("cpu")}
+    encoders = [module for name, module in pipe.components.items() if name.startswith("text_encoder")]
+    kwargs = {"device": _device_of(*encoders)}
     if "do_classifier_free_guidance" in params:
         kwargs["do_classifier_free_guidance"] = False
     out = pipe.encode_prompt(prompt=captions, **{k: v for k, v in kwargs.items() if k in params})
     outputs = out if isinstance(out, tuple) else (out,)
     # Pipelines return more than the family names (e.g. Wan's negative embeddings, None without guidance).
-    named = {name: t.float() for name, t in zip(family.prompt_outputs, outputs, strict=False) if name is not None}
+    named = {
+        name: t.float().cpu() for name, t in zip(family.prompt_outputs, outputs, strict=False) if name is not None
+    }
     return [
         {name: t if name in family.shared_prompt_outputs else t[row] for name, t in named.items()}
         for row in range(len(captions))
@@ -306,7 +379,7 @@ class DiffusionTrainer(Trainer):
         self.objective: Objective = objective_for(
             self.model_dir, sampling=cfg.timestep_sampling, shift=cfg.flow_shift, timestep_range=timestep_range
         )
-        pipe = _pipeline_without(self.model_dir, [n for n in DENOISERS if n in _index(self.model_dir)])
+        pipe = frozen_pipeline(self.model_dir, self.parallel)
         spec = media_spec(pipe, self.model_dir, self.component)
         try:
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
@@ -331,11 +404,14 @@ class DiffusionTrainer(Trainer):
         )
         cache = LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
         fill_cache(dataset, cache, encode, self.rank, self.world_size)
-        # An item damaged since it was written (get warns) is encoded again here rather than failing the run.
-        return [
-            cache.get(item.key, bucket) or encode([index])[0]
-            for index, (item, bucket) in enumerate(zip(dataset.items, dataset.buckets, strict=True))
-        ]
+        items = [cache.get(item.key, bucket) for item, bucket in zip(dataset.items, dataset.buckets, strict=True)]
+        # An item damaged since it was written (get warns) is encoded again here rather than failing the run; every
+        # rank encodes the same ones (sharded encoders are collective), whichever rank found them damaged.
+        for index in agreed_indices([i for i, tensors in enumerate(items) if tensors is None]):
+            encoded = encode([index])[0]
+            if items[index] is None:
+                items[index] = encoded
+        return items
 
     def _micro_loss(self, micro: int) -> torch.Tensor:
         cfg = self.cfg
