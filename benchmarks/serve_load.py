@@ -28,6 +28,15 @@ seconds, the server's output dir is "full" for ``--disk-full-for`` seconds (faul
 job whose output could not be stored, is sent again by its client, as a 429 is. Every row reports ``stuck``:
 jobs the server still holds queued or running once the load is over, plus requests that ran past their deadline.
 
+``--nodes N`` runs every server over N local torchrun "nodes" (:class:`hsdp.serve.local.LocalNodes`, c10d
+rendezvous on loopback, ``--nproc-per-node`` ranks each); ``--kill-node-every S`` (30 when given no value) adds a
+chaos run in which the ranks of a node without rank 0 are SIGKILLed every S seconds of service, under
+``torchrun --max-restarts``: torchrun restarts the whole group, rank 0's HTTP server included, so only a video
+pipeline's asynchronous jobs (persisted, run again after the restart) can be checked; clients wait out the
+restart (a refused connection or a 503 is sent again and counted). Job counts then come from the job records on
+disk (the server's counters start again with each restart), and each kill's times to leave and to regain
+``/health`` 200 are reported.
+
 Prints latency percentiles and throughput; writes JSON. Stops by itself (every request has a deadline).
 
     .venv/bin/python benchmarks/serve_load.py                       # 200 requests, concurrency 16
@@ -35,6 +44,7 @@ Prints latency percentiles and throughput; writes JSON. Stops by itself (every r
     .venv/bin/python benchmarks/serve_load.py --model tiny-flux --requests 64 --batch-sizes 1 4
     .venv/bin/python benchmarks/serve_load.py --model tiny-flux-kontext --mixed --kill-every 10 --requests 48
     .venv/bin/python benchmarks/serve_load.py --model tiny-wan --mixed --kill-every 10 --disk-full-every 6
+    .venv/bin/python benchmarks/serve_load.py --model tiny-wan --nodes 2 --kill-node-every 30 --requests 400
 """
 
 from __future__ import annotations
@@ -51,11 +61,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from hsdp.serve.local import LocalServer
+from hsdp.serve.local import LocalNodes, LocalServer
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -71,6 +82,8 @@ VIDEO = {"size": "32x32", "num_frames": 5, "num_inference_steps": 2, "guidance_s
 NEGATIVE = "blurry, low quality"
 STORAGE_CODES = ("storage_error", "output_error")
 """Errors of a request whose output could not be stored (a full disk): its client sends it again."""
+NODE_MAX_RESTARTS = 100
+"""torchrun's ``--max-restarts`` in the node-kill run: more than it kills."""
 
 
 def _input_png(seed: int) -> bytes:
@@ -243,14 +256,30 @@ async def _ask_image(http: httpx.AsyncClient, request: dict) -> tuple[int, str |
     return response.status_code, b64, None, dict(response.headers)
 
 
-async def _ask_video(http: httpx.AsyncClient, request: dict) -> tuple[int, bytes | None, None, dict]:
-    """An asynchronous video job, polled until it ends; its mp4. A job whose output could not be stored comes
-    back as 507, which the client sends again."""
+async def _get(http: httpx.AsyncClient, path: str, restarts: bool, until: float) -> httpx.Response:
+    """GET ``path``; with ``restarts``, a refused or dropped connection or a 503 (torchrun restarting the group)
+    is asked again until ``until`` (``time.perf_counter()``)."""
+    while True:
+        try:
+            response = await http.get(path)
+            if not (restarts and response.status_code == 503):
+                return response
+        except httpx.TransportError:
+            if not restarts or time.perf_counter() > until:
+                raise
+        await asyncio.sleep(0.5)
+
+
+async def _ask_video(
+    http: httpx.AsyncClient, request: dict, restarts: bool, until: float
+) -> tuple[int, bytes | None, None, dict]:
+    """An asynchronous video job, polled until it ends (through restarts of the group, with ``restarts``); its
+    mp4. A job whose output could not be stored comes back as 507, which the client sends again."""
     response = await http.post("/v1/videos", json=request["body"])
     if response.status_code != 200:
         return response.status_code, None, None, dict(response.headers)
     video_id = response.json()["id"]
-    while (job := (await http.get(f"/v1/videos/{video_id}")).json())["status"] not in (
+    while (job := (await _get(http, f"/v1/videos/{video_id}", restarts, until)).json())["status"] not in (
         "completed",
         "failed",
         "cancelled",
@@ -259,7 +288,7 @@ async def _ask_video(http: httpx.AsyncClient, request: dict) -> tuple[int, bytes
     if job["status"] != "completed":
         code = (job.get("error") or {}).get("code")
         return (507 if code in STORAGE_CODES else 500), json.dumps(job.get("error")), None, {}
-    content = await http.get(f"/v1/videos/{video_id}/content")
+    content = await _get(http, f"/v1/videos/{video_id}/content", restarts, until)
     return content.status_code, content.content, None, dict(content.headers)
 
 
@@ -270,20 +299,32 @@ async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.
                 index, request = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            started, retries, resent = time.perf_counter(), 0, 0
+            started, retries, resent, restarted = time.perf_counter(), 0, 0, 0
+            # Over nodes, torchrun restarts rank 0's HTTP server with the group: a refused connection or a 503
+            # means the job was not accepted, and is sent again.
+            restarts = args.nodes > 1
             while True:
                 try:
                     if isinstance(request, str):
                         body = {"prompt": request, "max_tokens": args.max_tokens, "temperature": 0}
                         status, text, ttft, headers = await _ask(http, body, args.stream)
                     elif request["video"]:
-                        status, text, ttft, headers = await _ask_video(http, request)
+                        until = started + args.deadline
+                        status, text, ttft, headers = await _ask_video(http, request, restarts, until)
                     else:
                         status, text, ttft, headers = await _ask_image(http, request)
                 except httpx.HTTPError as exc:
+                    restarting = restarts and isinstance(exc, httpx.TransportError)
+                    if restarting and time.perf_counter() - started < args.deadline:
+                        restarted += 1
+                        await asyncio.sleep(1.0)
+                        continue
                     results[index] = {"status": f"error: {exc!r}", "latency_s": time.perf_counter() - started}
                     break
-                if status in (429, 507) and time.perf_counter() - started < args.deadline:
+                if status in (429, 507, *((503,) if restarts else ())) and (
+                    time.perf_counter() - started < args.deadline
+                ):
+                    restarted += status == 503
                     retries += status == 429
                     resent += status == 507  # the disk was full: stored nothing, or lost the output
                     await asyncio.sleep(float(headers.get("retry-after", "1")))
@@ -295,6 +336,7 @@ async def _client(url: str, queue: asyncio.Queue, results: dict, args: argparse.
                     "ttft_s": ttft,
                     "retries": retries,
                     "resent": resent,
+                    "restarted": restarted,
                 }
                 break
 
@@ -314,21 +356,57 @@ async def _run(url: str, requests: list, args: argparse.Namespace) -> tuple[dict
     return results, time.perf_counter() - started
 
 
-def _kill_workers(server: LocalServer, every_s: float, stop: threading.Event, kills: list[int]) -> None:
-    """SIGKILL one worker (at random) every ``every_s`` seconds of service until ``stop``: the clock restarts
-    once the engine is healthy again, so a restart slower than the interval (a loaded CPU) does not turn the
-    run into one where the same re-run job is killed on every attempt."""
-    rng = random.Random(0)
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.HTTPError:  # busy, or (over nodes) restarting with the group
+        return None
+
+
+def _kill_every(
+    url: str, every_s: float, stop: threading.Event, kills: list[dict], kill: Callable[[], bool]
+) -> None:
+    """``kill()`` every ``every_s`` seconds of service until ``stop``: the clock restarts once the engine is
+    healthy again, so a restart slower than the interval (a loaded CPU) does not turn the run into one where the
+    same re-run job is killed on every attempt. Per kill: seconds until ``/health`` left 200 and until it was
+    200 again (waited for even after ``stop``, up to 600 s)."""
     while not stop.wait(every_s):
         try:
-            pids = server.worker_pids()
-            if pids:
-                os.kill(rng.choice(pids), signal.SIGKILL)
-                kills.append(1)
+            if not kill():
+                continue
         except (httpx.HTTPError, ProcessLookupError):
             continue
-        while not stop.is_set() and httpx.get(server.url + "/health", timeout=10).status_code != 200:
-            stop.wait(0.2)
+        killed = time.monotonic()
+        while _health(url) == 200 and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        noticed_s = time.monotonic() - killed
+        while _health(url) != 200 and time.monotonic() - killed < 600:
+            time.sleep(0.2)
+        kills.append({"noticed_s": round(noticed_s, 2), "back_s": round(time.monotonic() - killed, 2)})
+
+
+def _kill_a_worker(server: LocalServer, rng: random.Random) -> bool:
+    """SIGKILL one worker of the local server, at random."""
+    pids = server.worker_pids()
+    if pids:
+        os.kill(rng.choice(pids), signal.SIGKILL)
+    return bool(pids)
+
+
+def _kill_a_node(nodes: LocalNodes, rng: random.Random) -> bool:
+    """SIGKILL every rank of one node without rank 0 (the node's torchrun agent lives on and restarts them)."""
+    head = nodes.head_node()
+    if head is None:  # between rounds
+        return False
+    return bool(nodes.kill_node(rng.choice([n for n in range(nodes.nnodes) if n != head])))
+
+
+def _disk_counts(out: Path) -> dict:
+    """Job records on disk: jobs completed and jobs run again (what the counters, reset by every restart of a
+    torchrun group, cannot say)."""
+    records = [json.loads(p.read_text()) for p in (out / "jobs").glob("*.json")]
+    done = [r for r in records if r["status"] == "completed"]
+    return {"completed": len(done), "run_again": sum(max(0, r["attempts"] - 1) for r in done)}
 
 
 def _fill_disk(flag: Path, every_s: float, for_s: float, stop: threading.Event, windows: list[int]) -> None:
@@ -341,7 +419,7 @@ def _fill_disk(flag: Path, every_s: float, for_s: float, stop: threading.Event, 
         flag.unlink(missing_ok=True)
 
 
-def _settle(server: LocalServer, timeout_s: float = 60.0) -> str:
+def _settle(server: LocalServer | LocalNodes, timeout_s: float = 60.0) -> str:
     """``/metrics`` once the server holds no queued or running job (or at the deadline: those are stuck)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -360,10 +438,12 @@ def load_run(
     workdir: Path,
     kill_every_s: float | None = None,
     disk_full_every_s: float | None = None,
+    kill_node_every_s: float | None = None,
 ) -> dict:
-    """One server with ``layout`` flags, the whole load, and the lost / wrong / duplicate / stuck accounting."""
+    """One server with ``layout`` flags (over ``args.nodes`` local torchrun nodes when above 1), the whole load,
+    and the lost / wrong / duplicate / stuck accounting."""
     server_args = [*layout.split(), "--output-dir", str(workdir / "out"), "--log-level", "warning"]
-    kills: list[int] = []
+    kills: list[dict] = []
     windows: list[int] = []
     flag = workdir / "disk-full"
     env = {}
@@ -371,12 +451,30 @@ def load_run(
         faults = Path(__file__).resolve().parent.parent / "tests" / "fault_injection"
         env = {"PYTHONPATH": os.pathsep.join([str(faults), os.environ.get("PYTHONPATH", "")])}
         env["HSDP_TEST_DISK_FULL"] = str(flag)
-    with LocalServer(args.model, server_args, log=workdir / "server.log", env=env) as server:
+    if args.nodes > 1:
+        server: LocalServer | LocalNodes = LocalNodes(
+            args.model,
+            server_args,
+            log_dir=workdir,
+            nnodes=args.nodes,
+            nproc_per_node=args.nproc_per_node,
+            max_restarts=NODE_MAX_RESTARTS if kill_node_every_s else 0,
+            env=env,
+        )
+    else:
+        server = LocalServer(args.model, server_args, log=workdir / "server.log", env=env)
+    rng = random.Random(0)
+    kill = (lambda: _kill_a_worker(server, rng)) if kill_every_s else (lambda: _kill_a_node(server, rng))
+    with server:
         before = httpx.get(server.url + "/metrics").text
         stop = threading.Event()
         chaos = [
-            threading.Thread(target=_kill_workers, args=(server, kill_every_s, stop, kills), daemon=True)
-            if kill_every_s
+            threading.Thread(
+                target=_kill_every,
+                args=(server.url, kill_every_s or kill_node_every_s, stop, kills, kill),
+                daemon=True,
+            )
+            if kill_every_s or kill_node_every_s
             else None,
             threading.Thread(
                 target=_fill_disk,
@@ -394,6 +492,8 @@ def load_run(
             stop.set()
             flag.unlink(missing_ok=True)
         server.wait_healthy()
+        for thread in filter(None, chaos):
+            thread.join()  # a kill's recovery is measured to its end
         after = _settle(server)
 
     def delta(name: str, **labels: str) -> int:
@@ -405,9 +505,16 @@ def load_run(
     stuck += sum(1 for r in results.values() if "ReadTimeout" in str(r.get("status")))
     latencies = [results[i]["latency_s"] for i in answered] or [float("nan")]
     ttfts = [results[i]["ttft_s"] for i in answered if results[i].get("ttft_s") is not None]
-    completed = delta("hsdp_jobs", state="completed")
+    completed, run_again = delta("hsdp_jobs", state="completed"), delta("hsdp_job_retries_total")
+    restarted = bool(args.nodes > 1 and kill_node_every_s)
+    if restarted:  # the counters start again with each restart of the group: count the records
+        on_disk = _disk_counts(workdir / "out")
+        completed, run_again = on_disk["completed"], on_disk["run_again"]
+    nodes = f" over {args.nodes} nodes x {args.nproc_per_node}" if args.nodes > 1 else ""
     return {
-        "layout": layout + _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for),
+        "layout": layout
+        + nodes
+        + _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for, kill_node_every_s),
         "requests": len(requests),
         "answered_200": len(answered),
         "lost": len(requests) - len(answered),
@@ -419,11 +526,14 @@ def load_run(
         "resent_after_disk_full": sum(r.get("resent", 0) for r in results.values()),
         "disk_full_windows": len(windows),
         "record_write_errors": delta("hsdp_record_write_errors_total"),
-        "workers_killed": len(kills),
-        "jobs_run_again": delta("hsdp_job_retries_total"),
+        "workers_killed": len(kills) if kill_every_s else 0,
+        "nodes_killed": len(kills) if kill_node_every_s else 0,
+        "recovery_s": kills,
+        "resent_while_restarting": sum(r.get("restarted", 0) for r in results.values()),
+        "jobs_run_again": run_again,
         "server_jobs_completed": completed,
-        "server_requests_run": delta("hsdp_batched_requests_total"),
-        "server_batches": delta("hsdp_batches_total"),
+        "server_requests_run": None if restarted else delta("hsdp_batched_requests_total"),
+        "server_batches": None if restarted else delta("hsdp_batches_total"),
         "ttft_s": {f"p{q}": round(_percentile(ttfts, q), 4) for q in (50, 99)} if ttfts else None,
         "wall_s": round(wall_s, 3),
         "throughput_rps": round(len(answered) / wall_s, 2),
@@ -439,8 +549,14 @@ def load_run(
     }
 
 
-def _chaos_label(kill_every_s: float | None, disk_full_every_s: float | None, disk_full_for_s: float) -> str:
+def _chaos_label(
+    kill_every_s: float | None,
+    disk_full_every_s: float | None,
+    disk_full_for_s: float,
+    kill_node_every_s: float | None = None,
+) -> str:
     faults = [f"a worker killed every {kill_every_s:g}s"] if kill_every_s else []
+    faults += [f"a node killed every {kill_node_every_s:g}s"] if kill_node_every_s else []
     faults += [f"disk full {disk_full_for_s:g}s of every {disk_full_every_s:g}s"] if disk_full_every_s else []
     return f" ({', '.join(faults)})" if faults else ""
 
@@ -481,6 +597,19 @@ def main() -> int:
     )
     parser.add_argument("--disk-full-for", type=float, default=2.0)
     parser.add_argument(
+        "--nodes", type=int, default=1, help="run each server over N local torchrun nodes (c10d on loopback)"
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node with --nodes")
+    parser.add_argument(
+        "--kill-node-every",
+        type=float,
+        nargs="?",
+        const=30.0,
+        default=None,
+        help="with --nodes and a video pipeline: also run the first layout while the ranks of a node without "
+        "rank 0 are killed every S s (default 30), under torchrun --max-restarts",
+    )
+    parser.add_argument(
         "--mixed",
         action="store_true",
         help="pipelines: some requests with a negative prompt, some with an image",
@@ -490,6 +619,19 @@ def main() -> int:
     )
     parser.add_argument("--output", type=Path, default=Path("bench_results/serve_load.json"))
     args = parser.parse_args()
+    if args.nodes > 1 and (args.kill_every or args.disk_full_every):
+        parser.error("--kill-every and --disk-full-every run on one host; over --nodes use --kill-node-every")
+    if args.kill_node_every and args.nodes < 2:
+        parser.error("--kill-node-every needs --nodes 2 or more")
+    if args.kill_node_every:
+        from hsdp.engine.model_info import inspect_model
+        from hsdp.models.builtin import resolve_model
+
+        if inspect_model(resolve_model(args.model)).output != "video":
+            parser.error(
+                "--kill-node-every needs a video pipeline (--model tiny-wan): torchrun restarts rank 0's HTTP "
+                "server with the group, and only asynchronous video jobs outlive it"
+            )
 
     prompts = [f"request {i}: " for i in range(args.requests)]
     print(f"computing {len(prompts)} one-process references ...", flush=True)
@@ -504,14 +646,16 @@ def main() -> int:
     for layout in layouts:
         print(f"load: {layout} ...", flush=True)
         rows.append(load_run(layout, requests, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
-    chaos = [(args.kill_every, None)] if args.kill_every else []
-    chaos += [(args.kill_every, args.disk_full_every)] if args.disk_full_every else []
+    chaos = [(args.kill_every, None, None)] if args.kill_every else []
+    chaos += [(args.kill_every, args.disk_full_every, None)] if args.disk_full_every else []
+    chaos += [(None, None, args.kill_node_every)] if args.kill_node_every else []
     chaos_layout = layouts[-1] if image else layouts[0]  # pipelines: the largest --max-batch-size
-    for kill_every_s, disk_full_every_s in chaos:
-        label = _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for)
+    for kill_every_s, disk_full_every_s, kill_node_every_s in chaos:
+        label = _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for, kill_node_every_s)
         print(f"load{label}: {chaos_layout} ...", flush=True)
         workdir = Path(tempfile.mkdtemp(prefix="serve-chaos-"))
-        rows.append(load_run(chaos_layout, requests, want, args, workdir, kill_every_s, disk_full_every_s))
+        faults = (kill_every_s, disk_full_every_s, kill_node_every_s)
+        rows.append(load_run(chaos_layout, requests, want, args, workdir, *faults))
     what = (
         "one output each" + (", mixed inputs" if args.mixed else "")
         if image
@@ -526,6 +670,7 @@ def main() -> int:
         "dup",
         "stuck",
         "killed",
+        "nodes killed",
         "disk full",
         "resent",
         "re-run",
@@ -544,7 +689,7 @@ def main() -> int:
         ratio = row["throughput_rps"] / rows[0]["throughput_rps"]
         ttft = row["ttft_s"]["p50"] if row["ttft_s"] else "-"
         cells = [row["layout"], row["answered_200"], row["lost"], row["wrong_answers"], row["duplicates"],
-                 row["stuck"], row["workers_killed"], row["disk_full_windows"], row["resent_after_disk_full"],
+                 row["stuck"], row["workers_killed"], row["nodes_killed"], row["disk_full_windows"], row["resent_after_disk_full"],
                  row["jobs_run_again"], row["server_batches"], row["throughput_rps"],
                  f"{ratio:.2f}", lat["p50"], lat["p90"], lat["p99"], lat["max"], ttft]  # fmt: skip
         print(" | ".join(str(c) for c in cells))
@@ -560,6 +705,8 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "stream": args.stream,
         "mixed": args.mixed,
+        "nodes": args.nodes,
+        "nproc_per_node": args.nproc_per_node,
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
