@@ -6,7 +6,7 @@ every live tensor storage, what ``max_memory_allocated`` counts on a GPU). The p
 :func:`hsdp.planning.diffusion.diffusion_training` + :func:`hsdp.planning.estimate` for the same item size.
 Models: ``tiny-wan`` (width 32, 3 blocks), a wider Wan (width 128, FFN 512, 5 blocks) built into ``--work``,
 ``tiny-flux`` and ``tiny-sdxl``.
-Target: within 10 %.
+Target: within 10 %. ``--activation-checkpointing`` trains and plans every row with per-block recomputation.
 
     .venv/bin/python benchmarks/plan_diffusion_train.py    # about 4 minutes; bench_results/plan_diffusion_train.json
 """
@@ -66,7 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="bench_results/plan_diffusion_train")
     parser.add_argument("--output", default="bench_results/plan_diffusion_train.json")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     args = parser.parse_args()
+    ac = args.activation_checkpointing
     work = Path(args.work)
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
     rows = []
@@ -76,11 +78,14 @@ def main() -> None:
             data = clips(work / f"clips-{frames}x{side}", frames, side)
             for lora_r in (4, 0):
                 cfg = TrainConfig(model=model, data=str(data), resolution=side, frames=frames, steps=2,
-                                  batch_size=2, lora_r=lora_r, seed=0, progress=False, parallel=layout)  # fmt: skip
+                                  batch_size=2, lora_r=lora_r, seed=0, progress=False, parallel=layout,
+                                  activation_checkpointing=ac)  # fmt: skip
                 measured = max(group.run(measure, cfg, timeout_s=1800))
-                plan = diffusion_training(model, height=side, width=side, frames=frames, lora_r=lora_r)
+                plan = diffusion_training(model, height=side, width=side, frames=frames, lora_r=lora_r,
+                                          activation_checkpointing=ac)  # fmt: skip
                 est = estimate([plan.profile], Layout(layout.resolved()), plan.work, Hardware(2**40))
                 rows.append(dict(model=name, side=side, frames=frames, lora_r=lora_r, tokens=plan.work.seq_len,
+                                 activation_checkpointing=ac,
                                  predicted=est.total, measured=measured, error=est.total / measured - 1,
                                  weights=est.weights, gather=est.gather, grads=est.grads, optimizer=est.optimizer,
                                  activations=est.activations))  # fmt: skip

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-target-modules", nargs="+", default=(), help="LoRA targets (default: hsdp train's)"
     )
     diffusion.add_argument("--train-component", default=None, help="the denoiser trained (default: the first)")
+    diffusion.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each block's activations in backward"
+    )
     parser.add_argument("--dtype", default=None, help="stored weight dtype (default: the checkpoint's)")
     parser.add_argument(
         "--param-dtype", default=None, help="compute dtype of gathered weights (mixed precision)"
@@ -148,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         sharded = _engine_sharded(args.model)
         if args.training and sharded is not None:
             profiles, work = _diffusion_training(args)
+        elif args.activation_checkpointing:
+            raise PlanError("--activation-checkpointing is planned for diffusion training (--train on a pipeline)")
         else:
             work = Workload(
                 training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
@@ -208,13 +213,15 @@ def _diffusion_training(args: argparse.Namespace) -> tuple[list, Workload]:
         component=args.train_component,
         param_dtype=args.param_dtype,
         dtype=DTYPES[args.dtype] if args.dtype else None,
+        activation_checkpointing=args.activation_checkpointing,
     )
     return [found.profile], found.work
 
 
 def _diffusion_label(args: argparse.Namespace) -> str:
     kind = f"LoRA r={args.lora_r}" if args.lora_r else "full fine-tuning"
-    return f"{kind} of the denoiser, {args.height}x{args.width} x {args.frames} frames"
+    checkpointed = ", activation checkpointing" if args.activation_checkpointing else ""
+    return f"{kind} of the denoiser, {args.height}x{args.width} x {args.frames} frames{checkpointed}"
 
 
 def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
@@ -228,6 +235,8 @@ def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
         parts += ["--lora-target-modules", *args.lora_target_modules]
     if args.train_component:
         parts += ["--train-component", args.train_component]
+    if args.activation_checkpointing:
+        parts.append("--activation-checkpointing")
     return parts
 
 

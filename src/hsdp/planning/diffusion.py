@@ -11,6 +11,9 @@ tensors (``FakeTensorMode``: shapes and dtypes, no memory, no arithmetic) with t
 torch's ``MemTracker`` reads the peak of what that step holds besides the parameters (saved activations, the
 backward's temporaries; each gradient is dropped as it is made, since the estimate counts gradients itself). A
 DiT's cross-attention to the text tokens, its modulation and attention kernels are then counted as they run.
+With ``activation_checkpointing`` the traced denoiser has diffusers' gradient checkpointing on, as the trainer
+turns it on (``enable_gradient_checkpointing``), so the trace holds each block's inputs only and one block's
+activations recomputed during the backward.
 """
 
 from __future__ import annotations
@@ -202,10 +205,12 @@ def diffusion_training(
     component: str | None = None,
     param_dtype: str | None = None,
     dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
 ) -> DiffusionTraining:
     """The trained denoiser of pipeline ``model`` as ``hsdp train`` builds it, and a workload of ``batch`` samples
     of ``height x width x frames`` per rank (``seq_len``: the denoiser's tokens per sample). ``dtype``: LoRA's
-    frozen base as stored (default: the checkpoint's); full fine-tuning always holds fp32 masters."""
+    frozen base as stored (default: the checkpoint's); full fine-tuning always holds fp32 masters.
+    ``activation_checkpointing``: per-block recomputation (``hsdp train --activation-checkpointing``)."""
     import diffusers
 
     from hsdp import lora
@@ -253,6 +258,10 @@ def diffusion_training(
         return F.mse_loss(prediction.float(), torch.empty(batch, *latent, device=device))
 
     denoiser.train()
+    if activation_checkpointing:  # as the trainer does (DiffusionTrainer._enable_activation_checkpointing)
+        if not getattr(denoiser, "_supports_gradient_checkpointing", False):
+            raise PlanError(f"--activation-checkpointing: {type(denoiser).__name__} does not support it")
+        denoiser.enable_gradient_checkpointing()
     acts = traced_activation_bytes(denoiser, inputs, loss)
     tokens = _tokens(latent, config, family.latent_packing)
     work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=acts)

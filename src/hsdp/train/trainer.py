@@ -168,10 +168,6 @@ class Trainer:
             logger.info("LoRA r=%d alpha=%g: %d adapter parameters", self.lora.r, self.lora.lora_alpha, count)
         self._freeze()
         if cfg.activation_checkpointing:
-            if not getattr(self.model, "supports_gradient_checkpointing", False):
-                raise TrainConfigError(
-                    f"--activation-checkpointing: {type(self.model).__name__} does not support it"
-                )
             self._enable_activation_checkpointing()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -231,6 +227,9 @@ class Trainer:
         return self.cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM")
 
     def _enable_activation_checkpointing(self) -> None:
+        """Recompute each block in the backward (``--activation-checkpointing``); refused for a model without it."""
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise TrainConfigError(f"--activation-checkpointing: {type(self.model).__name__} does not support it")
         kwargs = {"use_reentrant": False}
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
             self.model.activation_checkpointing_enable(kwargs)

@@ -358,6 +358,10 @@ class DiffusionTrainer(Trainer):
         return self.cfg.lora_config(str(self._weights_dir()), default_targets=DEFAULT_LORA_TARGETS)
 
     def _enable_activation_checkpointing(self) -> None:
+        """diffusers' per-block gradient checkpointing (its ``_supports_gradient_checkpointing`` flag, not the
+        ``supports_gradient_checkpointing`` property transformers models have)."""
+        if not getattr(self.model, "_supports_gradient_checkpointing", False):
+            raise TrainConfigError(f"--activation-checkpointing: {type(self.model).__name__} does not support it")
         self.model.enable_gradient_checkpointing()
 
     def _enable_sequence_parallel(self) -> None:
