@@ -258,6 +258,17 @@ def _tied_aliases(model: nn.Module) -> set[str]:
     return aliases
 
 
+def _name_plain_class(config_file: Path, model: torch.nn.Module) -> None:
+    """Name the model's own class in a diffusers ``config.json``: ``save_config`` writes the class of the instance,
+    which FSDP2 swapped for ``FSDP<Name>`` (a class no library has, so no loader could read the folder)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    config = json.loads(config_file.read_text())
+    config["_class_name"] = plain.__name__
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def export_safetensors(
     model: nn.Module,
     out_dir: str | Path,
@@ -299,6 +310,7 @@ def export_safetensors(
         shutil.rmtree(tmp / "sharded", ignore_errors=True)
         if hasattr(model, "save_config"):  # a diffusers model: its config and weights file names
             model.save_config(tmp)
+            _name_plain_class(tmp / "config.json", model)
             (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
             (written,) = tmp.glob("model-*.safetensors")  # one file: every key maps to index 1
             written.rename(tmp / "diffusion_pytorch_model.safetensors")
