@@ -20,7 +20,7 @@ from hsdp.context_parallel import enable_ulysses
 from hsdp.distributed import local_device
 from hsdp.engine.cache import StepCache, agreement_group
 from hsdp.engine.compile import compile_blocks
-from hsdp.engine.model_info import inspect_model
+from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
@@ -30,7 +30,7 @@ from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["DiffusionRunner"]
+__all__ = ["DiffusionRunner", "call_kwargs"]
 
 
 def _heartbeat_hook(module: torch.nn.Module, args: tuple) -> None:
@@ -47,6 +47,20 @@ def _own_memory(module: torch.nn.Module) -> None:
     for param in module.parameters():
         if param.device.type == "cpu":
             param.data = param.data.clone()
+
+
+def call_kwargs(info: ModelInfo, requests: list[Request], params: SamplingParams) -> dict:
+    """The pipeline arguments for a group of requests run as one batch: the set fields it accepts, the per-request
+    inputs (one each, as lists when the group has several), and any extra kwargs. Besides these, a call passes the
+    prompts, one CPU generator per request seeded with its seed, and the output type (:meth:`DiffusionRunner.generate`;
+    the diffusion trainer's validation samples call the pipeline the same way)."""
+    kwargs = {name: getattr(params, name) for name in PIPELINE_ARGS if getattr(params, name) is not None}
+    for name in ("negative_prompt", "image", "mask_image"):
+        values = [getattr(r, name) for r in requests]
+        if any(v is not None for v in values):
+            kwargs[name] = values[0] if len(values) == 1 else values
+    kwargs.update(params.pipeline_kwargs)
+    return {k: v for k, v in kwargs.items() if k in info.call_params}
 
 
 class DiffusionRunner:
@@ -107,16 +121,7 @@ class DiffusionRunner:
             self._first_denoiser_call = time.perf_counter()
 
     def call_kwargs(self, requests: list[Request], params: SamplingParams) -> dict:
-        """The pipeline arguments for a group of requests run as one batch: the set fields it accepts, the
-        per-request inputs (one each, as lists when the group has several), and any extra kwargs."""
-        accepted = self.info.call_params
-        kwargs = {name: getattr(params, name) for name in PIPELINE_ARGS if getattr(params, name) is not None}
-        for name in ("negative_prompt", "image", "mask_image"):
-            values = [getattr(r, name) for r in requests]
-            if any(v is not None for v in values):
-                kwargs[name] = values[0] if len(values) == 1 else values
-        kwargs.update(params.pipeline_kwargs)
-        return {k: v for k, v in kwargs.items() if k in accepted}
+        return call_kwargs(self.info, requests, params)
 
     def generate(
         self, requests: list[Request], params: SamplingParams, *, decode: bool, progress: bool

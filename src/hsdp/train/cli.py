@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validation-every", type=int, default=0, help="validation samples every N steps (and at 0 and the end)"
     )
+    parser.add_argument("--validation-negative-prompt", default=None, help="the validation samples' negative prompt")
+    parser.add_argument(
+        "--validation-cfg-scale",
+        type=float,
+        default=None,
+        help="the validation samples' guidance: true_cfg_scale (FLUX, Qwen-Image) or guidance_scale",
+    )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to reach")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch over all ranks")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -182,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         eval_every=args.eval_every,
         validation_prompts=tuple(args.validation_prompt),
         validation_every=args.validation_every,
+        validation_negative_prompt=args.validation_negative_prompt,
+        validation_cfg_scale=args.validation_cfg_scale,
         output_dir=args.output_dir,
         save_every=args.save_every,
         keep_last=args.keep_last,

@@ -111,6 +111,11 @@ class TrainConfig:
     """Diffusion: prompts generated with the model being trained, written under ``<output_dir>/samples/step-N``."""
     validation_every: int = 0
     """Validation samples every N steps (0: only before the first step and at the end)."""
+    validation_negative_prompt: str | None = None
+    """The validation samples' negative prompt (as ``hsdp generate --negative-prompt``)."""
+    validation_cfg_scale: float | None = None
+    """The validation samples' classifier-free guidance: the pipeline's ``true_cfg_scale`` (FLUX, Qwen-Image: > 1
+    with a negative prompt runs the unconditional pass) or else its ``guidance_scale``; None = the model's default."""
     output_dir: str | None = None
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end, when --output-dir is set)."""
@@ -291,6 +296,12 @@ class TrainConfig:
             out.append("--validation-every needs prompts: add --validation-prompt TEXT")
         if self.validation_prompts and not self.output_dir:
             out.append("--validation-prompt writes samples under --output-dir: give one")
+        for flag, value in (
+            ("--validation-negative-prompt", self.validation_negative_prompt),
+            ("--validation-cfg-scale", self.validation_cfg_scale),
+        ):
+            if value is not None and not self.validation_prompts:
+                out.append(f"{flag} sets the validation samples': add --validation-prompt TEXT")
         return out
 
     def _export_format_problems(self) -> list[str]:

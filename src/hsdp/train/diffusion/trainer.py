@@ -394,7 +394,7 @@ class DiffusionTrainer(Trainer):
         empty = encode_captions(pipe, [""])[0] if cfg.caption_dropout else None
         held_out = evaluation.load_evaluation(cfg, pipe, spec) if cfg.eval_data else None
         prompts = cfg.validation_prompts
-        self.validation = validation.capture_encodings(pipe, self.model_dir, prompts) if prompts else None
+        self.validation = validation.capture_encodings(pipe, self.model_dir, cfg) if prompts else None
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
         latents = [item.pop("latents") for item in items]

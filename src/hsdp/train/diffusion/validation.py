@@ -1,17 +1,20 @@
 """Validation samples (``--validation-prompt``, ``--validation-every``): the model being trained, generating.
 
 Before the first step, every ``--validation-every`` steps and at the end, every rank puts the trained denoiser,
-still sharded on the training layout, into the unchanged diffusers pipeline (as the engine's
-:class:`hsdp.engine.diffusion.DiffusionRunner` runs inference: the pipeline's own ``__call__`` and scheduler, the
-engine's generation defaults for the model, a CPU generator seeded with ``--seed`` for every prompt, so successive
-samples differ only by training) and rank 0 writes each prompt's video or image with the engine's writers to
+still sharded on the training layout, into the unchanged diffusers pipeline and calls it as ``hsdp generate`` does:
+the requests and parameters come from the engine's :func:`hsdp.engine.params.build_requests` (the model's
+generation defaults, ``--validation-negative-prompt``, ``--validation-cfg-scale``), the pipeline arguments from the
+engine's :func:`hsdp.engine.diffusion.call_kwargs`, and the initial noise from a CPU generator seeded with
+``--seed`` for every prompt, so successive samples differ only by training and each equals ``hsdp generate`` of the
+same weights, prompt and seed. Rank 0 writes each prompt's video or image with the engine's writers to
 ``<output_dir>/samples/step-<N>/<i>-<prompt>.mp4`` (``.png`` for image pipelines).
 
-The trainer frees the text encoders before the first step, so each prompt's encoding is taken once, up front:
-the pipeline's own ``__call__`` runs with the encoders loaded until its ``encode_prompt`` returns, and that return
-value (whatever the family's pipeline returns: negative embeddings for guidance, pooled embeddings, ...) is
-replayed at every validation in place of ``encode_prompt``. The VAE and scheduler are loaded for each validation
-and dropped after it, so the training peak does not hold them.
+The trainer frees the text encoders before the first step, so each prompt's encodings are taken once, up front:
+the pipeline's own ``__call__`` runs with the encoders loaded (denoisers on meta) until its first denoiser call,
+and every ``encode_prompt`` return before it is recorded in order (one call with the negative embeddings inside
+for Wan and SDXL, a second call for the negative prompt under FLUX's true CFG). Each validation replays them in
+that order in place of ``encode_prompt``. The VAE and scheduler are loaded for each validation and dropped after
+it, so the training peak does not hold them.
 """
 
 from __future__ import annotations
@@ -27,69 +30,116 @@ import torch
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["ValidationPrompts", "capture_encodings", "generation_kwargs", "generate_samples", "sample_paths"]
+__all__ = ["ValidationPrompts", "capture_encodings", "validation_calls", "generate_samples", "sample_paths"]
 
 
 class _Encoded(Exception):
-    """Stops a pipeline call once its ``encode_prompt`` has returned (the capture needs nothing after it)."""
+    """Stops a pipeline call at its first denoiser call (the capture needs nothing after the encodings)."""
 
 
 @dataclass
 class ValidationPrompts:
     prompts: tuple[str, ...]
-    encodings: list
-    """Per prompt, what the pipeline's ``encode_prompt`` returned inside its ``__call__`` (on the CPU)."""
-    kwargs: dict
-    """The pipeline's ``__call__`` arguments (:func:`generation_kwargs`)."""
+    encodings: list[list]
+    """Per prompt, what each ``encode_prompt`` call inside the pipeline's ``__call__`` returned, in call order."""
+    calls: list[dict]
+    """Per prompt, the pipeline's ``__call__`` arguments as ``hsdp generate`` passes them (:func:`validation_calls`),
+    generator aside: ``seed`` is the request's seed."""
 
 
-def generation_kwargs(model_dir: Path) -> dict:
-    """The ``__call__`` arguments the engine generates this model with by default (``hsdp_defaults.json`` or the
-    pipeline's signature: size, frames, steps, guidance), and numpy output."""
+def validation_calls(cfg, model_dir: Path) -> list[dict]:
+    """Per validation prompt, the ``__call__`` arguments of ``hsdp generate --prompt P --seed S`` with the run's
+    ``--validation-negative-prompt`` and ``--validation-cfg-scale``: ``prompt``, ``seed`` (every prompt ``--seed``),
+    ``output_type`` and what :func:`hsdp.engine.diffusion.call_kwargs` gives."""
+    from hsdp.config import ParallelConfig
+    from hsdp.engine.diffusion import call_kwargs
     from hsdp.engine.model_info import inspect_model
+    from hsdp.engine.params import SamplingParams, build_requests
 
     info = inspect_model(model_dir)
-    return {**{k: v for k, v in info.defaults.items() if k in info.call_params}, "output_type": "np"}
+    prompts = list(cfg.validation_prompts)
+    scale = {info.cfg_scale_param: cfg.validation_cfg_scale} if cfg.validation_cfg_scale is not None else {}
+    wanted = SamplingParams(seed=[cfg.seed] * len(prompts), negative_prompt=cfg.validation_negative_prompt, **scale)
+    try:
+        requests, params = build_requests(info, ParallelConfig().resolved(), prompts, wanted, _flag)
+    except ValueError as exc:
+        from hsdp.train.config import TrainConfigError
+
+        raise TrainConfigError(str(exc)) from exc
+    return [
+        {"prompt": r.prompt, "seed": r.seed, "output_type": "np", **call_kwargs(info, [r], params)} for r in requests
+    ]
 
 
-def _as_tuple(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
+def _flag(name: str) -> str:
+    """A generation parameter as the trainer's flag that sets it (or the model's default that set it)."""
+    if name in ("negative_prompt", "true_cfg_scale", "guidance_scale"):
+        return "--validation-negative-prompt" if name == "negative_prompt" else "--validation-cfg-scale"
+    return f"{name} (the model's generation default)"
 
 
-def capture_encodings(pipe, model_dir: Path, prompts: tuple[str, ...]) -> ValidationPrompts:
-    """Run ``pipe`` (encoders loaded, denoisers not) on each prompt until ``encode_prompt`` has returned."""
+def _pipeline_call(pipe, call: dict):
+    """The pipeline on one request's arguments, its initial noise from a CPU generator (as the engine draws it)."""
+    kwargs = {k: v for k, v in call.items() if k != "seed"}
+    return pipe(generator=torch.Generator(device="cpu").manual_seed(call["seed"]), **kwargs)
+
+
+def capture_encodings(pipe, model_dir: Path, cfg) -> ValidationPrompts:
+    """Run ``pipe`` (encoders loaded, denoisers not) on each validation call until its first denoiser call,
+    recording every ``encode_prompt`` return (collective when the encoders are sharded: every rank runs it)."""
     from hsdp.planning.profile import build_meta_model
     from hsdp.train.diffusion.trainer import DENOISERS
 
-    kwargs = generation_kwargs(model_dir)
+    calls = validation_calls(cfg, model_dir)
     original = pipe.encode_prompt
-    # ``__call__`` may read its denoisers' configs before encoding (Wan's patch size): give it them on meta.
+    # ``__call__`` reads its denoisers' configs and dtype before encoding (Wan's patch size): give it them on meta,
+    # stopping the call where the first one runs.
     absent = [n for n in DENOISERS if (model_dir / n / "config.json").is_file() and getattr(pipe, n, None) is None]
-    pipe.register_modules(**{name: build_meta_model(model_dir / name)[0] for name in absent})
+    meta = {name: build_meta_model(model_dir / name)[0] for name in absent}
+
+    def stop(module, args, kwargs):
+        raise _Encoded
+
+    hooks = [m.register_forward_pre_hook(stop, with_kwargs=True) for m in meta.values()]
+    pipe.register_modules(**meta)
     encodings = []
-    for prompt in prompts:
-
-        def record(*args, **kw):
-            encodings.append(original(*args, **kw))
-            raise _Encoded
-
-        pipe.encode_prompt = record
+    for call in calls:
+        recorded: list = []
+        pipe.encode_prompt = _recorder(original, recorded)
         try:
-            pipe(prompt=prompt, generator=torch.Generator().manual_seed(0), **kwargs)
+            _pipeline_call(pipe, call)
         except _Encoded:
             pass
         finally:
             del pipe.encode_prompt  # the instance attribute: the class's method again
+        encodings.append([_to(e, torch.device("cpu")) for e in recorded])
+    for hook in hooks:
+        hook.remove()
     pipe.register_modules(**dict.fromkeys(absent))
-    return ValidationPrompts(prompts, encodings, kwargs)
+    return ValidationPrompts(tuple(cfg.validation_prompts), encodings, calls)
 
 
-def _replay(encoded, device: torch.device):
-    """An ``encode_prompt`` that returns ``encoded`` (on ``device``), whatever it is asked."""
+def _recorder(encode_prompt, recorded: list):
+    def record(*args, **kwargs):
+        recorded.append(encode_prompt(*args, **kwargs))
+        return recorded[-1]
+
+    return record
+
+
+def _to(encoded, device: torch.device):
+    """``encode_prompt``'s return (a tensor, or a tuple of tensors and Nones) on ``device``."""
+    if isinstance(encoded, tuple):
+        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in encoded)
+    return encoded.to(device) if isinstance(encoded, torch.Tensor) else encoded
+
+
+def _replay(recorded: list, device: torch.device):
+    """An ``encode_prompt`` that returns the recorded returns (on ``device``) in order, whatever it is asked."""
+    returns = iter(recorded)
 
     def encode_prompt(*args, **kwargs):
-        moved = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _as_tuple(encoded))
-        return moved if isinstance(encoded, tuple) else moved[0]
+        return _to(next(returns), device)
 
     return encode_prompt
 
@@ -119,9 +169,9 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
     pipe.set_progress_bar_config(disable=True)
     trainer.model.eval()
     samples = []
-    for encoded in validation.encodings:
-        pipe.encode_prompt = _replay(encoded, trainer.device)
-        out = pipe(prompt="", generator=torch.Generator().manual_seed(trainer.cfg.seed), **validation.kwargs)
+    for recorded, call in zip(validation.encodings, validation.calls, strict=True):
+        pipe.encode_prompt = _replay(recorded, trainer.device)
+        out = _pipeline_call(pipe, call)
         samples.append(out.frames[0] if hasattr(out, "frames") else out.images)
     trainer.model.train()
     if trainer.rank == 0:
