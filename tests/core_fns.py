@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -146,3 +147,12 @@ def die_on_rank(bad_rank: int) -> int:
 
 def sleep_for(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def resolve_builtin_on_rank(writer_rank: int, name: str, cache_dir: str) -> str | None:
+    """``resolve_model(name)`` on ``writer_rank`` only, inside the process group; its folder."""
+    from hsdp.models.builtin import resolve_model
+
+    if dist.get_rank() != writer_rank:
+        return None
+    return str(resolve_model(name, cache_dir=Path(cache_dir)))

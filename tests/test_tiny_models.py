@@ -4,6 +4,7 @@ with ``DiffusionPipeline.from_pretrained`` (offline) and run at their ``hsdp_def
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,3 +117,17 @@ def test_sdxl_guidance_changes_the_image(cache):
     # SDXL runs classifier-free guidance (batched uncond + cond) only when guidance_scale > 1.
     assert _load("tiny-sdxl", cache)[2]["guidance_scale"] > 1
     assert not np.array_equal(_run("tiny-sdxl", cache), _run("tiny-sdxl", cache, guidance_scale=1.0))
+
+
+def test_builtin_written_by_a_rank_other_than_0_is_whole(dist_run, tmp_path):
+    """transformers saves weights only on global rank 0 of a process group: a built-in first needed on rank 1
+    must still get its weights (a pipeline's text encoders lost theirs, and the folder was marked complete)."""
+    from safetensors.torch import load_file
+
+    from tests.core_fns import resolve_builtin_on_rank
+
+    folder = dist_run(2, resolve_builtin_on_rank, 1, "tiny-llama", str(tmp_path / "ranks"))[1]
+    written = load_file(Path(folder) / "model.safetensors")
+    reference = load_file(resolve_model("tiny-llama", cache_dir=tmp_path / "here") / "model.safetensors")
+    assert written.keys() == reference.keys() and written
+    assert all(torch.equal(written[k], reference[k]) for k in reference)

@@ -50,13 +50,13 @@ def test_torchrun_exits_cleanly_every_time(tiny_checkpoints):
     rank at interpreter exit after all work succeeded (measured 1 run in 20 on 2 busy cores), so torchrun reported
     the job failed. Jobs run four at a time: a busy host is what makes the exit race likely."""
     failed = []
-    for _ in range(3):
+    for _ in range(2):
         jobs = [_torchrun(tiny_checkpoints["llama-fp32"]) for _ in range(4)]
         for job in jobs:
             stdout, stderr = job.communicate(timeout=240)
             if job.returncode != 0 or [r["rank"] for r in _rows(stdout)] != [0, 1]:
                 failed.append(f"exit {job.returncode}: {stderr[-600:]}")
-    assert not failed, f"{len(failed)} of 12 jobs failed:\n" + "\n".join(failed)
+    assert not failed, f"{len(failed)} of 8 jobs failed:\n" + "\n".join(failed)
 
 
 def _train_job(out: Path, data: Path, tag: str) -> subprocess.Popen:

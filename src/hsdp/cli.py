@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 import sys
 from collections.abc import Callable, Collection
-from typing import Literal, get_args
+from typing import Literal, NoReturn, get_args
 
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.errors import HANDLED, exit_code, format_problem
@@ -157,5 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             destroy_distributed()
 
 
+def entry_point() -> NoReturn:
+    """The ``hsdp`` command (and ``python -m hsdp.cli``): :func:`main`, then exit without the final collections."""
+    from hsdp.distributed import skip_collection_at_exit
+
+    code = main()
+    skip_collection_at_exit()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

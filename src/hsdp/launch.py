@@ -183,7 +183,7 @@ def _worker_main(
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _quiet_progress_bars()
-    from hsdp.distributed import destroy_distributed, init_distributed
+    from hsdp.distributed import destroy_distributed, init_distributed, skip_collection_at_exit
     from hsdp.logging_utils import configure_logging
 
     configure_logging(rank)
@@ -216,6 +216,7 @@ def _worker_main(
         _STATE.clear()
         destroy_distributed()
         conn.close()
+        skip_collection_at_exit()
 
 
 def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -61,12 +63,33 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     # Write into a temporary sibling and rename, so an interrupted write is never taken as the model.
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
-        BUILTIN_MODELS[name](staging)
+        _write_builtin(name, staging)
         (staging / ".complete").write_text(BUILTIN_VERSIONS[name])
         _replace(folder, staging, name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _write_builtin(name: str, folder: Path) -> None:
+    """Run the built-in's writer; in a fresh interpreter when this process is a rank of a process group.
+
+    transformers' ``save_pretrained`` writes weights only on global rank 0 of an initialized group, so any other
+    rank would install a folder whose text encoders hold no weights (and no rank 0 writes another node's cache).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        BUILTIN_MODELS[name](folder)
+        return
+    subprocess.run(
+        [sys.executable, "-c", _WRITER, name, str(folder)],
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+_WRITER = "import sys, pathlib; from hsdp.models.builtin import BUILTIN_MODELS as M; M[sys.argv[1]](pathlib.Path(sys.argv[2]))"
 
 
 def _is_current(folder: Path, name: str) -> bool:
