@@ -643,8 +643,9 @@ def main() -> int:
         requests, want = prompts, _references(prompts, args.max_tokens)
     layouts = [f"{args.layouts[0]} --max-batch-size {b}" for b in args.batch_sizes] if image else args.layouts
     rows = []
+    over = f" over {args.nodes} nodes x {args.nproc_per_node}" if args.nodes > 1 else ""
     for layout in layouts:
-        print(f"load: {layout} ...", flush=True)
+        print(f"load: {layout}{over} ...", flush=True)
         rows.append(load_run(layout, requests, want, args, Path(tempfile.mkdtemp(prefix="serve-load-"))))
     chaos = [(args.kill_every, None, None)] if args.kill_every else []
     chaos += [(args.kill_every, args.disk_full_every, None)] if args.disk_full_every else []
@@ -652,7 +653,7 @@ def main() -> int:
     chaos_layout = layouts[-1] if image else layouts[0]  # pipelines: the largest --max-batch-size
     for kill_every_s, disk_full_every_s, kill_node_every_s in chaos:
         label = _chaos_label(kill_every_s, disk_full_every_s, args.disk_full_for, kill_node_every_s)
-        print(f"load{label}: {chaos_layout} ...", flush=True)
+        print(f"load{label}: {chaos_layout}{over} ...", flush=True)
         workdir = Path(tempfile.mkdtemp(prefix="serve-chaos-"))
         faults = (kill_every_s, disk_full_every_s, kill_node_every_s)
         rows.append(load_run(chaos_layout, requests, want, args, workdir, *faults))
