@@ -414,3 +414,19 @@ def test_fill_cache_world_2(dist_run, tmp_path):
     (w0, c0), (w1, c1) = dist_run(2, fill_on_rank, str(tmp_path))
     assert c0 == c1 == [2, 2, 2]  # bucket of 5: shares of 3 and 2, two calls of 2; bucket of 2: one call
     assert not set(w0) & set(w1) and sorted(w0 + w1) == list(range(7))
+
+
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-flux", "tiny-sdxl"])
+def test_sizes_are_read_before_launch_without_loading_the_encoders(name):
+    """The launcher checks media against the pipeline's size multiples from a pipeline built on meta (a Wan 14B's
+    UMT5 would otherwise be held whole in the launching process): the same multiples as the loaded pipeline."""
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.config import TrainConfig
+    from hsdp.train.diffusion.trainer import _pipeline_without, media_spec, meta_pipeline, trained_component
+
+    folder = resolve_model(name)
+    component = trained_component(TrainConfig(model=name, data="unused"), folder)
+    pipe = meta_pipeline(folder)
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert modules and all(p.is_meta for m in modules for p in m.parameters())
+    assert media_spec(pipe, folder, component) == media_spec(_pipeline_without(folder), folder, component)

@@ -49,25 +49,6 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _meta_pipeline(model_dir: Path, cls, index: dict):
-    """The pipeline without denoisers or scheduler: VAE and text encoders built on meta from their configs (no
-    weights read), tokenizers as saved. Its scale factors come from the VAE, its caption encodings from
-    ``encode_prompt`` once the encoders are fake (:func:`_fake_captions`)."""
-    import importlib
-
-    from hsdp.train.diffusion.trainer import encoder_components
-
-    init = inspect.signature(cls.__init__).parameters
-    parts = {n: None for n, p in init.items() if n != "self" and p.default is inspect.Parameter.empty}
-    for name in encoder_components(model_dir):
-        if (model_dir / name / "config.json").is_file():
-            parts[name] = build_meta_model(model_dir / name)[0]
-        elif name.startswith("tokenizer"):
-            library, class_name = index[name][:2]
-            parts[name] = getattr(importlib.import_module(library), class_name).from_pretrained(model_dir / name)
-    return cls(**{k: v for k, v in parts.items() if k in init})
-
-
 def _fake_captions(pipe, model_dir: Path, batch: int) -> dict[str, torch.Tensor]:
     """One micro-batch of caption encodings on fake tensors, from the pipeline's own ``encode_prompt`` as the
     trainer encodes captions (call inside ``FakeTensorMode``). An encoder whose output length depends on the
@@ -217,7 +198,12 @@ def diffusion_training(
     from hsdp.families import DenoiserBatch, training_family
     from hsdp.models.builtin import resolve_model
     from hsdp.train.config import TrainConfig, TrainConfigError
-    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, media_spec, trained_component
+    from hsdp.train.diffusion.trainer import (
+        DEFAULT_LORA_TARGETS,
+        media_spec,
+        meta_pipeline,
+        trained_component,
+    )
 
     folder = resolve_model(model)
     index = _read(folder / "model_index.json")
@@ -239,7 +225,7 @@ def diffusion_training(
         lora.injector(cfg.lora_config(str(folder / component), default_targets=DEFAULT_LORA_TARGETS))(denoiser)
     profile = profile_module(denoiser, component, config)
 
-    pipe = _meta_pipeline(folder, cls, index)
+    pipe = meta_pipeline(folder)
     spec = media_spec(pipe, folder, component)
     latent = _latent_shape(spec, folder, config, family.latent_packing, height, width, frames)
     compute = DTYPES[param_dtype] if param_dtype else torch.float32

@@ -54,7 +54,7 @@ class TrainConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """One fine-tuning run of a causal LM."""
+    """One fine-tuning run: of a causal LM, or of a diffusers pipeline's denoiser."""
 
     model: str
     """A Hugging Face model folder, or a built-in name (``tiny-llama``)."""

@@ -142,8 +142,7 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     model_dir = resolve_model(cfg.model)
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
-    pipe = _pipeline_without(model_dir)
-    spec = media_spec(pipe, model_dir, component)
+    spec = media_spec(meta_pipeline(model_dir), model_dir, component)
     try:
         MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
@@ -205,6 +204,30 @@ def _pipeline_without(model_dir: Path, **components):
     cls = getattr(diffusers, _index(model_dir)["_class_name"])
     absent = {name: None for name in DENOISERS if name in _index(model_dir)}
     return cls.from_pretrained(model_dir, **absent, **components, torch_dtype=torch.float32)
+
+
+def meta_pipeline(model_dir: Path):
+    """The pipeline without denoisers or scheduler: VAE and text encoders built on meta from their configs (no
+    weights read), tokenizers as saved. What its sizes are read from before ranks start (loading the encoders
+    would hold a Wan 14B's UMT5 whole in the launching process), and what ``hsdp plan`` traces captions through."""
+    import importlib
+
+    import diffusers
+
+    from hsdp.loading import build_empty_model, model_class_for
+
+    index = _index(model_dir)
+    cls = getattr(diffusers, index["_class_name"])
+    init = inspect.signature(cls.__init__).parameters
+    parts = {n: None for n, p in init.items() if n != "self" and p.default is inspect.Parameter.empty}
+    for name in encoder_components(model_dir):
+        folder = model_dir / name
+        if (folder / "config.json").is_file():
+            parts[name] = build_empty_model(model_class_for(folder), folder, None)
+        elif name.startswith("tokenizer"):
+            library, class_name = index[name][:2]
+            parts[name] = getattr(importlib.import_module(library), class_name).from_pretrained(folder)
+    return cls(**{k: v for k, v in parts.items() if k in init})
 
 
 def frozen_sharded(model_dir: Path) -> list[str]:
