@@ -17,6 +17,7 @@ from hsdp.planning import (
     PlanError,
     Workload,
     estimate,
+    format_size,
     parse_size,
     profile_module,
     residency_for_budget,
@@ -233,6 +234,16 @@ def test_plan_command_pipeline_table(capsys):
     assert "devices of 8.00 MiB (6.00 MiB usable, --reserve 2MiB)" in out
     assert "transformer: WanTransformer3DModel" in out and "text_encoder: UMT5EncoderModel" in out
     assert "cfg2 usp2" in out and "recommended:" in out
+
+
+def test_plan_without_device_memory_plans_for_this_machine(capsys):
+    from hsdp.measure.memory import device_capacity
+
+    assert _run("tiny-wan", "--devices", "4", "--seq-len", "64") == 0
+    captured = capsys.readouterr()
+    memory, source = device_capacity(4)
+    assert f"--device-memory not given: {format_size(memory)} per device, {source}" in captured.err
+    assert f"inference on 4 devices of {format_size(memory)} (" in captured.out
 
 
 def test_plan_command_nothing_fits_names_the_smallest(capsys):

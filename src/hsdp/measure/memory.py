@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import resource
 import sys
 from pathlib import Path
@@ -76,3 +77,15 @@ def reset_peak_memory(device: torch.device | str | None = None, *, release_freed
             ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so RSS follows live memory
     with contextlib.suppress(OSError):  # Linux: reset the RSS high-water mark to the current RSS
         Path("/proc/self/clear_refs").write_text("5")
+
+
+def device_capacity(devices: int) -> tuple[int, str]:
+    """Memory one of ``devices`` local devices has, and where the figure comes from: an accelerator's total memory
+    (device 0 of whichever torch finds: CUDA, XPU, ...), else the host's physical memory divided among that many
+    CPU ranks, which share it."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None:
+        properties = torch.get_device_module(accelerator.type).get_device_properties(0)
+        return properties.total_memory, f"this machine's {accelerator.type} device 0"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // devices, f"this machine's host memory shared by {devices} CPU rank(s)"

@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model", help="model folder (HF or diffusers pipeline / component) or a built-in name"
     )
     parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
-    parser.add_argument("--device-memory", required=True, help="memory per device, e.g. 24GiB, 80GB")
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory per device, e.g. 24GiB, 80GB (default: this machine's: the accelerator's, or on a CPU host "
+        "its memory divided among --devices ranks)",
+    )
     parser.add_argument(
         "--reserve",
         default="10%",
@@ -69,6 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=100.0, help="collective bandwidth per rank, GB/s")
     parser.add_argument("--host-gbps", type=float, default=25.0, help="host-device copy bandwidth, GB/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _device_memory(args: argparse.Namespace) -> int:
+    """``--device-memory``, or this machine's, said on stderr (a plan for another machine needs the flag)."""
+    if args.device_memory is not None:
+        return parse_size(args.device_memory)
+    from hsdp.measure.memory import device_capacity
+
+    memory, source = device_capacity(args.devices)
+    print(
+        f"--device-memory not given: {format_size(memory)} per device, {source} (pass it to plan for another "
+        "machine)",
+        file=sys.stderr,
+    )
+    return memory
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -145,7 +165,7 @@ def _table(result: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
-        memory = parse_size(args.device_memory)
+        memory = _device_memory(args)
         reserve = _parse_reserve(args.reserve, memory)
         hw = Hardware(memory - reserve, args.device_tflops, args.link_gbps, args.host_gbps)
         sharded = _engine_sharded(args.model)
