@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from hsdp.train import TrainConfig
 from hsdp.train.diffusion import DiffusionTrainer
@@ -18,7 +19,11 @@ def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
         with DiffusionTrainer(cfg) as trainer:
             result = trainer.fit()
             state = {n: t for n, t in trainer.full_state().items() if trainer.model.get_parameter(n).requires_grad}
-        out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started})
+            frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+            frozen_sharded = sum(isinstance(p, DTensor) for p in frozen)
+            frozen_dtypes = {str(p.dtype) for p in frozen}
+        out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started,
+                    "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes})
     return out
 
 

@@ -60,6 +60,24 @@ def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r):
     assert run["losses"][0] != run["losses"][-1]  # it trained
 
 
+def test_no_shard_lora_keeps_the_frozen_base_plain_and_equals_one_process(dist_run, media):
+    """NO_SHARD LoRA: the frozen base stays out of FSDP (plain tensors, whole on every rank: FSDP2's replicate would
+    copy it into a second whole buffer at every step), only the adapters' gradients are all-reduced; equal to one
+    process. Under bf16 mixed precision the base computes in bf16 as FSDP would gather it: the same losses as
+    FULL_SHARD bf16 (same weights and casts; only the gradient reduction differs, in fp32)."""
+    no_shard = ParallelConfig(use_hsdp=True, hsdp_shard_size=1, hsdp_replicate_size=2, sharding_strategy="NO_SHARD")
+    cfg = _cfg(media, lora_r=4, parallel=no_shard)
+    bf16 = [cfg.replace(mixed_precision="bf16"),
+            cfg.replace(mixed_precision="bf16", parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2))]
+    run, low, low_sharded = dist_run(2, train_diffusion, [cfg, *bf16])[0]
+    _close(run, reference_run(cfg, resolve_model("tiny-wan")))
+    assert run["frozen_sharded"] == 0 and low["frozen_sharded"] == 0
+    assert low_sharded["frozen_sharded"] > 0  # FULL_SHARD shards the base
+    assert low["frozen_dtypes"] == {"torch.bfloat16"}
+    assert np.allclose(low["losses"], low_sharded["losses"], atol=1e-5, rtol=0), (low["losses"], low_sharded["losses"])
+    assert low["losses"] != run["losses"]  # bf16 computed
+
+
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
 def test_family_lora_hsdp2_equals_diffusers_peft_one_process(dist_run, media, model, tmp_path):
     """FLUX (packed latents, ids, pooled embedding, guidance) and SDXL (epsilon, added conditioning), with

@@ -107,11 +107,14 @@ def _dominant_dtype(model: nn.Module, trainable_only: bool = False) -> torch.dty
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def _unshardable_params(model: nn.Module, plan: ShardPlan, training: bool) -> dict[str, nn.Parameter]:
+def _unshardable_params(
+    model: nn.Module, plan: ShardPlan, training: bool, frozen_whole: bool = False
+) -> dict[str, nn.Parameter]:
     """Parameters kept whole on every rank: those of ignored modules, those FSDP2 cannot shard (integer, 0-d),
     and, for inference, those the model keeps in another dtype (diffusers keeps norms and time embedders in fp32
     inside bf16 models; one FSDP unit needs one dtype, and these are small). For training, FSDP2 needs one dtype
-    only among the trainable parameters of a unit: a frozen bf16 base with fp32 LoRA adapters is sharded as is."""
+    only among the trainable parameters of a unit: a frozen bf16 base with fp32 LoRA adapters is sharded as is.
+    ``frozen_whole`` (training under NO_SHARD, :func:`_frozen_whole`) keeps the frozen parameters too."""
     keep: dict[str, nn.Parameter] = {}
     ignored_prefixes = [name for name, mod in model.named_modules() if name and plan.is_ignored(name, mod)]
     dominant = _dominant_dtype(model)
@@ -122,6 +125,8 @@ def _unshardable_params(model: nn.Module, plan: ShardPlan, training: bool) -> di
         if in_ignored or param.dim() == 0 or not floating:
             keep[name] = param
         elif training and trainable is not None and not param.requires_grad:
+            if frozen_whole:
+                keep[name] = param
             continue
         elif param.dtype != (trainable or dominant):
             if training:
@@ -131,6 +136,25 @@ def _unshardable_params(model: nn.Module, plan: ShardPlan, training: bool) -> di
                 )
             keep[name] = param
     return keep
+
+
+def _frozen_whole(config: ParallelConfig, training: bool) -> bool:
+    """Whether training keeps the frozen parameters (a LoRA's base) out of FSDP, plain and whole on every rank.
+    Under NO_SHARD they never communicate, but FSDP2's ``replicate`` would still copy each unit into an unsharded
+    buffer at every forward and hold it to the backward: a second whole copy of the base per rank, and the time of
+    copying it. Not with CPU offload, which keeps them on the host."""
+    return training and config.sharding_strategy is ShardingStrategy.NO_SHARD and not config.cpu_offload
+
+
+def _cast_frozen(keep: Collection[nn.Parameter], config: ParallelConfig) -> None:
+    """Frozen parameters kept out of FSDP compute in the layout's ``param_dtype``, as FSDP would gather them (the
+    same cast of the same values; they have no fp32 master to keep)."""
+    if config.param_dtype is None:
+        return
+    dtype = config.param_torch_dtype
+    for param in keep:
+        if not param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _policies(config: ParallelConfig, device: torch.device) -> dict:
@@ -391,7 +415,8 @@ def apply_hsdp_to_model(
     targets = shard_targets(model, plan)
     resident = set(resident_modules)
     _check_resident(model, resident, targets)
-    keep = _unshardable_params(model, plan, training)
+    frozen_whole = _frozen_whole(config, training)
+    keep = _unshardable_params(model, plan, training, frozen_whole)
     if weight_dtype is not None:
         apply_weight_dtype(model, weight_dtype, config, keep=keep.values(), training=training)
     logger.info(
@@ -408,6 +433,8 @@ def apply_hsdp_to_model(
     elif forward_prefetch > 0:
         apply_prefetch(model, targets, forward_prefetch)
     _move_replicated(keep.values())
+    if frozen_whole:
+        _cast_frozen(keep.values(), config)
     # Inference only: training steps call forward, and an extra gather outside the step would disturb FSDP's
     # forward/backward state machine.
     entry_points = [] if training else register_entry_points(model)
