@@ -17,7 +17,7 @@ LoRA: rank 16, alpha 32, dropout 0 on ``to_q to_k to_v to_out.0`` (hsdp's defaul
 targets), adapters started from the values hsdp draws (``hsdp.lora.init_adapters``), so the losses compare.
 
 - **hsdp**: ``DiffusionTrainer`` at FULL_SHARD over the world (``--hsdp-strategy`` for another; adapters injected
-  before sharding for LoRA).
+  before sharding for LoRA; NO_SHARD replicates over the world, the frozen LoRA base kept out of FSDP).
 - **Accelerate FSDP2**: what the diffusers example scripts run under ``accelerate launch`` with an FSDP config:
   ``FullyShardedDataParallelPlugin(fsdp_version=2)``, each ``WanTransformerBlock`` sharded
   (``transformer_based_wrap``), ``accelerator.prepare`` of the whole model loaded on every rank, peft adapters via
