@@ -112,7 +112,16 @@ def _tier(item: pytest.Item) -> str:
     return "multirank" if any(f and _starts_processes(f, seen) for f in functions) else "unit"
 
 
+def _worker_group(item: pytest.Item) -> str:
+    """The pytest-xdist group (``--dist loadgroup``, scripts/test.sh) a test runs in: its file, so module fixtures
+    are built once, except for the docs tier, whose docs each run in a fresh folder and share nothing: they spread
+    over the workers."""
+    return item.nodeid if item.get_closest_marker("docs") else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
