@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
         help="hsdp's sharding strategy (SHARD_GRAD_OP keeps each block gathered from forward to backward)",
     )
+    parser.add_argument(
+        "--frozen-whole", action="store_true", help="hsdp keeps the frozen base whole (hsdp train --frozen-whole)"
+    )
     parser.add_argument("--only", default=None, help="comma-separated run names, or 'lora' / 'full'")
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over the rows (rotated); median reported"
@@ -272,8 +275,9 @@ def rank_hsdp(spec: dict, lora: bool) -> dict:
     strategy = spec["hsdp_strategy"]
     shard = 1 if strategy == "NO_SHARD" else world
     parallel = ParallelConfig(
-        use_hsdp=True, hsdp_shard_size=shard, hsdp_replicate_size=world // shard, sharding_strategy=strategy
-    )
+        use_hsdp=True, hsdp_shard_size=shard, hsdp_replicate_size=world // shard, sharding_strategy=strategy,
+        frozen_whole=spec["frozen_whole"],
+    )  # fmt: skip
     cfg = TrainConfig(
         model=spec["model"], data=spec["data"], parallel=parallel, steps=spec["warmup"] + spec["steps"],
         batch_size=spec["batch_size"], resolution=spec["resolution"], lr=LR, seed=SEED, progress=False,
@@ -507,6 +511,7 @@ def main() -> None:
             "model": str(root / "pipeline"), "data": str(root / "media"), "cache_dir": str(root / "run"),
             "batches": str(root / "batches.pt"), "resolution": args.resolution, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "hsdp_strategy": args.hsdp_strategy,
+            "frozen_whole": args.frozen_whole,
         }  # fmt: skip
         # The first hsdp run encodes (its cache then feeds every row): the --cache-latents measurement.
         first = _with_figures(
@@ -527,7 +532,9 @@ def main() -> None:
     tokens = (args.resolution // 16) ** 2
     head = (
         f"Wan-shaped denoiser: {args.blocks} blocks of width {args.width}, {tokens} latent tokens + 512 text tokens "
-        f"per sample, batch {args.batch_size} over world {args.world} (CPU + gloo), hsdp {args.hsdp_strategy}, "
+        f"per sample, batch {args.batch_size} over world {args.world} (CPU + gloo), hsdp {args.hsdp_strategy}"
+        + (" --frozen-whole" if args.frozen_whole else "")
+        + ", "
         f"fp32 AdamW; median of "
         f"{args.steps} steps after {args.warmup} warm-up"
         + (

@@ -22,8 +22,11 @@ def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
             frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
             frozen_sharded = sum(isinstance(p, DTensor) for p in frozen)
             frozen_dtypes = {str(p.dtype) for p in frozen}
+            trained = [p for p in trainer.model.parameters() if p.requires_grad]
+            held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trained)
+            trained_share = held / sum(p.numel() for p in trained)
         out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started,
-                    "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes})
+                    "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes, "trained_share": trained_share})
     return out
 
 

@@ -60,8 +60,8 @@ def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r):
     assert run["losses"][0] != run["losses"][-1]  # it trained
 
 
-def test_no_shard_lora_keeps_the_frozen_base_plain_and_equals_one_process(dist_run, media):
-    """NO_SHARD LoRA: the frozen base stays out of FSDP (plain tensors, whole on every rank: FSDP2's replicate would
+def test_frozen_base_kept_whole_equals_one_process(dist_run, media):
+    """NO_SHARD LoRA, and --frozen-whole under FULL_SHARD: the frozen base stays out of FSDP (plain tensors, whole on every rank: FSDP2's replicate would
     copy it into a second whole buffer at every step), only the adapters' gradients are all-reduced; equal to one
     process. Under bf16 mixed precision the base computes in bf16 as FSDP would gather it: the same losses as
     FULL_SHARD bf16 (same weights and casts; only the gradient reduction differs, in fp32)."""
@@ -69,8 +69,14 @@ def test_no_shard_lora_keeps_the_frozen_base_plain_and_equals_one_process(dist_r
     cfg = _cfg(media, lora_r=4, parallel=no_shard)
     bf16 = [cfg.replace(mixed_precision="bf16"),
             cfg.replace(mixed_precision="bf16", parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2))]
-    run, low, low_sharded = dist_run(2, train_diffusion, [cfg, *bf16])[0]
-    _close(run, reference_run(cfg, resolve_model("tiny-wan")))
+    # --frozen-whole under FULL_SHARD: the base as under NO_SHARD, the adapters (and their optimizer state) sharded.
+    whole_base = cfg.replace(parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2, frozen_whole=True))
+    run, low, low_sharded, sharded_adapters = dist_run(2, train_diffusion, [cfg, *bf16, whole_base])[0]
+    reference = reference_run(cfg, resolve_model("tiny-wan"))
+    _close(run, reference)
+    _close(sharded_adapters, reference)
+    assert sharded_adapters["frozen_sharded"] == 0 and sharded_adapters["trained_share"] == 0.5
+    assert run["trained_share"] == 1.0
     assert run["frozen_sharded"] == 0 and low["frozen_sharded"] == 0
     assert low_sharded["frozen_sharded"] > 0  # FULL_SHARD shards the base
     assert low["frozen_dtypes"] == {"torch.bfloat16"}

@@ -102,6 +102,10 @@ class ParallelConfig:
     """Dtype of gradient reduce-scatter / all-reduce; None = ``param_dtype``."""
     cpu_offload: bool = False
     """Keep sharded params (and grads, optimizer state) in host memory between uses."""
+    frozen_whole: bool = False
+    """Training: parameters that train nothing (a LoRA's frozen base) stay whole on every rank, outside FSDP, at the
+    compute dtype: never gathered, while what trains is sharded as the strategy says (``--frozen-whole``; always so
+    under NO_SHARD). For a frozen base that fits a device: its all-gathers were most of a LoRA step's traffic."""
     _resolved: bool = field(default=False, repr=False, compare=False)
 
     # -- derived sizes -------------------------------------------------------------------------------------
@@ -168,6 +172,8 @@ class ParallelConfig:
         if out:  # sizes below are meaningless when basic values are wrong
             return out
         out += self._hsdp_problems()
+        if self.frozen_whole and self.cpu_offload:
+            out.append("--frozen-whole keeps the frozen weights on the device, --cpu-offload in host memory: drop one")
         out += self._strategy_problems()
         out += self._needs_hsdp_problems()
         if self.tensor_parallel_size > 1 and self.compute_parallel_size > 1:
@@ -232,6 +238,7 @@ class ParallelConfig:
             )
         given = {
             "--cpu-offload": self.cpu_offload or None,
+            "--frozen-whole": self.frozen_whole or None,
             "--param-dtype": self.param_dtype,
             "--reduce-dtype": self.reduce_dtype,
             "--reshard-after-forward": self.reshard_after_forward,

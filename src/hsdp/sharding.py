@@ -139,11 +139,12 @@ def _unshardable_params(
 
 
 def _frozen_whole(config: ParallelConfig, training: bool) -> bool:
-    """Whether training keeps the frozen parameters (a LoRA's base) out of FSDP, plain and whole on every rank.
-    Under NO_SHARD they never communicate, but FSDP2's ``replicate`` would still copy each unit into an unsharded
-    buffer at every forward and hold it to the backward: a second whole copy of the base per rank, and the time of
-    copying it. Not with CPU offload, which keeps them on the host."""
-    return training and config.sharding_strategy is ShardingStrategy.NO_SHARD and not config.cpu_offload
+    """Whether training keeps the frozen parameters (a LoRA's base) out of FSDP, plain and whole on every rank:
+    ``config.frozen_whole``, and always under NO_SHARD, where they never communicate but FSDP2's ``replicate`` would
+    still copy each unit into an unsharded buffer at every forward and hold it to the backward (a second whole copy
+    of the base per rank, and the time of copying it). Not with CPU offload, which keeps them on the host."""
+    wanted = config.frozen_whole or config.sharding_strategy is ShardingStrategy.NO_SHARD
+    return training and wanted and not config.cpu_offload
 
 
 def _cast_frozen(keep: Collection[nn.Parameter], config: ParallelConfig) -> None:

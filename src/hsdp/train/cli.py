@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
     parser.add_argument(
+        "--frozen-whole",
+        action="store_true",
+        help="keep frozen weights (a LoRA's base, --freeze) whole on every rank, never gathered; what trains is "
+        "sharded as --strategy says (default under NO_SHARD)",
+    )
+    parser.add_argument(
         "--lora-r",
         type=int,
         default=0,
