@@ -70,6 +70,11 @@ def test_mixed_precision_reduces_in_fp32_by_default():
         (dict(param_dtype="bf16"), "--param-dtype=bf16 has no effect without --use-hsdp"),
         (dict(reduce_dtype="fp32"), "--reduce-dtype=fp32 has no effect without --use-hsdp"),
         (dict(reshard_after_forward=False), "--reshard-after-forward=False has no effect"),
+        (dict(frozen_whole=True), "--frozen-whole=True has no effect without --use-hsdp"),
+        (
+            dict(use_hsdp=True, hsdp_shard_size=2, frozen_whole=True, cpu_offload=True),
+            "--frozen-whole keeps the frozen weights on the device, --cpu-offload in host memory",
+        ),
         (dict(ulysses_degree=2, param_dtype="bf16"), "add --use-hsdp (HSDP then overlays the 2"),
     ],
 )
