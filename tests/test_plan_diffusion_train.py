@@ -7,6 +7,8 @@ wider 5-block Wan, docs/planning.md)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -55,13 +57,15 @@ def test_plan_is_within_10_percent_of_the_trainers_peak(dist_run, clips, lora_r)
     cfg = TrainConfig(model="tiny-wan", data=str(clips), resolution=SIDE, frames=FRAMES, steps=2, batch_size=2,
                       lora_r=lora_r, seed=0, progress=False, parallel=HSDP2)  # fmt: skip
     checkpointed = cfg.replace(activation_checkpointing=True)
-    ranks = dist_run(2, measured_peaks, [cfg, checkpointed])
+    # LoRA with the frozen base kept whole (--frozen-whole): the plan counts the base whole and gathers none of it.
+    whole_base = [cfg.replace(parallel=replace(HSDP2, frozen_whole=True))] if lora_r else []
+    ranks = dist_run(2, measured_peaks, [cfg, checkpointed, *whole_base])
     estimates = []
-    for i, ac in enumerate((False, True)):
+    for i, (ac, layout) in enumerate([(False, HSDP2), (True, HSDP2), *((False, c.parallel) for c in whole_base)]):
         measured = max(rank[i][0] for rank in ranks)
         planned = diffusion_training("tiny-wan", height=SIDE, width=SIDE, frames=FRAMES, batch=1, lora_r=lora_r,
                                      activation_checkpointing=ac)  # fmt: skip
-        estimates.append(estimate([planned.profile], Layout(HSDP2.resolved()), planned.work, Hardware(2**40)))
+        estimates.append(estimate([planned.profile], Layout(layout.resolved()), planned.work, Hardware(2**40)))
         assert abs(estimates[-1].total / measured - 1) < 0.10, (ac, estimates[-1].total, measured)
     assert estimates[1].activations < 0.6 * estimates[0].activations
     for rank in ranks:  # recomputing the blocks changes neither the loss nor the trained weights
@@ -78,6 +82,12 @@ def test_lora_plans_adapter_state_only():
     assert full_e.optimizer == 2 * full_e.grads  # fp32 masters: two AdamW states per sharded value
     assert lora_e.grads < full_e.grads / 4  # the adapters only, not the frozen base
     assert lora_e.activations < full_e.activations  # frozen weights need no saved inputs
+    # --frozen-whole: the base whole on every rank instead of its shard, and none of it gathered or all-gathered
+    whole = estimate([lora.profile], Layout(replace(HSDP2, frozen_whole=True).resolved()), lora.work, Hardware(2**40))
+    frozen = [u.frozen() for u in lora.profile.units]
+    assert whole.weights - lora_e.weights == sum(u.nbytes - u.shard_bytes(2) for u in frozen) > 0
+    assert whole.allgather_bytes < lora_e.allgather_bytes / 5 and whole.gather < lora_e.gather  # adapters only
+    assert (whole.grads, whole.optimizer) == (lora_e.grads, lora_e.optimizer)
 
 
 def test_flux_and_sdxl_plan_through_their_family_call():

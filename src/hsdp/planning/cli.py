@@ -327,6 +327,8 @@ def _parallel_flags(chosen: Estimate, skip_replicas: bool, training: bool) -> li
         parts += ["--param-dtype", c.param_dtype]
     if c.cpu_offload:
         parts.append("--cpu-offload")
+    if c.frozen_whole:
+        parts.append("--frozen-whole")
     if layout.weight_dtype:
         parts += ["--weight-dtype", layout.weight_dtype]
     if not training and (layout.resident or layout.prefetch):

@@ -72,6 +72,8 @@ class Layout:
                 parts.append(f"{flag}{value}")
         if c.cpu_offload:
             parts.append("offload")
+        if c.frozen_whole:
+            parts.append("frozen-whole")
         if self.weight_dtype:
             parts.append(self.weight_dtype)
         if self.resident:
@@ -167,6 +169,8 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[s
     ce = DTYPES[c.param_dtype].itemsize if c.param_dtype else None
     re_ = DTYPES[c.reduce_dtype].itemsize if c.reduce_dtype else ce
     training = work.training
+    if training and not c.cpu_offload and (c.frozen_whole or c.sharding_strategy is ShardingStrategy.NO_SHARD):
+        p = p.with_frozen_whole(ce)  # as hsdp.sharding lays it out: never gathered
     wd = None if training else layout.weight_dtype
     shards = sum(u.shard_bytes(s, weight_dtype=wd) for u in p.units)
     out = dict(

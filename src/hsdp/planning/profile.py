@@ -9,6 +9,7 @@ folder's ``config.json`` names (or the module's own class), never from the class
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -87,7 +88,13 @@ class UnitProfile:
         """The unit's trained parameters only: what has gradients and optimizer state."""
         if not self.trainable or all(self.trainable):
             return self
-        keep = [i for i, t in enumerate(self.trainable) if t]
+        return self._only([i for i, t in enumerate(self.trainable) if t])
+
+    def frozen(self) -> UnitProfile:
+        """The unit's parameters that train nothing (a LoRA's base); empty when every one trains."""
+        return self._only([i for i, t in enumerate(self.trainable) if not t])
+
+    def _only(self, keep: list[int]) -> UnitProfile:
         linear = tuple(self.linear[i] for i in keep) if self.linear else ()
         return UnitProfile(self.name, tuple(self.params[i] for i in keep), linear)
 
@@ -187,6 +194,19 @@ class ModelProfile:
     def param_bytes(self) -> int:
         """Every parameter and buffer, in their stored dtypes."""
         return sum(u.nbytes for u in self.units) + self.replicated_bytes
+
+    def with_frozen_whole(self, elem: int | None) -> ModelProfile:
+        """The profile as training with ``--frozen-whole`` (or NO_SHARD) lays it out: the frozen parameters leave
+        the FSDP units and stay whole on every rank, in ``elem`` bytes per value (the compute dtype they are cast
+        to) or their stored dtype; the units keep what trains."""
+        frozen = sum(u.frozen().unsharded_bytes(elem) for u in self.units)
+        return dataclasses.replace(
+            self,
+            blocks=tuple(u.trained() for u in self.blocks),
+            root=self.root.trained(),
+            replicated_bytes=self.replicated_bytes + frozen,
+            replicated_trained=self.replicated_trained_bytes,
+        )
 
 
 def main_component(profiles: Sequence[ModelProfile]) -> ModelProfile:

@@ -156,6 +156,8 @@ def candidate_layouts(
         if weight_dtype is not None and not sharded:
             continue
         layouts.append(Layout(config, weight_dtype=weight_dtype))
+        if work.training and sharded and _has_frozen(profiles):  # LoRA: the base whole, never gathered
+            layouts.append(Layout(dataclasses.replace(config, frozen_whole=True, _resolved=False).resolved()))
         if not work.training and sharded:
             try:
                 policy = residency_for_budget(profiles, config, hw.device_memory, work, hw, weight_dtype)
@@ -167,6 +169,11 @@ def candidate_layouts(
             offload = dataclasses.replace(config, cpu_offload=True, _resolved=False).resolved()
             layouts.append(Layout(offload, weight_dtype=weight_dtype))
     return layouts
+
+
+def _has_frozen(profiles: Sequence[ModelProfile]) -> bool:
+    """Whether training leaves parameters frozen (a LoRA's base): the case ``--frozen-whole`` is for."""
+    return any(u.frozen().params for p in profiles for u in p.units)
 
 
 def _check_weight_dtype(weight_dtype: str, devices: int, work: Workload) -> None:
