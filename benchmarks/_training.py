@@ -38,8 +38,11 @@ def run_row(name: str, run: tuple, spec: dict, world: int) -> dict:
         reason = f"{', '.join(missing)} not installed (pip install -e .[bench])"
         print(f"{name}: not run: {reason}", flush=True)
         return {"name": name, "error": reason}
+    from hsdp.distributed import device_type
+
+    env = {"DS_ACCELERATOR": "cpu"} if device_type() == "cpu" else {}  # DeepSpeed finds an accelerator itself
     try:
-        with WorkerGroup(world, env={"DS_ACCELERATOR": "cpu"}) as group:
+        with WorkerGroup(world, env=env) as group:
             return {"name": name, "ranks": group.run(fn, spec, *extra, timeout_s=600)}
     except WorkerError as exc:
         reason = first_line_of_exception(str(exc))
@@ -79,19 +82,21 @@ def timed_steps(batches: Iterable, step_fn: Callable) -> tuple[list[tuple[float,
         wall, cpu = time.perf_counter(), time.process_time()
         losses.append(float(step_fn(batch)))
         times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    mean = torch.tensor(losses, dtype=torch.float64)
+    from hsdp.distributed import local_device
+
+    mean = torch.tensor(losses, dtype=torch.float64, device=local_device())  # NCCL reduces device tensors only
     dist.all_reduce(mean)
     return times, (mean / dist.get_world_size()).tolist()
 
 
 def baseline(modules: Iterable[str]) -> int:
-    """Peak RSS once ``modules`` (everything every framework of the benchmark needs) are imported, so growth
-    counts only the run itself."""
+    """Peak memory of this rank's device (RSS on the CPU) once ``modules`` (everything every framework of the
+    benchmark needs) are imported, so growth counts only the run itself."""
     from hsdp.measure import peak_memory
 
     for module in modules:
         importlib.import_module(module)
-    return peak_memory("cpu").bytes
+    return peak_memory().bytes
 
 
 def state_bytes(params, optimizer) -> int:

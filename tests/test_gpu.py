@@ -215,3 +215,52 @@ def test_cache_and_compile_benchmark_rows_on_cuda(tmp_path: Path):
     report = json.loads(output.read_text())
     assert report["caches"] and all(row["psnr_db"] > 0 for row in report["caches"])
     assert {row["variant"] for row in report["compile"]} == {"eager", "compiled"}
+
+
+# -- diffusion fine-tuning on CUDA (issue 17) --------------------------------------------------------------------
+
+TRAIN_TOL = 1e-4
+"""CUDA against one CPU process: the same math in other kernels (TF32 off), so float noise of order 1e-6 per
+step; AdamW's eps keeps near-zero gradients from turning it into whole-lr steps."""
+
+
+def train_diffusion_without_tf32(configs: list) -> list[dict]:
+    """On a rank: :func:`tests.diffusion_train_fns.train_diffusion` with cuDNN's TF32 off (on by default for
+    convolutions: Wan's patch embedding and the VAE would compute in 10-bit mantissas)."""
+    from tests.diffusion_train_fns import train_diffusion
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return train_diffusion(configs)
+
+
+@pytest.mark.parametrize(
+    "shard", [pytest.param(1, marks=needs_cuda_devices(1)), pytest.param(2, marks=needs_cuda_devices(2))]
+)
+@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
+def test_diffusion_training_on_cuda_equals_one_cpu_process(shard: int, lora_r: int, model_cache: Path, tmp_path):
+    """``hsdp train``'s diffusion trainer on CUDA + NCCL (LoRA and full fine-tuning of tiny-wan): loss per step and
+    trained weights against one CPU process running diffusers + peft on the same rows, noise and timesteps."""
+    from PIL import Image
+
+    from hsdp.launch import WorkerGroup
+    from hsdp.train import TrainConfig
+    from tests.diffusion_train_fns import reference_run
+
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate([(40, 56), (37, 91), (64, 48), (48, 64)]):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"img{i}.png")
+        (tmp_path / f"img{i}.txt").write_text(f"a cat number {i}")
+    path = builtin("tiny-wan", model_cache)
+    cfg = TrainConfig(
+        model=str(path), data=str(tmp_path), resolution=32, steps=3, batch_size=2, lr=1e-3 if lora_r else 1e-4,
+        seed=3, progress=False, lora_r=lora_r, parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=shard),
+    )  # fmt: skip
+    with WorkerGroup(shard) as group:
+        [[run], *_] = group.run(train_diffusion_without_tf32, [cfg])
+    ref = reference_run(cfg, path)
+    np.testing.assert_allclose(run["losses"], ref["losses"], atol=TRAIN_TOL, rtol=0)
+    assert run["state"].keys() == ref["state"].keys()
+    worst = max((run["state"][k].cpu() - ref["state"][k]).abs().max().item() for k in ref["state"])
+    assert worst < TRAIN_TOL, worst
+    assert run["losses"][0] != run["losses"][-1]  # it trained
