@@ -1,7 +1,13 @@
 """The worker group: results, errors with the failing rank's traceback, dead ranks, time limits."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +112,50 @@ def test_heartbeats_show_life_during_a_call_and_workers_make_no_semaphores(dist_
         watcher.join()
     assert max(seen[2:-1]) < 1.0, seen  # never silent for long, although the call sends no event
     assert group.run(new_semaphores, timeout_s=60) == [[], []]
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone or a zombie (its parent, the forkserver, may be gone too and nobody reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_forkserver_ranks_take_the_callers_state_at_start_and_exit_with_the_caller(tmp_path):
+    """A forkserver whose preload raises does not stop ranks from starting (they are spawned). Ranks forked from a forkserver started earlier: each has the caller's directory, environment and stderr as
+    they are at the group's start (not as when the forkserver started), and exits within seconds when the caller
+    is killed in the middle of a call (the rank's parent is the forkserver, so it must watch the caller's pid)."""
+    env = {**os.environ, "HSDP_START_METHOD": "forkserver"}
+    caller = subprocess.Popen(
+        [sys.executable, "-c", f"from tests.launch_caller import main; main({str(tmp_path)!r})"],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [json.loads(caller.stdout.readline()) for _ in range(4)]
+    finally:
+        os.kill(caller.pid, signal.SIGKILL)
+        caller.wait()
+    fallback, *views, pids = lines
+    assert pids["caller"] == caller.pid
+    assert fallback == {"fallback_ppid": caller.pid}  # a preload that raised: the rank was spawned instead
+    for view in views:
+        assert view == {
+            "cwd": str(tmp_path),
+            "set": "set after the first group started",
+            "gone": None,
+            "ppid": view["ppid"],
+        }
+        assert view["ppid"] != caller.pid  # forked by the forkserver, not spawned by the caller
+    assert sorted(
+        (tmp_path / "stderr.txt").read_text().count(f"rank {r} on the caller's stderr") for r in (0, 1)
+    ) == [1, 1]
+    deadline = time.monotonic() + 10
+    while not all(_exited(pid) for pid in pids["ranks"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [_exited(pid) for pid in pids["ranks"]] == [True, True]

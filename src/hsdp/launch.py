@@ -1,6 +1,6 @@
 """Spawn and drive a group of worker ranks from one caller process.
 
-A :class:`WorkerGroup` starts ``world_size`` processes (spawn context), each joins one process group (device
+A :class:`WorkerGroup` starts ``world_size`` processes, each joins one process group (device
 and backend chosen by :func:`hsdp.distributed.init_distributed`, rendezvous through a ``TCPStore`` the caller
 owns, so no port is guessed), then runs the functions the caller sends, in lockstep on every rank. It is used
 by the inference engine, the trainer and the multi-rank tests alike.
@@ -14,7 +14,18 @@ Failure handling is the point of this module:
 * a rank that dies (killed, segfault, OOM) is noticed within ``poll_s`` and reported as :class:`WorkerDiedError`;
 * a call that takes longer than ``timeout_s`` raises :class:`WorkerTimeout`;
 * in these three cases the group is marked broken and torn down, so a new group can start at once;
-* workers exit when the caller goes away (they watch the parent's pid), so they never outlive it.
+* workers exit when the caller goes away (they watch the caller's pid), so they never outlive it.
+
+Ranks start from a multiprocessing *forkserver* (``HSDP_START_METHOD``, default ``forkserver`` where the platform
+has it, else ``spawn``): a helper process, started once per caller, imports torch and the libraries the caller
+has already imported (transformers, diffusers, ...; see :func:`preload_modules`), then forks each rank, so a rank
+does not pay those imports again (about 3 s of CPU per rank on a 2-core host). The forkserver only imports, it
+never touches a device, so forked ranks initialize CUDA and NCCL themselves as spawned ones do (torch's own
+``torch.multiprocessing`` accepts ``spawn`` and ``forkserver`` for CUDA, not ``fork``). What a fork would inherit
+from the forkserver rather than from the caller at the time of the start -- environment, working directory,
+standard output and error -- is passed with each rank and applied first. Environment variables that a library
+reads once at import (``HF_HUB_OFFLINE``, say) are those of the caller's first launch: set them before it, or use
+``HSDP_START_METHOD=spawn`` (every rank a fresh interpreter, as torchrun's ranks are).
 """
 
 from __future__ import annotations
@@ -23,10 +34,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import select
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -44,6 +58,8 @@ __all__ = [
     "emit_event",
     "event_sink",
     "heartbeat",
+    "preload_modules",
+    "START_METHOD_ENV",
 ]
 
 _STATE: dict[str, Any] = {}
@@ -51,6 +67,18 @@ _EVENT_SINK: list[Callable[[Any], None]] = []
 _HEARTBEAT: list[Callable[[], None]] = []
 HEARTBEAT_INTERVAL_S = 0.5
 _ALIVE = "alive"
+START_METHOD_ENV = "HSDP_START_METHOD"
+"""Environment variable choosing how ranks start: ``forkserver`` (default where available) or ``spawn``."""
+PRELOAD_PACKAGES = (
+    "torch",
+    "transformers",
+    "diffusers",
+    "peft",
+    "accelerate",
+    "safetensors",
+    "huggingface_hub",
+)
+"""Packages whose modules the forkserver imports when the caller has imported them (what the ranks will need)."""
 
 
 def heartbeat() -> None:
@@ -156,11 +184,65 @@ def _group_check() -> None:
     dist.barrier()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(1.0)
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited process its parent has not reaped yet still has its pid
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _watch_caller(caller_pid: int) -> None:
+    """Exit this rank once the caller is gone. Under a forkserver the parent is the forkserver, not the caller:
+    watch the caller's pid itself (a pidfd, readable once it exits, where the kernel has them; else a poll)."""
+    try:
+        pidfd = os.pidfd_open(caller_pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the caller already exited
+        while _is_running(caller_pid):
+            time.sleep(1.0)
+    else:
+        select.select([pidfd], [], [])
+    os._exit(1)
+
+
+class _CallerStream:
+    """One of the caller's standard streams (its file descriptor at the rank's start), handed to the rank.
+
+    Pickled with the rank's arguments as a descriptor the start method passes along (like a ``Pipe`` end), so a
+    rank forked from a forkserver writes where the caller's stdout/stderr point now, not where they pointed
+    when the forkserver started."""
+
+    def __init__(self, fd: int, dup_fd: Any = None):
+        self.fd = fd
+        self._dup_fd = dup_fd
+
+    def __reduce__(self):
+        return _CallerStream, (self.fd, reduction.DupFd(self.fd))
+
+    def adopt(self) -> None:
+        """In the rank: make the caller's stream this process's ``self.fd``."""
+        received = self._dup_fd.detach()
+        if received != self.fd:
+            os.dup2(received, self.fd)
+            os.close(received)
+
+
+def _caller_streams() -> list[_CallerStream]:
+    """The caller's stdout and stderr descriptors (1 and 2, where open): what a spawned rank would inherit."""
+    streams = []
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        streams.append(_CallerStream(fd))
+    return streams
 
 
 def _worker_main(
@@ -170,18 +252,25 @@ def _worker_main(
     port: int,
     conn: Connection,
     env: dict[str, str],
-    parent_pid: int,
+    caller_pid: int,
     collective_timeout_s: float,
+    cwd: str,
+    streams: list[_CallerStream],
 ) -> None:
+    # A rank forked from a forkserver has the forkserver's environment, directory and streams: take the caller's.
+    for stream in streams:
+        stream.adopt()
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.chdir(cwd)
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         # torch is already imported here (unpickling this function imports it), so the variable alone is too
         # late; oversubscribed OpenMP threads spin and make small ops 100x slower on a busy host.
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_caller, args=(caller_pid,), daemon=True).start()
     _quiet_progress_bars()
     from hsdp.distributed import destroy_distributed, init_distributed, skip_collection_at_exit
     from hsdp.logging_utils import configure_logging
@@ -217,6 +306,42 @@ def _worker_main(
         destroy_distributed()
         conn.close()
         skip_collection_at_exit()
+
+
+PRELOAD_LIST_CHARS = 96 * 1024
+"""At most this much of the preload list (its ``repr``): Python 3.11 passes the list on the forkserver's command
+line, where Linux allows 128 KiB per argument (a caller with everything imported lists about 70 KiB)."""
+
+
+def preload_modules() -> list[str]:
+    """What the forkserver imports before it forks ranks: the launcher (torch, torch.distributed), then the
+    caller's modules of :data:`PRELOAD_PACKAGES` in the order the caller imported them -- what the job needs and
+    what imported cleanly here (an LM job's caller never imports diffusers, so neither does its forkserver), up
+    to :data:`PRELOAD_LIST_CHARS`. Imports only: none of these modules initializes a device at import."""
+    wanted = set(PRELOAD_PACKAGES)
+    names, chars = ["hsdp.launch"], len(repr(["hsdp.launch"]))
+    for name in list(sys.modules):
+        if name.partition(".")[0] in wanted:
+            chars += len(repr(name)) + 2
+            if chars > PRELOAD_LIST_CHARS:
+                break
+            names.append(name)
+    return names
+
+
+_FORKSERVER_FAILED: list[BaseException] = []
+"""Set once the forkserver failed to start ranks in this process: later groups spawn."""
+
+
+def _start_context() -> mp.context.BaseContext:
+    default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    method = "spawn" if _FORKSERVER_FAILED else os.environ.get(START_METHOD_ENV) or default
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(preload_modules())  # used when the forkserver starts (once per caller)
+    return ctx
 
 
 def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:
@@ -260,19 +385,47 @@ class WorkerGroup:
         self.last_heard = time.monotonic()
         """When a rank last sent anything (a result, an event, a :func:`heartbeat`): a call's sign of life."""
         self._closed = False
-        ctx = mp.get_context("spawn")
+        child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
+        ctx = _start_context()
+        try:
+            self._start_ranks(ctx, child_env, timeout)
+        except (EOFError, OSError) as exc:
+            if ctx.get_start_method() != "forkserver":
+                raise
+            # The forkserver died before forking (a preloaded module raised at import): spawn from now on.
+            logger.warning("the forkserver could not start ranks (%s); starting them with spawn", exc)
+            _FORKSERVER_FAILED.append(exc)
+            self._stop_ranks()
+            self._start_ranks(_start_context(), child_env, timeout)
+        try:
+            self._collect(start_timeout_s, what="start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self, ctx: mp.context.BaseContext, child_env: dict[str, str], timeout_s: float) -> None:
         host = "127.0.0.1"
         # The caller owns the rendezvous store: binding port 0 picks a free port atomically.
-        self._store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
-        child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
         self._conns: list[Connection] = []
         self._procs: list[mp.Process] = []
-        timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
-        for rank in range(world_size):
+        for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, host, self._store.port, child_conn, child_env, os.getpid(), timeout),
+                args=(
+                    rank,
+                    self.world_size,
+                    host,
+                    self._store.port,
+                    child_conn,
+                    child_env,
+                    os.getpid(),
+                    timeout_s,
+                    os.getcwd(),
+                    _caller_streams(),
+                ),
                 daemon=True,
                 name=f"hsdp-rank{rank}",
             )
@@ -280,11 +433,16 @@ class WorkerGroup:
             child_conn.close()
             self._conns.append(parent_conn)
             self._procs.append(proc)
-        try:
-            self._collect(start_timeout_s, what="start")
-        except BaseException:
-            self.close()
-            raise
+
+    def _stop_ranks(self) -> None:
+        """Kill what :meth:`_start_ranks` started before it failed."""
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._store = None
 
     @property
     def pids(self) -> list[int]:
