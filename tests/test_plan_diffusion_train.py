@@ -35,6 +35,19 @@ def clips(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """Two captioned images of one size, for the image pipelines (FLUX, SDXL)."""
+    import imageio.v3 as iio
+
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        iio.imwrite(folder / f"image{i}.png", rng.integers(0, 255, (SIDE, SIDE, 3), dtype=np.uint8))
+        (folder / f"image{i}.txt").write_text(f"a red cat, take {i}")
+    return folder
+
+
 def measured_peaks(configs: list[TrainConfig]) -> list[tuple[int, tuple]]:
     """Per config, this rank's MemTracker peak over the trainer's second step, and the first step's loss with this
     rank's trained parameters after both steps."""
@@ -71,6 +84,27 @@ def test_plan_is_within_10_percent_of_the_trainers_peak(dist_run, clips, lora_r)
     for rank in ranks:  # recomputing the blocks changes neither the loss nor the trained weights
         (loss, params), (loss_ac, params_ac) = rank[0][1], rank[1][1]
         assert loss_ac == loss and all(torch.equal(a, b) for a, b in zip(params_ac, params, strict=True))
+
+
+@pytest.mark.slow
+def test_checkpointed_image_pipelines_are_planned_phase_by_phase(dist_run, images):
+    """With --activation-checkpointing the peak comes late in the backward: a block recomputed beside the sharded
+    gradients of the blocks after it (SDXL full fine-tuning: planned -12.4 % when the estimate let the gradients
+    fill in only as activations were freed), and where the block computing is smaller than the largest (FLUX's
+    single-stream blocks: planned +10.7 % for LoRA when the largest block's gather was counted at the peak). The
+    plan follows the traced step phase by phase with FSDP2's gathered blocks, buffers and gradients of each."""
+    rows = [("tiny-flux", 4), ("tiny-sdxl", 0)]
+    configs = [TrainConfig(model=model, data=str(images), resolution=SIDE, steps=2, batch_size=2, lora_r=lora_r,
+                           seed=0, progress=False, parallel=HSDP2, activation_checkpointing=True)
+               for model, lora_r in rows]  # fmt: skip
+    ranks = dist_run(2, measured_peaks, configs)
+    for i, (model, lora_r) in enumerate(rows):
+        measured = max(rank[i][0] for rank in ranks)
+        planned = diffusion_training(model, height=SIDE, width=SIDE, lora_r=lora_r, activation_checkpointing=True)
+        est = estimate([planned.profile], Layout(HSDP2.resolved()), planned.work, Hardware(2**40))
+        assert abs(est.total / measured - 1) < 0.10, (model, lora_r, est.total, measured)
+        if not lora_r:  # the peak holds sharded gradients already reduce-scattered, beside the activations
+            assert 0 < est.early_grads < est.grads
 
 
 def test_lora_plans_adapter_state_only():

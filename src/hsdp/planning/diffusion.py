@@ -7,20 +7,19 @@ Weights, gradients and optimizer state are the planner's exact arithmetic over t
 trainer builds it (fp32 for full fine-tuning, adapters injected by the trainer's own hook for LoRA).
 
 Activations are traced, not guessed: the denoiser built from its config runs one forward and backward on fake
-tensors (``FakeTensorMode``: shapes and dtypes, no memory, no arithmetic) with the inputs the trainer gives it, and
-torch's ``MemTracker`` reads the peak of what that step holds besides the parameters (saved activations, the
-backward's temporaries; each gradient is dropped as it is made, since the estimate counts gradients itself). A
-DiT's cross-attention to the text tokens, its modulation and attention kernels are then counted as they run.
-With ``activation_checkpointing`` the traced denoiser has diffusers' gradient checkpointing on, as the trainer
-turns it on (``enable_gradient_checkpointing``), so the trace holds each block's inputs only and one block's
-activations recomputed during the backward.
+tensors with the inputs the trainer gives it (:mod:`hsdp.planning.trace`), and torch's ``MemTracker`` reads what
+that step holds besides the parameters (saved activations, the backward's temporaries, gradients), phase by phase
+as FSDP2 gathers and reduces the shard plan's blocks; the estimate adds each layout's gathered blocks, buffers and
+sharded gradients to each phase. A DiT's cross-attention to the text tokens, its modulation and attention kernels
+are then counted as they run. With ``activation_checkpointing`` the traced denoiser has diffusers' gradient
+checkpointing on, as the trainer turns it on (``enable_gradient_checkpointing``), so the trace holds each block's
+inputs and one block's activations recomputed during the backward, beside the gradients already reduced.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +29,10 @@ from torch import nn
 
 from hsdp.config import DTYPES
 from hsdp.planning.estimate import Workload
-from hsdp.planning.profile import ModelProfile, PlanError, build_meta_model, profile_module, root_parameters
+from hsdp.planning.profile import ModelProfile, PlanError, build_meta_model, profile_module
+from hsdp.planning.trace import memory_tracker, trace_training_step
 
-__all__ = ["DiffusionTraining", "diffusion_training", "traced_activation_bytes", "trainer_step_peak"]
+__all__ = ["DiffusionTraining", "diffusion_training", "trainer_step_peak"]
 
 
 @dataclass(frozen=True)
@@ -117,61 +117,15 @@ def _tokens(latent: tuple[int, ...], config: dict, packing: int) -> int:
     return max(1, tokens // packing**2)
 
 
-def _tracker():
-    """torch's ``MemTracker`` without gradient hooks (LoRA's frozen base refuses them): gradients count as the
-    tensors they are, from their allocation."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    return Tracker()
-
-
 def trainer_step_peak(trainer) -> int:
     """Per-rank peak bytes of live tensors over one step of a running :class:`hsdp.train.trainer.Trainer` (torch's
     ``MemTracker``: what ``max_memory_allocated`` counts on a GPU, without the CPU's allocator and Python
     overheads): what the plan is checked against. Run it after the first step, which creates the AdamW state."""
-    tracker = _tracker()
+    tracker = memory_tracker()
     tracker.track_external(trainer.model, trainer.optimizer)
     with tracker:
         trainer.train_step()
     return int(tracker.get_tracker_snapshot("peak")[trainer.device]["Total"])
-
-
-def traced_activation_bytes(
-    model: nn.Module,
-    inputs: Callable[[], dict[str, torch.Tensor]],
-    loss: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-) -> int:
-    """Peak bytes a training forward and backward of ``model`` hold besides its parameters, on fake tensors.
-
-    ``model``: on the meta device, parameters in the dtypes the step computes in. ``inputs()`` makes what the
-    trainer holds before the step (called in the fake mode, not tracked); ``loss(model, inputs)`` is the step's
-    forward and loss, whose backward runs too. The gradients of the shard plan's blocks are dropped as they are
-    made (FSDP2 reduce-scatters each block's as its backward ends: the estimate counts one block's); the root
-    unit's are kept, as FSDP2 reduces them last.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    from hsdp.distributed import local_device
-
-    device = local_device()
-    root = root_parameters(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # buffers a model computes at init are real
-        model.to_empty(device=device)
-        held = inputs()
-        for name, param in model.named_parameters():
-            if param.requires_grad and name not in root:
-                param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        tracker = _tracker()
-        with tracker:
-            loss(model, held).backward()
-    peak = tracker.get_tracker_snapshot("peak")[device]
-    # Every parameter and buffer is tracked by the first forward, before the peak: the rest is the step's own.
-    return int(peak["Total"] - peak[_MemRefType.PARAM] - peak[_MemRefType.BUFFER])
 
 
 def diffusion_training(
@@ -229,8 +183,6 @@ def diffusion_training(
     spec = media_spec(pipe, folder, component)
     latent = _latent_shape(spec, folder, config, family.latent_packing, height, width, frames)
     compute = DTYPES[param_dtype] if param_dtype else torch.float32
-    if param_dtype:  # FSDP2's mixed precision computes every parameter in param_dtype
-        denoiser.to(compute)
 
     def inputs() -> dict[str, torch.Tensor]:
         return {name: t.to(compute) for name, t in _fake_captions(pipe, folder, batch).items()}
@@ -248,7 +200,9 @@ def diffusion_training(
         if not getattr(denoiser, "_supports_gradient_checkpointing", False):
             raise PlanError(f"--activation-checkpointing: {type(denoiser).__name__} does not support it")
         denoiser.enable_gradient_checkpointing()
-    acts = traced_activation_bytes(denoiser, inputs, loss)
+    # FSDP2's mixed precision computes every parameter in param_dtype (its gradients too, until reduced)
+    trace = trace_training_step(denoiser, inputs, loss, compute if param_dtype else None)
     tokens = _tokens(latent, config, family.latent_packing)
-    work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=acts)
+    work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=trace.peak,
+                    activation_trace=trace)  # fmt: skip
     return DiffusionTraining(profile, work, latent)

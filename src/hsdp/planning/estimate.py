@@ -14,7 +14,25 @@ from dataclasses import dataclass
 from hsdp.config import DTYPES, ParallelConfig, ShardingStrategy
 from hsdp.planning.profile import ModelProfile, main_component
 
-__all__ = ["Workload", "Hardware", "Layout", "Estimate", "estimate"]
+__all__ = ["StepTrace", "Workload", "Hardware", "Layout", "Estimate", "estimate"]
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One training step's activations over time, traced on fake tensors (:mod:`hsdp.planning.trace`), in the
+    phases of what FSDP2 holds: the estimate adds to each phase the gathered blocks, live buffers and gradients
+    of a layout and takes the phase that holds the most. Free of any layout: one trace serves every shard size."""
+
+    phases: tuple[tuple[int, tuple[str, ...], str | None, bool, int], ...]
+    """Per phase, in step order: (peak bytes of the activations and temporaries live in it, the blocks gathered
+    (in the order they were gathered), the block whose all-gather buffer is live (``""``: the root's; None: none),
+    whether it is in the backward, how many of ``reduced`` have reduce-scattered their gradients before it)."""
+    reduced: tuple[str, ...]
+    """Blocks in the order their backward ended (FSDP2's post-backward: their gradients reduce-scattered)."""
+
+    @property
+    def peak(self) -> int:
+        return max((phase[0] for phase in self.phases), default=0)
 
 
 @dataclass(frozen=True)
@@ -29,6 +47,8 @@ class Workload:
     activation_bytes: int | None = None
     """Activations of the ``batch`` samples of one rank, traced (:mod:`hsdp.planning.diffusion`) instead of the
     transformer-shaped per-token formula."""
+    activation_trace: StepTrace | None = None
+    """Training: those activations phase by phase; the peak is then the phase holding the most beside them."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +121,18 @@ class Estimate:
     copy_out: int = 0
     """Inference: gathered weights and buffers while a unit's all-gather is copied out, when no block's
     activations are live (``gather`` is while a block computes, beside ``activations``)."""
+    early_grads: int = 0
+    """Training with a traced step: the part of ``grads`` already reduce-scattered (the blocks whose backward
+    ended) in the phase where the step peaks, held beside that phase's ``gather`` and ``activations``."""
 
     @property
     def total(self) -> int:
         """Peak bytes per device: the phase that holds the most. Gradients fill in as backward frees the
-        activations and gathered weights; in inference a copy-out holds two all-gather buffers and a block's
-        weights as they are allocated, a block's compute its weights, fewer buffers and its activations."""
-        return self.weights + self.optimizer + max(self.grads, self.gather + self.activations, self.copy_out)
+        activations and gathered weights (a traced step says how far: ``early_grads``); in inference a copy-out
+        holds two all-gather buffers and a block's weights as they are allocated, a block's compute its weights,
+        fewer buffers and its activations."""
+        peak = self.gather + self.activations + self.early_grads
+        return self.weights + self.optimizer + max(self.grads, peak, self.copy_out)
 
     @property
     def fits(self) -> bool:
@@ -213,8 +238,49 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[s
         passes = 1 if c.reshard_after_forward is False else 2
         out["ag"] = int(passes * frac * sum(u.gathered_bytes(s, ce) for u in p.units))
         out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in trained))
+    if work.activation_trace is not None:
+        out["phases"] = _traced_phases(p, work.activation_trace, c, gathers, ce, re_)
     if r > 1:  # HSDP: the reduce-scattered shards are all-reduced across the replica groups
         out["ar"] = int(2 * (r - 1) / r * sum(u.shard_bytes(s, re_) for u in trained))
+    return out
+
+
+def _traced_phases(
+    p: ModelProfile, trace: StepTrace, c: ParallelConfig, gathers: bool, ce: int | None, re_: int | None
+) -> list[tuple[int, int]]:
+    """Per phase of a traced step: (gathered bytes, reduce-scattered gradient bytes) FSDP2 holds in it beside the
+    phase's activations. ``gathers``: whether units are gathered at all; ``ce``, ``re_``: the compute and reduce
+    dtypes' bytes per value (None: as stored).
+
+    The root stays gathered from its forward to the end of the backward (every block too with
+    ``reshard_after_forward=False``); the phase's gathered blocks and live all-gather buffer as traced (the
+    gathered blocks' unsharded gradients are in the trace); in the backward the reduce-scatter input of the block
+    reduced last (FSDP2 frees it at the next block's reduce-scatter). The sharded gradients of the blocks reduced
+    so far are on the device, or on the host with CPU offload.
+    """
+    units = {u.name: u for u in p.blocks}
+    s = _shard_size(c)
+    kept = c.reshard_after_forward is False
+    base = p.root.unsharded_bytes(ce) if gathers else 0
+    if gathers and kept:
+        base += sum(u.unsharded_bytes(ce) for u in p.blocks)
+    sharded = [0]  # cumulative, in the order the blocks are reduced
+    for name in trace.reduced:
+        unit = None if c.cpu_offload else units.get(name)
+        sharded.append(sharded[-1] + (unit.trained().shard_bytes(s) if unit else 0))
+    out = []
+    for _, gathered, buffer, backward, count in trace.phases:
+        held = base
+        if gathers:
+            blocks = [units[name] for name in gathered if name in units]
+            if not kept:
+                held += sum(u.unsharded_bytes(ce) for u in blocks)
+            buffered = p.root if buffer == "" else units.get(buffer)
+            if buffered is not None and not (kept and backward):
+                held += buffered.gathered_bytes(s, ce)
+            if backward and count and trace.reduced[count - 1] in units:
+                held += units[trace.reduced[count - 1]].trained().gathered_bytes(s, re_)
+        out.append((held, sharded[count]))
     return out
 
 
@@ -257,6 +323,14 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     m = parts[main.name]
     c = layout.config
     acts, tokens = _activations(main, layout, work)
+    gather, early_grads = max(x["gather"] for x in parts.values()), 0
+    if work.activation_trace is not None:  # the phase that holds the most
+        scale = acts / work.activation_bytes if work.activation_bytes else 0
+        held = [
+            (int(phase[0] * scale) + g + e, int(phase[0] * scale), g, e)
+            for phase, (g, e) in zip(work.activation_trace.phases, m["phases"], strict=True)
+        ]
+        _, acts, gather, early_grads = max(held, default=(0, 0, 0, 0))
     flops = (
         (6 if work.training else 2)
         * tokens
@@ -284,7 +358,8 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     return Estimate(
         layout=layout,
         weights=sum(x["weights"] for x in parts.values()),
-        gather=max(x["gather"] for x in parts.values()),
+        gather=gather,
+        early_grads=early_grads,
         copy_out=max(x["copy_out"] for x in parts.values()),
         grads=m["grads"],
         optimizer=m["optimizer"],

@@ -36,7 +36,7 @@ __all__ = [
     "main_component",
     "model_kind",
     "profile_module",
-    "root_parameters",
+    "parameter_units",
     "build_meta_model",
     "component_folders",
     "profile_model",
@@ -299,11 +299,11 @@ def _owner(pname: str, targets: Sequence[str]) -> str:
     return max((t for t in targets if pname.startswith(t + ".")), key=len, default="")
 
 
-def root_parameters(model: nn.Module) -> set[str]:
-    """Names of the parameters the root unit owns under the model's shard plan."""
+def parameter_units(model: nn.Module) -> dict[str, str]:
+    """Each parameter's name -> the unit that owns it under the model's shard plan (``""``: the root)."""
     plan = resolve_plan(model)
     targets = [n for n, m in model.named_modules() if n and plan.should_shard(n, m)]
-    return {n for n, _ in model.named_parameters() if not _owner(n, targets)}
+    return {n: _owner(n, targets) for n, _ in model.named_parameters()}
 
 
 def _unit(name: str, owned: dict, linear: dict, trainable: dict, frozen: bool) -> UnitProfile:
