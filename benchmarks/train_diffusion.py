@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeat", type=int, default=1, help="rounds over the rows (rotated); median reported"
     )
+    parser.add_argument(
+        "--compile", action="store_true", help="also hsdp with --compile (regional torch.compile of the blocks)"
+    )
     parser.add_argument("--output", default="benchmarks/results/train_diffusion.json")
     return parser
 
@@ -259,9 +262,9 @@ def _measure(spec: dict, base: int, batches: list, step_fn, trained, whole: int)
     }
 
 
-def rank_hsdp(spec: dict, lora: bool) -> dict:
-    """``hsdp train``'s ``DiffusionTrainer`` (``--hsdp-strategy`` over the world, ``--cache-latents``); also returns its
-    peak while encoding (the pipeline's encoders loaded) and its step peaks as the trainer reports them."""
+def rank_hsdp(spec: dict, lora: bool, compile: bool = False) -> dict:
+    """``hsdp train``'s ``DiffusionTrainer`` (``--hsdp-strategy`` over the world, ``--cache-latents``, ``--compile``
+    when asked); also returns its peak while encoding (the pipeline's encoders loaded) and its step peaks as the trainer reports them."""
     import torch.distributed as dist
 
     from hsdp.config import ParallelConfig
@@ -288,7 +291,7 @@ def rank_hsdp(spec: dict, lora: bool) -> dict:
         model=spec["model"], data=spec["data"], parallel=parallel, steps=spec["warmup"] + spec["steps"],
         batch_size=spec["batch_size"], resolution=spec["resolution"], lr=LR, seed=SEED, progress=False,
         log_every=10**6, lora_r=LORA_R if lora else 0, lora_alpha=float(LORA_ALPHA), cache_latents=True,
-        output_dir=spec["cache_dir"],
+        output_dir=spec["cache_dir"], compile=compile,
     )  # fmt: skip
     with EncodeMeasured(cfg) as trainer:
         steps = []
@@ -382,11 +385,13 @@ def rank_deepspeed(spec: dict, stage: int, lora: bool) -> dict:
 
 
 # -- the table ---------------------------------------------------------------------------------------------------
-def runs() -> dict[str, tuple]:
-    """name -> (rank function, extra args, required modules), by mode."""
+def runs(compile: bool = False) -> dict[str, tuple]:
+    """name -> (rank function, extra args, required modules), by mode; ``compile`` adds hsdp with ``--compile``."""
     out = {}
     for mode, lora in MODES.items():
         out[f"hsdp {mode}"] = (rank_hsdp, (lora,), ("hsdp",))
+        if compile:
+            out[f"hsdp {mode} --compile"] = (rank_hsdp, (lora, True), ("hsdp",))
         out[f"Accelerate FSDP2 {mode}"] = (rank_accelerate, (lora,), ("accelerate", "peft"))
         for stage in (2, 3):
             out[f"DeepSpeed ZeRO-{stage} {mode}"] = (rank_deepspeed, (stage, lora), ("deepspeed", "peft"))
@@ -397,7 +402,7 @@ def _select(every: dict, only: str | None) -> dict:
     if not only:
         return every
     if only.lower() in ("lora", "full"):
-        names = [n for n in every if n.lower().endswith(f" {only.lower()}")]
+        names = [n for n in every if _mode(n).lower() == only.lower()]
     else:
         names = [n.strip() for n in only.split(",")]
     unknown = [n for n in names if n not in every]
@@ -453,10 +458,10 @@ def _compare(rows: list[dict]) -> None:
 def verdicts(rows: list[dict]) -> list[dict]:
     ok = {r["name"]: r for r in rows if "ranks" in r}
     out = []
-    for mode in MODES:
-        hsdp = ok.get(f"hsdp {mode}")
+    for name, hsdp in ok.items():
+        mode = _mode(name)
         others = [r for n, r in ok.items() if _mode(n) == mode and not n.startswith("hsdp")]
-        if not hsdp or not others:
+        if not name.startswith("hsdp") or not others:
             continue
         best = max(others, key=lambda r: r[speed_key()])
         speed = hsdp[speed_key()] / best[speed_key()]
@@ -464,7 +469,7 @@ def verdicts(rows: list[dict]) -> list[dict]:
         best_peak = max(r["step_peak"] for r in best["ranks"])
         lowest = min(max(r["step_peak"] for r in o["ranks"]) for o in others)
         out.append({
-            "mode": mode, "best_contender": best["name"], "speed_vs_best": speed, "hsdp_step_peak": peak,
+            "mode": mode, "hsdp_row": name, "best_contender": best["name"], "speed_vs_best": speed, "hsdp_step_peak": peak,
             "best_step_peak": best_peak, "lowest_contender_step_peak": lowest,
             "met": speed >= 1.1 and peak <= best_peak,
         })  # fmt: skip
@@ -504,7 +509,7 @@ def _print_tables(
             print(f"| {row['name']} | {per_rank(row, 'encode_peak')} | {per_rank(row, 'step_peak')} |")
     for v in verdict:
         print(
-            f"{v['mode']}: hsdp {v['speed_vs_best']:.2f} x the best contender ({v['best_contender']}) in "
+            f"{v['hsdp_row']}: {v['speed_vs_best']:.2f} x the best contender ({v['best_contender']}) in "
             f"{speed_key().replace('_', ' ')}, step peak {v['hsdp_step_peak'] / MIB:.0f} vs {v['best_step_peak'] / MIB:.0f} MiB: goal "
             f"(>= 1.1 x at no more memory) {'met' if v['met'] else 'not met'}"
         )
@@ -523,7 +528,7 @@ def _where() -> str:
 
 def main() -> None:
     args = build_parser().parse_args()
-    selected = _select(runs(), args.only)
+    selected = _select(runs(args.compile), args.only)
     names = list(selected)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -33,6 +33,14 @@ def local_device() -> torch.device:
     return torch.device(kind, local_rank % torch.accelerator.device_count())
 
 
+def copy_ahead(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without making the host wait: to an accelerator from pinned memory, asynchronously
+    (a copy from pageable memory waits until the device has run the work queued before it); on the CPU as is."""
+    if device.type == "cpu" or tensor.device == device:
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def available_devices() -> int | None:
     """How many accelerators this host has, or None on a CPU-only host (where any world size can run)."""
     if device_type() == "cpu":

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute blocks in backward"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each repeated block (regional; forward and backward fused, FSDP hooks outside), once "
+        "per input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
+    )
     parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
     parser.add_argument(
         "--frozen-whole",
@@ -180,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_grad_norm=args.max_grad_norm,
         mixed_precision=args.mixed_precision,
         activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
         freeze=tuple(args.freeze),
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,

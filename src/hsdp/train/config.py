@@ -32,7 +32,8 @@ RESUME_AUTO = "auto"
 line for the first start and every restart of an elastic job)."""
 # Settings a resumed run may change without changing the math of the steps after resume are absent from
 # TrainConfig.resume_settings: --log-every, --save-every, --keep-last, --async-save, --output-dir, --export*,
-# --eval-*, --report-to, --activation-checkpointing (recomputes the same values), --steps with a constant schedule.
+# --eval-*, --report-to, --activation-checkpointing (recomputes the same values), --compile (the same math, fused),
+# --steps with a constant schedule.
 _LAYOUT_FLAGS = ("--strategy", "layout")
 
 _FINGERPRINT_KEYS = (
@@ -82,6 +83,9 @@ class TrainConfig:
     fp16 adds dynamic loss scaling (a gradient scaler whose state is checkpointed)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward instead of keeping them."""
+    compile: bool = False
+    """``torch.compile`` each repeated block of the trained model (regional, as ``hsdp generate --compile``): its
+    forward and backward run as fused kernels, FSDP2's hooks stay outside; each input shape compiles once."""
     freeze: tuple[str, ...] = ()
     """Regular expressions; matching parameters are frozen (LoRA-style partial fine-tuning)."""
     lora_r: int = 0
@@ -234,6 +238,11 @@ class TrainConfig:
             out.append(f"--max-grad-norm={self.max_grad_norm} must be > 0")
         if self.mixed_precision not in (None, "bf16", "bfloat16", "fp16", "float16"):
             out.append(f"--mixed-precision={self.mixed_precision!r}: use bf16 or fp16")
+        if self.compile:
+            from hsdp.distributed import device_type
+            from hsdp.engine.compile import compile_problems
+
+            out += compile_problems(device_type())
         if self.parallel.param_dtype and self.mixed_precision:
             out.append(
                 "--param-dtype and --mixed-precision both set the compute dtype; use --mixed-precision only"

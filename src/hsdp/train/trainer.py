@@ -21,6 +21,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -169,6 +170,8 @@ class Trainer:
         self._freeze()
         if cfg.activation_checkpointing:
             self._enable_activation_checkpointing()
+        if cfg.compile:
+            self._compile_blocks()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
@@ -187,6 +190,7 @@ class Trainer:
         self.scaler = self._grad_scaler()
         self.step = 0
         self._stepped = False  # train_step ran (the first one trims the freed heap, reset_peak_memory)
+        self._ahead: tuple[int, Any] | None = None  # (micro-batch number, its inputs), see _prepare_ahead
         resume_from = self.checkpointer.agreed(checks.resume_from) if self.checkpointer else None
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, self.model, self.optimizer)
@@ -226,6 +230,16 @@ class Trainer:
     def _lora_config(self):
         return self.cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM")
 
+    def _compile_blocks(self) -> None:
+        """``--compile``: the engine's regional compilation, on the model being trained (after LoRA and activation
+        checkpointing, which the compiled ``forward`` runs inside)."""
+        from hsdp.engine.compile import compile_blocks
+
+        try:
+            compile_blocks(self.model)
+        except ValueError as exc:
+            raise TrainConfigError(str(exc)) from exc
+
     def _enable_activation_checkpointing(self) -> None:
         """Recompute each block in the backward (``--activation-checkpointing``); refused for a model without it."""
         if not getattr(self.model, "supports_gradient_checkpointing", False):
@@ -245,27 +259,45 @@ class Trainer:
     def _items_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.seq_len
 
-    def _micro_loss(self, micro: int) -> torch.Tensor:
-        """This rank's loss on its rows of micro-batch ``micro`` of the current step, scaled so that the summed
+    def _micro_inputs(self, number: int) -> Any:
+        """This rank's rows of micro-batch ``number`` (``step * grad_accum + micro``), on its device, with the
+        step's global target count when records are masked."""
+        cfg = self.cfg
+        step, micro = divmod(number, cfg.grad_accum)
+        batch = self.data.batch(
+            step, micro, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        ).to(self.device)  # fmt: skip
+        targets = None if self.data.uniform else self.data.step_targets(step, cfg.batch_size, cfg.grad_accum)
+        return batch, targets
+
+    def _micro_loss(self, inputs: Any) -> torch.Tensor:
+        """This rank's loss on its rows of a micro-batch (:meth:`_micro_inputs`), scaled so that the summed
         gradients of the step's micro-batches are those of one batch.
 
         Masked labels: every rank divides its summed token losses by the step's global target count (times dp,
         since FSDP averages gradients over dp), so the step's loss is the token mean over all ranks' rows."""
-        cfg = self.cfg
-        batch = self.data.batch(
-            self.step,
-            micro,
-            batch_size=cfg.batch_size,
-            grad_accum=cfg.grad_accum,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        ).to(self.device)
+        batch, targets = inputs
         with self._autocast():
-            if self.data.uniform:
-                return self.model(**batch.model_inputs(), use_cache=False).loss / cfg.grad_accum
-            targets = self.data.step_targets(self.step, cfg.batch_size, cfg.grad_accum)
+            if targets is None:
+                return self.model(**batch.model_inputs(), use_cache=False).loss / self.cfg.grad_accum
             per_rank = torch.tensor(max(1, targets) / self.dp_size, device=self.device)
             return self.model(**batch.model_inputs(), use_cache=False, num_items_in_batch=per_rank).loss
+
+    def _inputs_for(self, number: int) -> Any:
+        """Micro-batch ``number``'s inputs: made ahead by :meth:`_prepare_ahead`, or now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == number:
+            return ahead[1]
+        return self._micro_inputs(number)
+
+    def _prepare_ahead(self, number: int) -> None:
+        """Make micro-batch ``number``'s inputs while an accelerator still runs the backward just queued (a step
+        waits for the device only at its end): their CPU work (rows, noise, stacking) and copies then overlap
+        the compute instead of leaving the device idle at the start of the next micro-batch. The inputs depend on
+        ``number`` alone, so making them early changes nothing."""
+        if number < self.cfg.steps * self.cfg.grad_accum:
+            self._ahead = (number, self._micro_inputs(number))
 
     def _data_state(self) -> dict:
         cfg = self.cfg
@@ -319,12 +351,14 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
+            number = self.step * cfg.grad_accum + micro
             self._set_grad_sync(micro == cfg.grad_accum - 1)
-            loss = self._micro_loss(micro)
+            loss = self._micro_loss(self._inputs_for(number))
             # Under sequence parallel each rank's gradients cover its share of the sequence and FSDP averages
             # over all of them: scaled by the degree, the average is the sum, the whole sequence's gradient.
             scaled = loss * self.sequence_parallel if self.sequence_parallel > 1 else loss
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            self._prepare_ahead(number + 1)
             total += loss.detach().float()
         all_reduce_plain_grads(self.params)
         if self.scaler:

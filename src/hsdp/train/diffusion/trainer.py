@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from hsdp.checkpoint import export_safetensors
 from hsdp.config import DTYPES, ParallelConfig, ShardingStrategy
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
-from hsdp.distributed import local_device
+from hsdp.distributed import copy_ahead, local_device
 from hsdp.families import GENERIC, DenoiserBatch, Family, family_for, training_family
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
@@ -182,6 +182,18 @@ def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> N
             f"--model {cfg.model}: its {component} takes {taken} input channels, the VAE gives {latent}: packed "
             "latents or concatenated conditions, which hsdp's diffusion trainer does not build yet"
         )
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """This rank's rows of one micro-batch, on its device: what the denoiser takes and the loss compares."""
+
+    noisy: torch.Tensor
+    timesteps: torch.Tensor
+    prompts: dict[str, torch.Tensor]
+    size: tuple[int, int]
+    target: torch.Tensor
+    weights: torch.Tensor
 
 
 @dataclass
@@ -440,9 +452,8 @@ class DiffusionTrainer(Trainer):
                 items[index] = encoded
         return items
 
-    def _micro_loss(self, micro: int) -> torch.Tensor:
+    def _micro_inputs(self, number: int) -> _MicroBatch:
         cfg = self.cfg
-        number = self.step * cfg.grad_accum + micro
         rows = self.data.dataset.micro_batch(number, cfg.batch_size, cfg.seed)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
         drop = torch.rand(len(rows), generator=generator) < cfg.caption_dropout
@@ -452,11 +463,18 @@ class DiffusionTrainer(Trainer):
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
-        size = (bucket.height, bucket.width)
-        prediction = self.denoise(noised.noisy[mine], noised.timesteps[mine], _batch_prompts(prompts[mine]), size)
-        target = noised.target[mine].to(self.device)
-        per_row = F.mse_loss(prediction.float(), target.float(), reduction="none").flatten(1).mean(1)
-        return (per_row * noised.weights[mine].to(self.device)).mean() / cfg.grad_accum
+        ahead = functools.partial(copy_ahead, device=self.device)
+        return _MicroBatch(
+            noisy=ahead(noised.noisy[mine]), timesteps=ahead(noised.timesteps[mine]),
+            prompts={name: ahead(t) for name, t in _batch_prompts(prompts[mine]).items()},
+            size=(bucket.height, bucket.width), target=ahead(noised.target[mine]),
+            weights=ahead(noised.weights[mine]),
+        )  # fmt: skip
+
+    def _micro_loss(self, inputs: _MicroBatch) -> torch.Tensor:
+        prediction = self.denoise(inputs.noisy, inputs.timesteps, inputs.prompts, inputs.size)
+        per_row = F.mse_loss(prediction.float(), inputs.target.float(), reduction="none").flatten(1).mean(1)
+        return (per_row * inputs.weights).mean() / self.cfg.grad_accum
 
     def denoise(
         self, noisy: torch.Tensor, timesteps: torch.Tensor, prompts: dict[str, torch.Tensor], size: tuple[int, int]
