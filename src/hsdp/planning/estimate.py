@@ -252,8 +252,8 @@ def _traced_phases(
     phase's activations. ``gathers``: whether units are gathered at all; ``ce``, ``re_``: the compute and reduce
     dtypes' bytes per value (None: as stored).
 
-    The root stays gathered from its forward to the end of the backward (every block too with
-    ``reshard_after_forward=False``); the phase's gathered blocks and live all-gather buffer as traced (the
+    The root stays gathered from its forward to the end of the backward (a block too, from its forward to its
+    post-backward, with ``reshard_after_forward=False``); the phase's gathered blocks and live all-gather buffer as traced (the
     gathered blocks' unsharded gradients are in the trace); in the backward the reduce-scatter input of the block
     reduced last (FSDP2 frees it at the next block's reduce-scatter). The sharded gradients of the blocks reduced
     so far are on the device, or on the host with CPU offload.
@@ -261,19 +261,22 @@ def _traced_phases(
     units = {u.name: u for u in p.blocks}
     s = _shard_size(c)
     kept = c.reshard_after_forward is False
-    base = p.root.unsharded_bytes(ce) if gathers else 0
-    if gathers and kept:
-        base += sum(u.unsharded_bytes(ce) for u in p.blocks)
     sharded = [0]  # cumulative, in the order the blocks are reduced
     for name in trace.reduced:
         unit = None if c.cpu_offload else units.get(name)
         sharded.append(sharded[-1] + (unit.trained().shard_bytes(s) if unit else 0))
     out = []
+    resident: dict[str, int] = {}  # kept: the blocks gathered so far and not yet resharded by their post-backward
     for _, gathered, buffer, backward, count in trace.phases:
-        held = base
+        held = p.root.unsharded_bytes(ce) if gathers else 0
         if gathers:
             blocks = [units[name] for name in gathered if name in units]
-            if not kept:
+            if kept:
+                resident.update((u.name, u.unsharded_bytes(ce)) for u in blocks)
+                for name in trace.reduced[:count]:
+                    resident.pop(name, None)
+                held += sum(resident.values())
+            else:
                 held += sum(u.unsharded_bytes(ce) for u in blocks)
             buffered = p.root if buffer == "" else units.get(buffer)
             if buffered is not None and not (kept and backward):
