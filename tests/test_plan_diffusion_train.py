@@ -2,8 +2,8 @@
 
 The measurement is torch's ``MemTracker`` over the second step of :class:`hsdp.train.diffusion.DiffusionTrainer`
 at world 2 (every live tensor storage on the rank: what ``max_memory_allocated`` counts on a GPU; the first step
-creates the AdamW state). Target: the plan's total within 10 % of it (measured +3 % to +5 % on these and on a
-wider 5-block Wan, docs/planning.md)."""
+creates the AdamW state). Target: the plan's total within 10 % of it (measured -1.4 % to +4.6 % on these, on a
+wider 5-block Wan, FLUX and SDXL, docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def measured_peaks(configs: list[TrainConfig]) -> list[tuple[int, tuple]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
 def test_plan_is_within_10_percent_of_the_trainers_peak(dist_run, clips, lora_r):
-    """Without and with --activation-checkpointing (which the plan traces as the trainer turns it on: measured
-    +3 % to +4 % without, -3 % to +4 % with, the activations about halved)."""
+    """Without and with --activation-checkpointing (which the plan traces as the trainer turns it on: within +5 %
+    either way, the activations about halved)."""
     cfg = TrainConfig(model="tiny-wan", data=str(clips), resolution=SIDE, frames=FRAMES, steps=2, batch_size=2,
                       lora_r=lora_r, seed=0, progress=False, parallel=HSDP2)  # fmt: skip
     checkpointed = cfg.replace(activation_checkpointing=True)
