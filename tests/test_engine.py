@@ -89,6 +89,8 @@ def test_layout_problems(wan_info, llama_info, monkeypatch):
     )
     assert "attention heads" in layout_problems(wan_info, ParallelConfig(ulysses_degree=4).resolved())[0]
     assert "no CPU kernel" in layout_problems(wan_info, ParallelConfig(ring_degree=2).resolved())[0]
+    frozen = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, frozen_whole=True).resolved()
+    assert "--frozen-whole) is a training setting" in layout_problems(wan_info, frozen)[0]
 
 
 def test_more_ranks_than_devices_fails_before_spawning(wan_info, monkeypatch):

@@ -52,6 +52,12 @@ __all__ = ["Engine"]
 def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
     """Layout x model problems, found before any process starts."""
     problems = []
+    if config.frozen_whole:
+        problems.append(
+            "frozen_whole (--frozen-whole) is a training setting (frozen weights whole beside sharded trained ones); "
+            "inference trains nothing, so it would keep the whole model on every rank: drop it, or run without "
+            "--use-hsdp to hold the model whole"
+        )
     if info.kind == "causal_lm" and config.compute_parallel_size > 1:
         problems.append(
             "causal LMs run with HSDP (--use-hsdp, --hsdp-shard-size, --hsdp-replicate-size, --request-parallel) "
