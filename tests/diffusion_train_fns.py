@@ -11,6 +11,17 @@ from hsdp.train import TrainConfig
 from hsdp.train.diffusion import DiffusionTrainer
 
 
+def write_media(folder) -> None:
+    """Four captioned images of different shapes (two buckets at resolution 32), the diffusion tests' data."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i, (h, w) in enumerate([(40, 56), (37, 91), (64, 48), (48, 64)]):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a cat number {i}")
+
+
 def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
     """Train each config; return the losses, the trained parameters (whole, rank 0's copy) and when it started."""
     out = []

@@ -241,16 +241,11 @@ def train_diffusion_without_tf32(configs: list) -> list[dict]:
 def test_diffusion_training_on_cuda_equals_one_cpu_process(shard: int, lora_r: int, model_cache: Path, tmp_path):
     """``hsdp train``'s diffusion trainer on CUDA + NCCL (LoRA and full fine-tuning of tiny-wan): loss per step and
     trained weights against one CPU process running diffusers + peft on the same rows, noise and timesteps."""
-    from PIL import Image
-
     from hsdp.launch import WorkerGroup
     from hsdp.train import TrainConfig
-    from tests.diffusion_train_fns import reference_run
+    from tests.diffusion_train_fns import reference_run, write_media
 
-    rng = np.random.default_rng(0)
-    for i, (h, w) in enumerate([(40, 56), (37, 91), (64, 48), (48, 64)]):
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / f"img{i}.png")
-        (tmp_path / f"img{i}.txt").write_text(f"a cat number {i}")
+    write_media(tmp_path)
     path = builtin("tiny-wan", model_cache)
     cfg = TrainConfig(
         model=str(path), data=str(tmp_path), resolution=32, steps=3, batch_size=2, lr=1e-3 if lora_r else 1e-4,

@@ -13,7 +13,7 @@ import pytest
 
 from hsdp.config import ParallelConfig
 from hsdp.train import TrainConfig
-from tests.diffusion_train_fns import train_diffusion
+from tests.diffusion_train_fns import train_diffusion, write_media
 
 TOLERANCE = 1e-5
 """Inductor fuses and reorders float ops: the same math to rounding (measured below 1e-6 on tiny-wan)."""
@@ -21,13 +21,8 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
-    from PIL import Image
-
     folder = tmp_path_factory.mktemp("media")
-    rng = np.random.default_rng(0)
-    for i, (h, w) in enumerate([(40, 56), (37, 91), (64, 48), (48, 64)]):  # two buckets at resolution 32
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"a cat number {i}")
+    write_media(folder)
     return folder
 
 

@@ -18,7 +18,7 @@ from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion
+from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion, write_media
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -27,13 +27,8 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
     """Four captioned images of different shapes (two buckets at resolution 32)."""
-    from PIL import Image
-
     folder = tmp_path_factory.mktemp("media")
-    rng = np.random.default_rng(0)
-    for i, (h, w) in enumerate([(40, 56), (37, 91), (64, 48), (48, 64)]):
-        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"a cat number {i}")
+    write_media(folder)
     return folder
 
 
