@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import logging
@@ -58,7 +59,8 @@ def init_distributed(
     """Join (or create) the default process group; returns this rank's device.
 
     Without arguments it reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...). Every
-    collective gets ``timeout_s``, so a dead peer surfaces as an error instead of a hang.
+    collective gets ``timeout_s``, so a dead peer surfaces as an error instead of a hang. The groups are torn down
+    at exit (:func:`destroy_distributed`) if the caller has not done so.
     """
     device = local_device()
     if dist.is_initialized():
@@ -70,8 +72,22 @@ def init_distributed(
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
+    _tear_down_at_exit()
     logger.debug("rank %d/%d joined %s on %s", dist.get_rank(), dist.get_world_size(), backend, device)
     return device
+
+
+_teardown_registered = False
+
+
+def _tear_down_at_exit() -> None:
+    """A script that never calls :func:`destroy_distributed` (a user's, a documented snippet) still exits cleanly:
+    its gloo workers could otherwise abort the process at interpreter exit after all its work succeeded (see
+    there). Once per process; a no-op at exit when the caller already tore down."""
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(destroy_distributed)
+        _teardown_registered = True
 
 
 def destroy_distributed() -> None:
