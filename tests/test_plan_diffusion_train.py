@@ -155,3 +155,34 @@ def test_plan_command_diffusion_training(capsys):
     assert "give --height and --width" in capsys.readouterr().err
     with pytest.raises(PlanError, match="--train-component transformer_2"):
         diffusion_training("tiny-wan", height=SIDE, width=SIDE, component="transformer_2")
+
+
+def test_plan_gives_the_trainers_answer_on_every_builtin_pipeline(images, capsys):
+    """Every built-in pipeline, LoRA and full: where ``hsdp train``'s check before ranks start
+    (``check_diffusion_run``) refuses it (image- or mask-conditioned denoisers: tiny-wan-i2v's 12 input channels,
+    FLUX Kontext), ``hsdp plan --train`` exits 2 with that same reason instead of tracing a call the denoiser cannot
+    take; a pipeline the trainer accepts is planned (tiny-wan LoRA here; FLUX and SDXL in the tests above)."""
+    from hsdp.cli import main
+    from hsdp.models.builtin import BUILTIN_MODELS, resolve_model
+    from hsdp.train import TrainConfigError
+    from hsdp.train.diffusion.trainer import check_diffusion_run, is_pipeline
+
+    plan = ["plan", "--devices", "2", "--device-memory", "64MiB", "--train", "--height", str(SIDE), "--width", str(SIDE)]
+    verdicts = {}
+    for model in sorted(m for m in BUILTIN_MODELS if is_pipeline(resolve_model(m))):
+        for lora_r in (4, 0):
+            try:
+                check_diffusion_run(TrainConfig(model=model, data=str(images), lora_r=lora_r, resolution=SIDE))
+                verdicts[model, lora_r] = "trains"
+            except TrainConfigError as exc:
+                verdicts[model, lora_r] = "refused"
+                assert main([plan[0], model, *plan[1:], "--lora-r", str(lora_r)]) == 2, (model, lora_r)
+                err = capsys.readouterr().err
+                assert f"hsdp train refuses this run: {exc}\n" in err and "Traceback" not in err, err
+    assert verdicts[("tiny-wan-i2v", 4)] == verdicts[("tiny-flux-kontext", 0)] == "refused"
+    assert verdicts[("tiny-wan", 4)] == verdicts[("tiny-flux", 0)] == verdicts[("tiny-sdxl", 4)] == "trains"
+    assert main([plan[0], "tiny-wan", *plan[1:], "--lora-r", "4"]) == 0
+    assert "run it: hsdp train --model tiny-wan" in capsys.readouterr().out
+    # without an item size, the refusal still comes first: the size is asked for only of a pipeline that trains
+    assert main(["plan", "tiny-wan-i2v", "--devices", "2", "--device-memory", "64MiB", "--train", "--lora-r", "4"]) == 2
+    assert "its transformer takes 12 input channels, the VAE gives 4" in capsys.readouterr().err

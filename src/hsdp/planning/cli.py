@@ -220,8 +220,6 @@ def _diffusion_training(args: argparse.Namespace) -> tuple[list, Workload]:
     """The trained denoiser's profile and its workload (:mod:`hsdp.planning.diffusion`)."""
     from hsdp.planning.diffusion import diffusion_training
 
-    if args.height is None or args.width is None:
-        raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
     found = diffusion_training(
         args.model,
         height=args.height,

@@ -131,8 +131,8 @@ def trainer_step_peak(trainer) -> int:
 def diffusion_training(
     model: str,
     *,
-    height: int,
-    width: int,
+    height: int | None,
+    width: int | None,
     frames: int = 1,
     batch: int = 1,
     lora_r: int = 0,
@@ -145,18 +145,22 @@ def diffusion_training(
     """The trained denoiser of pipeline ``model`` as ``hsdp train`` builds it, and a workload of ``batch`` samples
     of ``height x width x frames`` per rank (``seq_len``: the denoiser's tokens per sample). ``dtype``: LoRA's
     frozen base as stored (default: the checkpoint's); full fine-tuning always holds fp32 masters.
-    ``activation_checkpointing``: per-block recomputation (``hsdp train --activation-checkpointing``)."""
+    ``activation_checkpointing``: per-block recomputation (``hsdp train --activation-checkpointing``).
+
+    A pipeline ``hsdp train`` refuses (conditioned on images or masks, latents packed as no family packs them, a
+    LoRA target matching nothing) is refused with the trainer's own reason (:func:`check_trainable`), before the
+    item size is asked for."""
     import diffusers
 
     from hsdp import lora
     from hsdp.families import DenoiserBatch, training_family
     from hsdp.models.builtin import resolve_model
-    from hsdp.train.config import TrainConfig, TrainConfigError
+    from hsdp.train.config import TrainConfig
     from hsdp.train.diffusion.trainer import (
         DEFAULT_LORA_TARGETS,
+        check_trainable,
         media_spec,
         meta_pipeline,
-        trained_component,
     )
 
     folder = resolve_model(model)
@@ -164,15 +168,16 @@ def diffusion_training(
     cfg = TrainConfig(model=model, data="", lora_r=lora_r, lora_target_modules=lora_targets,
                       train_component=component)  # fmt: skip
     try:
-        component = trained_component(cfg, folder)
-    except TrainConfigError as exc:
-        raise PlanError(str(exc)) from exc
+        component = check_trainable(cfg, folder)
+    except ValueError as exc:  # TrainConfigError, or the scheduler's objective refused
+        raise PlanError(f"--train: hsdp train refuses this run: {exc}") from exc
+    if height is None or width is None:
+        raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
     cls = getattr(diffusers, index.get("_class_name", ""), None)
     if cls is None:
         raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
     family = training_family(cls.__name__)
-    if family is None:
-        raise PlanError(f"--train {model}: hsdp train refuses {cls.__name__} (see hsdp train's message)")
+    assert family is not None, "check_trainable refuses pipelines no family trains"
     # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
     denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
     if lora_r:

@@ -55,6 +55,7 @@ __all__ = [
     "DEFAULT_LORA_TARGETS",
     "is_pipeline",
     "diffusion_preflight",
+    "check_trainable",
     "EncodedData",
     "frozen_sharded",
     "frozen_pipeline",
@@ -91,8 +92,6 @@ def trained_component(cfg: TrainConfig, model_dir: Path) -> str:
 
 def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     """Check a diffusion run's settings and inputs without loading the model."""
-    from hsdp.lora import adapter_config, check_targets
-
     if not Path(cfg.data).exists():
         raise TrainConfigError(f"--data {cfg.data}: no such folder or metadata file")
     lm_only = [
@@ -106,6 +105,19 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     ]
     if lm_only:
         raise TrainConfigError(f"{', '.join(lm_only)}: not available for diffusion training yet")
+    component = check_trainable(cfg, model_dir)
+    _check_sequence_parallel(cfg, model_dir, component)
+    fingerprint = model_fingerprint(model_dir / component)
+    return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))
+
+
+def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
+    """The denoiser ``cfg`` trains, once the pipeline is known to be one the trainer builds inputs for (its
+    family's training call, latents as the VAE gives them or packed as the family packs them), with a scheduler
+    that gives an objective and LoRA targets that match; refused with a :class:`TrainConfigError` otherwise. It
+    reads configs only (no data, no weights): ``hsdp plan --train`` refuses with the same check."""
+    from hsdp.lora import adapter_config, check_targets
+
     component = trained_component(cfg, model_dir)
     pipeline_class = _index(model_dir).get("_class_name", "")
     family = training_family(pipeline_class)
@@ -116,7 +128,6 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
             "not build yet (text-to-image and text-to-video pipelines of Wan, FLUX.1 and SDXL train)"
         )
     _check_plain_latents(cfg, model_dir, component)
-    _check_sequence_parallel(cfg, model_dir, component)
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
     if cfg.use_lora:
         try:
@@ -127,8 +138,7 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
                 check_targets(config, model_dir / component, "--lora-target-modules")
         except ValueError as exc:
             raise TrainConfigError(str(exc)) from exc
-    fingerprint = model_fingerprint(model_dir / component)
-    return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))
+    return component
 
 
 def check_diffusion_run(cfg: TrainConfig) -> None:
