@@ -159,3 +159,24 @@ def test_forkserver_ranks_take_the_callers_state_at_start_and_exit_with_the_call
     while not all(_exited(pid) for pid in pids["ranks"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [_exited(pid) for pid in pids["ranks"]] == [True, True]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_killed_forkserver_neither_fails_the_group_nor_leaves_ranks_running(monkeypatch):
+    """Killing the forkserver (the ranks' parent) makes multiprocessing read exit code 255 for every rank, which
+    run on. The group asks their pids instead: the next call runs, and closing kills them (Process.kill would do
+    nothing, believing them gone)."""
+    from multiprocessing import forkserver
+
+    monkeypatch.setenv("HSDP_START_METHOD", "forkserver")
+    with WorkerGroup(2) as group:
+        assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]
+        server = forkserver._forkserver._forkserver_pid  # started by this process for the group
+        os.kill(server, signal.SIGKILL)
+        os.waitpid(server, 0)
+        assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]
+        ranks = group.pids
+        assert not any(_exited(pid) for pid in ranks)
+    assert [_exited(pid) for pid in ranks] == [True, True]
+    with WorkerGroup(2) as group:  # the next group gets a new forkserver
+        assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]

@@ -35,6 +35,7 @@ import logging
 import multiprocessing as mp
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -359,6 +361,43 @@ def _td(seconds: float):
     return datetime.timedelta(seconds=seconds)
 
 
+def _alive(proc: mp.process.BaseProcess) -> bool:
+    """Whether a started rank still runs. A forked rank's exit status comes through its forkserver: if that
+    process was killed, ``is_alive`` reads an exit code of 255 for every rank although they run on (their parent
+    is gone, not they), so the pid is asked too."""
+    if proc.pid is None:
+        return False
+    if proc.is_alive():
+        return True
+    return proc.exitcode == 255 and _pid_running(proc.pid)
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now holds the pid
+        return False
+    with contextlib.suppress(OSError, IndexError):  # a zombie has exited: only its parent's wait is missing
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    return True
+
+
+def _kill(proc: mp.process.BaseProcess, timeout_s: float = 5.0) -> None:
+    """Kill a rank that still runs and wait until it is gone (by pid when its forkserver, which would report it, is
+    dead: ``Process.kill`` then does nothing, believing it exited)."""
+    if not _alive(proc):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    proc.join(timeout=timeout_s)
+    while _pid_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 class WorkerGroup:
     """``world_size`` worker processes in one process group, driven from the caller.
 
@@ -437,9 +476,7 @@ class WorkerGroup:
     def _stop_ranks(self) -> None:
         """Kill what :meth:`_start_ranks` started before it failed."""
         for proc in self._procs:
-            if proc.pid is not None and proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+            _kill(proc)
         for conn in self._conns:
             conn.close()
         self._store = None
@@ -581,7 +618,7 @@ class WorkerGroup:
         """Ranks among ``ranks`` whose process has exited, waiting up to ``grace_s`` for one to show."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = [r for r in ranks if not self._procs[r].is_alive()]
+            dead = [r for r in ranks if not _alive(self._procs[r])]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
@@ -609,9 +646,7 @@ class WorkerGroup:
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+            _kill(proc)
         for conn in self._conns:
             conn.close()
         self._store = None  # the rendezvous store holds a listening socket until it is freed
