@@ -56,6 +56,17 @@ def dist_run():
 
 
 @pytest.fixture(scope="session")
+def media(tmp_path_factory):
+    """The diffusion training tests' data: four captioned images of different shapes (two buckets at resolution
+    32), written once per session (a test file may define its own)."""
+    from tests.diffusion_train_fns import write_media
+
+    folder = tmp_path_factory.mktemp("media")
+    write_media(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """Built-in tiny models saved as real safetensors checkpoints (fp32 and bf16), shared by the session."""
     from tests.checkpoints import write_tiny_checkpoints

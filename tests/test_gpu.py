@@ -238,17 +238,15 @@ def train_diffusion_without_tf32(configs: list) -> list[dict]:
     "shard", [pytest.param(1, marks=needs_cuda_devices(1)), pytest.param(2, marks=needs_cuda_devices(2))]
 )
 @pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
-def test_diffusion_training_on_cuda_equals_one_cpu_process(shard: int, lora_r: int, model_cache: Path, tmp_path):
+def test_diffusion_training_on_cuda_equals_one_cpu_process(shard: int, lora_r: int, model_cache: Path, media: Path):
     """``hsdp train``'s diffusion trainer on CUDA + NCCL (LoRA and full fine-tuning of tiny-wan): loss per step and
     trained weights against one CPU process running diffusers + peft on the same rows, noise and timesteps."""
     from hsdp.launch import WorkerGroup
     from hsdp.train import TrainConfig
-    from tests.diffusion_train_fns import reference_run, write_media
-
-    write_media(tmp_path)
+    from tests.diffusion_train_fns import reference_run
     path = builtin("tiny-wan", model_cache)
     cfg = TrainConfig(
-        model=str(path), data=str(tmp_path), resolution=32, steps=3, batch_size=2, lr=1e-3 if lora_r else 1e-4,
+        model=str(path), data=str(media), resolution=32, steps=3, batch_size=2, lr=1e-3 if lora_r else 1e-4,
         seed=3, progress=False, lora_r=lora_r, parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=shard),
     )  # fmt: skip
     with WorkerGroup(shard) as group:

@@ -13,17 +13,10 @@ import pytest
 
 from hsdp.config import ParallelConfig
 from hsdp.train import TrainConfig
-from tests.diffusion_train_fns import train_diffusion, write_media
+from tests.diffusion_train_fns import train_diffusion
 
 TOLERANCE = 1e-5
 """Inductor fuses and reorders float ops: the same math to rounding (measured below 1e-6 on tiny-wan)."""
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("media")
-    write_media(folder)
-    return folder
 
 
 @pytest.mark.slow

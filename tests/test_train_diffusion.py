@@ -18,18 +18,10 @@ from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion, write_media
+from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory):
-    """Four captioned images of different shapes (two buckets at resolution 32)."""
-    folder = tmp_path_factory.mktemp("media")
-    write_media(folder)
-    return folder
 
 
 def _cfg(media, **kw) -> TrainConfig:

@@ -22,7 +22,6 @@ from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.evaluation import EVAL_FRACTIONS, eval_noise
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.test_train_diffusion import media  # noqa: F401  (the module's media fixture)
 
 TOL = 1e-5
 

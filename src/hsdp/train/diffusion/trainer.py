@@ -196,12 +196,10 @@ def _check_plain_latents(cfg: TrainConfig, model_dir: Path, component: str) -> N
 
 @dataclass(frozen=True)
 class _MicroBatch:
-    """This rank's rows of one micro-batch, on its device: what the denoiser takes and the loss compares."""
+    """This rank's rows of one micro-batch, on its device: what the denoiser takes, and what the loss compares its
+    prediction with and weights the rows by."""
 
-    noisy: torch.Tensor
-    timesteps: torch.Tensor
-    prompts: dict[str, torch.Tensor]
-    size: tuple[int, int]
+    batch: DenoiserBatch
     target: torch.Tensor
     weights: torch.Tensor
 
@@ -474,15 +472,15 @@ class DiffusionTrainer(Trainer):
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
         ahead = functools.partial(copy_ahead, device=self.device)
-        return _MicroBatch(
+        batch = DenoiserBatch(
             noisy=ahead(noised.noisy[mine]), timesteps=ahead(noised.timesteps[mine]),
             prompts={name: ahead(t) for name, t in _batch_prompts(prompts[mine]).items()},
-            size=(bucket.height, bucket.width), target=ahead(noised.target[mine]),
-            weights=ahead(noised.weights[mine]),
+            size=(bucket.height, bucket.width),
         )  # fmt: skip
+        return _MicroBatch(batch, target=ahead(noised.target[mine]), weights=ahead(noised.weights[mine]))
 
     def _micro_loss(self, inputs: _MicroBatch) -> torch.Tensor:
-        prediction = self.denoise(inputs.noisy, inputs.timesteps, inputs.prompts, inputs.size)
+        prediction = self._predict(inputs.batch)
         per_row = F.mse_loss(prediction.float(), inputs.target.float(), reduction="none").flatten(1).mean(1)
         return (per_row * inputs.weights).mean() / self.cfg.grad_accum
 
@@ -496,6 +494,10 @@ class DiffusionTrainer(Trainer):
             prompts={name: t.to(self.device) for name, t in prompts.items()},
             size=size,
         )
+        return self._predict(batch)
+
+    def _predict(self, batch: DenoiserBatch) -> torch.Tensor:
+        """The denoiser's prediction for a batch already on this rank's device, as latents."""
         call = self.family.training_inputs(self.pipeline_class, self.model, batch)
         with self._autocast():
             return call.to_latents(self.model(**call.kwargs, return_dict=False)[0])
