@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hsdp.distributed import copy_ahead
 from hsdp.train.records import DatasetError, read_records, tokenize_record
 
 __all__ = [
@@ -58,7 +59,9 @@ class Batch:
     position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        """On ``device``, copied without making the host wait (:func:`hsdp.distributed.copy_ahead`), so a batch
+        made ahead of its step overlaps the compute before it."""
+        move = lambda t: None if t is None else copy_ahead(t, device)  # noqa: E731
         return Batch(
             move(self.input_ids), move(self.labels), move(self.attention_mask), move(self.position_ids)
         )
