@@ -106,7 +106,9 @@ def wan_forward(pipe, model, pixels, captions, generator):
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
         x0 = (vae.encode(pixels).latent_dist.mode() - mean) / std
-        prompt = pipe.encode_prompt(captions, do_classifier_free_guidance=False, device=torch.device("cpu"))[0]
+        # 512 tokens, as WanPipeline.__call__ encodes (encode_prompt's own default is 226)
+        prompt = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=512,
+                                    device=torch.device("cpu"))[0]
     noise = torch.randn(x0.shape, generator=generator)
     sigma = _flow_sigmas(len(x0), pipe.scheduler.config.flow_shift, generator).view(-1, 1, 1, 1, 1)
     pred = model(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
@@ -172,8 +174,9 @@ def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
 
     import hsdp.engine.model_info as model_info
     from hsdp.models.builtin import resolve_model
+    from hsdp.train.diffusion.frozen import encode_items, frozen_pipeline, frozen_sharded, media_spec
     from hsdp.train.diffusion.media import MediaDataset
-    from hsdp.train.diffusion.trainer import encode_items, frozen_pipeline, frozen_sharded, media_spec
+    from hsdp.train.diffusion.pipeline_call import prompt_layout
 
     saved = model_info.TEXT_ENCODER_SHARD_FRACTION
     model_info.TEXT_ENCODER_SHARD_FRACTION = fraction
@@ -183,7 +186,9 @@ def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
         pipe = frozen_pipeline(model_dir, cfg.effective_parallel())
         modules = {name: getattr(pipe, name) for name in sharded}
         data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, "transformer"), resolution=cfg.resolution)
-        items = encode_items(pipe, data, range(len(data)))
+        first = data.buckets[0]
+        layout = prompt_layout(pipe, model_dir, (first.height, first.width), first.frames)
+        items = encode_items(pipe, model_dir, layout, data, range(len(data)))
         del pipe
         losses = train_diffusion([cfg])[0]["losses"]
     finally:

@@ -422,7 +422,8 @@ def test_sizes_are_read_before_launch_without_loading_the_encoders(name):
     UMT5 would otherwise be held whole in the launching process): the same multiples as the loaded pipeline."""
     from hsdp.models.builtin import resolve_model
     from hsdp.train.config import TrainConfig
-    from hsdp.train.diffusion.trainer import _pipeline_without, media_spec, meta_pipeline, trained_component
+    from hsdp.train.diffusion.frozen import _pipeline_without, media_spec, meta_pipeline
+    from hsdp.train.diffusion.trainer import trained_component
 
     folder = resolve_model(name)
     component = trained_component(TrainConfig(model=name, data="unused"), folder)

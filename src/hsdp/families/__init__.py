@@ -4,11 +4,11 @@ Almost everything the engine needs is read from the pipeline folder and from dif
 (``model_index.json``), which of them to shard (their classes and sizes), the arguments a pipeline takes (its
 ``__call__`` signature), whether guidance runs separate conditional and unconditional passes (its
 ``cache_context("uncond")`` label), Ulysses support (the transformer's ``_cp_plan``) and the VAE's compression
-(its config). What remains are facts a pipeline computes in code, such as FLUX packing 2 x 2 latent patches
-before its transformer (so sizes are multiples of 16, not 8), or the inputs its ``__call__`` builds for the
-denoiser besides latents, timestep and caption embeddings (FLUX's position ids and guidance, SDXL's added
-conditioning), which training must build the same way. A family file registers a :class:`Family` with those
-facts; a pipeline no family claims runs with the generic rules (:data:`GENERIC`).
+(its config). What remains are facts a pipeline computes in code that must be known before it runs, such as FLUX
+packing 2 x 2 latent patches before its transformer (so sizes are multiples of 16, not 8), and the ComfyUI LoRA
+layouts. Training needs none: the denoiser's inputs are recorded from the pipeline's own ``__call__``
+(:mod:`hsdp.train.diffusion.pipeline_call`). A family file registers a :class:`Family` with those facts; a
+pipeline no family claims runs with the generic rules (:data:`GENERIC`).
 """
 
 from __future__ import annotations
@@ -16,62 +16,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from torch import nn
 
 __all__ = [
     "Family",
-    "DenoiserBatch",
-    "DenoiserCall",
-    "plain_inputs",
     "register_family",
     "family_for",
     "family_of_model",
-    "training_family",
     "FAMILIES",
     "GENERIC",
 ]
-
-
-@dataclass(frozen=True)
-class DenoiserBatch:
-    """One training micro-batch as the generic diffusion trainer holds it (on the training device)."""
-
-    noisy: torch.Tensor
-    """Noised latents as the VAE lays them out: ``[B, C, H, W]`` for images, ``[B, C, F, H, W]`` for videos."""
-    timesteps: torch.Tensor
-    """``[B]`` on the scheduler's training scale (0 .. ``num_train_timesteps``)."""
-    prompts: dict[str, torch.Tensor]
-    """The captions' encodings batched along dimension 0, named by :attr:`Family.prompt_outputs`."""
-    size: tuple[int, int]
-    """The batch's pixel height and width (its size bucket)."""
-
-
-def _unchanged(prediction: torch.Tensor) -> torch.Tensor:
-    return prediction
-
-
-@dataclass(frozen=True)
-class DenoiserCall:
-    """How to call the denoiser on a :class:`DenoiserBatch`, and how to read its prediction back."""
-
-    kwargs: dict[str, Any]
-    """Keyword arguments of the denoiser's ``forward`` (``return_dict=False`` is added by the caller)."""
-    to_latents: Callable[[torch.Tensor], torch.Tensor] = _unchanged
-    """The prediction in the layout of :attr:`DenoiserBatch.noisy` (FLUX unpacks its 2 x 2 patches)."""
-
-
-def plain_inputs(pipeline: type, model: nn.Module, batch: DenoiserBatch) -> DenoiserCall:
-    """The call of DiT pipelines such as Wan: latents, timestep and caption embeddings, nothing else."""
-    return DenoiserCall(
-        {
-            "hidden_states": batch.noisy,
-            "timestep": batch.timesteps,
-            "encoder_hidden_states": batch.prompts["prompt_embeds"],
-        }
-    )
 
 
 @dataclass(frozen=True)
@@ -92,19 +47,6 @@ class Family:
     """``(ComfyUI tensors, diffusers-keyed tensors) -> problem or None``: diffusers' converter reads them back."""
     comfyui_refusal: str = ""
     """Why the family has no ComfyUI export (when ``comfyui_lora`` is None)."""
-    trains: str = r"$^"
-    """Regular expression of the pipeline classes whose denoiser calls :attr:`training_inputs` builds (matched
-    apart from ``pipelines``: a family may train a pipeline the engine runs with the generic rules). A pipeline
-    the family claims but does not train takes conditions (reference images, masks) the trainer does not
-    encode, and is refused."""
-    prompt_outputs: tuple[str | None, ...] = ("prompt_embeds",)
-    """Names of the values the pipeline's ``encode_prompt`` returns, by position (None: not kept, such as the
-    negative embeddings it returns without guidance); the training cache stores them per caption."""
-    shared_prompt_outputs: tuple[str, ...] = ()
-    """Those of :attr:`prompt_outputs` without a batch dimension (one tensor for every caption of a call)."""
-    training_inputs: Callable[[type, nn.Module, DenoiserBatch], DenoiserCall] = plain_inputs
-    """``(pipeline class, denoiser, batch) -> call``: the denoiser's inputs as the pipeline's ``__call__``
-    builds them."""
 
 
 GENERIC = Family("generic")
@@ -126,14 +68,5 @@ def family_of_model(model_class: str) -> Family:
     return next((f for f in FAMILIES if re.fullmatch(f.denoisers, model_class)), GENERIC)
 
 
-def training_family(pipeline_class: str) -> Family | None:
-    """The family whose ``trains`` pattern matches ``pipeline_class``; :data:`GENERIC` for a pipeline no family
-    claims or trains; None for one a family claims (``pipelines``) but does not train."""
-    trained = next((f for f in FAMILIES if re.fullmatch(f.trains, pipeline_class)), None)
-    if trained is not None:
-        return trained
-    return GENERIC if family_for(pipeline_class) is GENERIC else None
-
-
 # Family files register themselves on import (after register_family exists).
-from hsdp.families import flux, sdxl, wan  # noqa: E402,F401
+from hsdp.families import chroma, flux, qwenimage, wan  # noqa: E402,F401

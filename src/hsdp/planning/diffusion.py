@@ -49,36 +49,56 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _fake_captions(pipe, model_dir: Path, batch: int) -> dict[str, torch.Tensor]:
-    """One micro-batch of caption encodings on fake tensors, from the pipeline's own ``encode_prompt`` as the
-    trainer encodes captions (call inside ``FakeTensorMode``). An encoder whose output length depends on the
-    tokens' values (Wan trims each caption and pads it back) cannot run on fake tensors: its embedding is then
-    ``encode_prompt``'s padded length by the text encoder's width."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
+def _denoiser_inputs(pipe, model_dir: Path, batch: int, size: tuple[int, int], frames: int, latent) -> tuple:
+    """The trained denoiser's keyword arguments for one micro-batch and the map of its output to latents, as the
+    trainer builds them (:class:`hsdp.train.diffusion.pipeline_call.DenoiserCalls`), on the CPU with zeros for
+    values. The caption encodings' layout and shapes come from the pipeline's ``__call__`` with its text encoders
+    computing on fake tensors (:func:`_on_fake_tensors`)."""
+    from hsdp.train.diffusion.frozen import meta_pipeline
+    from hsdp.train.diffusion.pipeline_call import (
+        DenoiserBatch,
+        DenoiserCalls,
+        batch_prompts,
+        encode_captions,
+        prompt_layout,
+        runnable_pipeline,
+    )
 
-    from hsdp.distributed import local_device
-    from hsdp.train.diffusion.trainer import _batch_prompts, encode_captions
+    encoding = runnable_pipeline(pipe, model_dir, torch.device("cpu"))
+    for name, module in encoding.components.items():
+        if name.startswith("text_encoder") and isinstance(module, nn.Module):
+            _on_fake_tensors(module)
+    layout = prompt_layout(encoding, model_dir, size, frames)
+    items = encode_captions(encoding, model_dir, layout, [""], size, frames)
+    zeros = [{n: torch.zeros(t.shape) for n, t in items[0].items()}] * batch
+    calls = DenoiserCalls(meta_pipeline(model_dir), model_dir, layout, torch.device("cpu"))
+    step = DenoiserBatch(torch.zeros(batch, *latent), torch.zeros(batch), batch_prompts(layout, zeros), size, frames)
+    return calls.kwargs(step)
 
-    for module in pipe.components.values():
-        if isinstance(module, nn.Module):
-            module.to_empty(device=local_device())
-    try:
-        return _batch_prompts(encode_captions(pipe, [""] * batch))
-    except DataDependentOutputException:
-        return {"prompt_embeds": torch.empty(batch, *_text_shape(model_dir, type(pipe)), device=local_device())}
 
+def _on_fake_tensors(module: nn.Module) -> None:
+    """``module`` (on meta) computes on fake tensors: outputs with the real shapes, no weights. Its attention mask
+    is left out: transformers reads the mask's values (``padding_mask.all()``), which fake tensors have not, and it
+    changes no shape. The pipeline's own code around the encoder runs on real tensors (Wan trims each caption to
+    its token count and pads it back)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-def _text_shape(model_dir: Path, cls) -> tuple[int, int]:
-    """Caption embedding (tokens, width) as the trainer encodes it: ``encode_prompt``'s default length (the
-    tokenizer's ``model_max_length`` when it takes none) and the text encoder's width."""
-    default = inspect.signature(cls.encode_prompt).parameters.get("max_sequence_length")
-    tokens = default.default if default is not None and isinstance(default.default, int) else None
-    tokens = tokens or _read(model_dir / "tokenizer" / "tokenizer_config.json").get("model_max_length")
-    encoder = _read(model_dir / "text_encoder" / "config.json")
-    width = next((encoder[k] for k in ("d_model", "hidden_size") if isinstance(encoder.get(k), int)), None)
-    if not isinstance(tokens, int) or not width:
-        raise PlanError(f"{model_dir}: cannot tell the caption embedding's length and width from its configs")
-    return tokens, width
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        module.to_empty(device="cpu")
+    signature = inspect.signature(type(module).forward)
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(module, *args, **kwargs).arguments
+        bound.pop("self")
+        extra = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        bound |= bound.pop(extra, {}) if extra else {}
+        bound.pop("attention_mask", None)
+        with mode:
+            return original(**bound)
+
+    module.forward = forward
 
 
 def _patch(config: dict) -> tuple[int, int, int]:
@@ -153,15 +173,13 @@ def diffusion_training(
     import diffusers
 
     from hsdp import lora
-    from hsdp.families import DenoiserBatch, training_family
+    from hsdp.distributed import local_device
+    from hsdp.families import family_for
     from hsdp.models.builtin import resolve_model
     from hsdp.train.config import TrainConfig
-    from hsdp.train.diffusion.trainer import (
-        DEFAULT_LORA_TARGETS,
-        check_trainable,
-        media_spec,
-        meta_pipeline,
-    )
+    from hsdp.train.diffusion.frozen import media_spec, meta_pipeline
+    from hsdp.train.diffusion.pipeline_call import replace_leaves, tensor_leaves
+    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, check_trainable
 
     folder = resolve_model(model)
     index = _read(folder / "model_index.json")
@@ -176,8 +194,7 @@ def diffusion_training(
     cls = getattr(diffusers, index.get("_class_name", ""), None)
     if cls is None:
         raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
-    family = training_family(cls.__name__)
-    assert family is not None, "check_trainable refuses pipelines no family trains"
+    packing = family_for(cls.__name__).latent_packing
     # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
     denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
     if lora_r:
@@ -186,19 +203,20 @@ def diffusion_training(
 
     pipe = meta_pipeline(folder)
     spec = media_spec(pipe, folder, component)
-    latent = _latent_shape(spec, folder, config, family.latent_packing, height, width, frames)
+    latent = _latent_shape(spec, folder, config, packing, height, width, frames)
     compute = DTYPES[param_dtype] if param_dtype else torch.float32
+    kwargs, to_latents = _denoiser_inputs(pipe, folder, batch, (height, width), frames, latent)
+    real = dict(tensor_leaves(kwargs))
 
-    def inputs() -> dict[str, torch.Tensor]:
-        return {name: t.to(compute) for name, t in _fake_captions(pipe, folder, batch).items()}
+    def inputs() -> dict:
+        """What the trainer holds for the step (fake, on the device): every tensor input of the denoiser."""
+        device = local_device()
+        return {path: torch.empty(t.shape, dtype=compute if t.is_floating_point() else t.dtype, device=device)
+                for path, t in real.items()}  # fmt: skip
 
-    def loss(model: nn.Module, prompts: dict[str, torch.Tensor]) -> torch.Tensor:
-        device = next(model.parameters()).device
-        noisy = torch.empty(batch, *latent, dtype=compute, device=device)
-        step = DenoiserBatch(noisy, torch.empty(batch, device=device), prompts, (height, width))
-        call = family.training_inputs(cls, model, step)
-        prediction = call.to_latents(model(**call.kwargs, return_dict=False)[0])
-        return F.mse_loss(prediction.float(), torch.empty(batch, *latent, device=device))
+    def loss(model: nn.Module, held: dict) -> torch.Tensor:
+        prediction = to_latents(model(**replace_leaves(kwargs, held), return_dict=False)[0])
+        return F.mse_loss(prediction.float(), torch.empty(prediction.shape, device=prediction.device))
 
     denoiser.train()
     if activation_checkpointing:  # as the trainer does (DiffusionTrainer._enable_activation_checkpointing)
@@ -207,7 +225,7 @@ def diffusion_training(
         denoiser.enable_gradient_checkpointing()
     # FSDP2's mixed precision computes every parameter in param_dtype (its gradients too, until reduced)
     trace = trace_training_step(denoiser, inputs, loss, compute if param_dtype else None)
-    tokens = _tokens(latent, config, family.latent_packing)
+    tokens = _tokens(latent, config, packing)
     work = Workload(training=True, batch=batch, seq_len=tokens, guidance=False, activation_bytes=trace.peak,
                     activation_trace=trace)  # fmt: skip
     return DiffusionTraining(profile, work, latent)

@@ -13,6 +13,7 @@ The eval media are encoded with the training data, by the same frozen encoders, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +49,11 @@ def open_eval_media(cfg: TrainConfig, spec: MediaSpec) -> MediaDataset:
         raise TrainConfigError(str(exc)) from exc
 
 
-def load_evaluation(cfg: TrainConfig, pipe, spec: MediaSpec) -> EvalData:
-    """Encode the ``--eval-data`` media with the pipeline's frozen encoders."""
-    from hsdp.train.diffusion.trainer import encode_items
-
+def load_evaluation(cfg: TrainConfig, spec: MediaSpec, encode: Callable[[MediaDataset, range], list[dict]]) -> EvalData:
+    """Encode the ``--eval-data`` media with the pipeline's frozen encoders (``encode(dataset, indices)``:
+    :func:`hsdp.train.diffusion.frozen.encode_items` with the trainer's pipeline)."""
     dataset = open_eval_media(cfg, spec)
-    items = encode_items(pipe, dataset, range(len(dataset)))
+    items = encode(dataset, range(len(dataset)))
     return EvalData([item.pop("latents") for item in items], items, list(dataset.buckets))
 
 
@@ -81,9 +81,10 @@ def evaluate(trainer) -> float:
         latents = data.latents[index]
         noise = eval_noise(trainer.cfg.seed, index, latents)
         noised = trainer.objective.at(latents.expand_as(noise), noise, fractions)
-        prompts = {name: t.expand(len(fractions), *t.shape) for name, t in data.prompts[index].items()}
+        prompts = trainer.batch_prompts([data.prompts[index]] * len(fractions))
         bucket = data.buckets[index]
-        prediction = trainer.denoise(noised.noisy, noised.timesteps, prompts, (bucket.height, bucket.width))
+        size = (bucket.height, bucket.width)
+        prediction = trainer.denoise(noised.noisy, noised.timesteps, prompts, size, bucket.frames)
         loss = F.mse_loss(prediction.float(), noised.target.to(trainer.device), reduction="none").flatten(1).mean(1)
         if i < len(rows):
             sums += torch.stack([loss.sum(), torch.tensor(float(len(loss)), device=trainer.device)])

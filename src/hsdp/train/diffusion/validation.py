@@ -88,7 +88,7 @@ def capture_encodings(pipe, model_dir: Path, cfg) -> ValidationPrompts:
     """Run ``pipe`` (encoders loaded, denoisers not) on each validation call until its first denoiser call,
     recording every ``encode_prompt`` return (collective when the encoders are sharded: every rank runs it)."""
     from hsdp.planning.profile import build_meta_model
-    from hsdp.train.diffusion.trainer import DENOISERS
+    from hsdp.train.diffusion.frozen import DENOISERS
 
     calls = validation_calls(cfg, model_dir)
     original = pipe.encode_prompt
@@ -157,7 +157,7 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
     """Every prompt generated with ``trainer``'s sharded denoiser in the pipeline (collective: every rank runs
     it); rank 0 writes the files. Returns the samples (frames ``[F, H, W, 3]`` or images ``[N, H, W, 3]``)."""
     from hsdp.engine.outputs import save_frames, save_images
-    from hsdp.train.diffusion.trainer import encoder_components
+    from hsdp.train.diffusion.frozen import encoder_components
 
     text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
     pipe = trainer.pipeline_class.from_pretrained(
