@@ -392,7 +392,6 @@ class DenoiserCalls:
         self.device = torch.device(device)
         self.pipe = runnable_pipeline(meta_pipe, self.model_dir, self.device)
         self._layouts: dict[tuple, _Layout] = {}
-        self._mode: dict = {}
 
     def kwargs(self, batch: DenoiserBatch) -> tuple[dict, Callable[[Any], torch.Tensor]]:
         """``(keyword arguments, to_latents)``: the denoiser's call on ``batch`` (``return_dict=False`` is the

@@ -1,0 +1,254 @@
+"""Tiny pipelines of families hsdp has no code for, built with diffusers' own classes at about the sizes of
+diffusers' test suites (``get_dummy_components``), random weights from a fixed seed, written with
+``save_pretrained``: what a user's downloaded folder looks like, at toy size. The tokenizers are hsdp's offline
+byte-level tokenizer (there is no hub here); text encoders are the real ``transformers`` classes.
+
+Each builder returns the pipeline object; :func:`build` writes it once into a folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hsdp.models.tiny import build_byte_tokenizer
+from hsdp.models.tiny_flux import fill_zero_params
+
+__all__ = ["BUILDERS", "build", "write_square_media"]
+
+
+def _t5(d_model: int = 32, seed: int = 0):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=384, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                      feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)  # fmt: skip
+    return T5EncoderModel(config).eval()
+
+
+def _clip(hidden: int = 32, seed: int = 0):
+    from transformers import CLIPTextModelWithProjection
+
+    from hsdp.models.tiny_flux import tiny_clip_text_config
+
+    torch.manual_seed(seed)
+    return CLIPTextModelWithProjection(tiny_clip_text_config(384, hidden)).eval()
+
+
+def _tokenizer(max_length: int | None = None, chat: bool = False):
+    tokenizer = build_byte_tokenizer()
+    if max_length:
+        tokenizer.model_max_length = max_length
+    if chat:  # Z-Image and Qwen apply a chat template to the caption
+        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def _vae_kl(latent_channels: int = 4, seed: int = 0, levels: int = 2, **extra):
+    """An ``AutoencoderKL`` compressing 2 ** (levels - 1) times (Lumina 2 and Z-Image assume 8: levels 4)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(block_out_channels=[8] * levels, in_channels=3, out_channels=3, norm_num_groups=4,
+                         down_block_types=["DownEncoderBlock2D"] * levels,
+                         up_block_types=["UpDecoderBlock2D"] * levels, latent_channels=latent_channels,
+                         **extra).eval()  # fmt: skip
+
+
+def chroma():
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    transformer = ChromaTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                           axes_dims_rope=[4, 6, 6], approximator_num_channels=8,
+                                           approximator_hidden_dim=16, approximator_layers=1)  # fmt: skip
+    return ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae_kl(4, shift_factor=0.0609,
+                          scaling_factor=1.5035), text_encoder=_t5(), tokenizer=_tokenizer(),
+                          transformer=fill_zero_params(transformer))  # fmt: skip
+
+
+def cogvideox():
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = CogVideoXTransformer3DModel(num_attention_heads=4, attention_head_dim=8, in_channels=4,
+                                              out_channels=4, time_embed_dim=2, text_embed_dim=32, num_layers=1,
+                                              sample_width=2, sample_height=2, sample_frames=9, patch_size=2,
+                                              temporal_compression_ratio=4, max_text_seq_length=226)  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * 4,
+                                 up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+                                 latent_channels=4, layers_per_block=1, norm_num_groups=2,
+                                 temporal_compression_ratio=4)  # fmt: skip
+    return CogVideoXPipeline(tokenizer=_tokenizer(), text_encoder=_t5(), vae=vae.eval(),
+                             transformer=fill_zero_params(transformer), scheduler=CogVideoXDDIMScheduler())  # fmt: skip
+
+
+def ltx():
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    torch.manual_seed(0)
+    transformer = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
+                                             num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
+                                             num_layers=1, caption_channels=32)  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLLTXVideo(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                                decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                decoder_layers_per_block=(1, 1, 1, 1, 1),
+                                spatio_temporal_scaling=(True, True, False, False),
+                                decoder_spatio_temporal_scaling=(True, True, False, False),
+                                decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4,
+                                upsample_factor=(1,) * 4, timestep_conditioning=False, patch_size=1, patch_size_t=1,
+                                encoder_causal=True, decoder_causal=False)  # fmt: skip
+    return LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), text_encoder=_t5(),
+                       tokenizer=_tokenizer(), transformer=fill_zero_params(transformer))  # fmt: skip
+
+
+def sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1,
+                                        attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
+                                        joint_attention_dim=32, pooled_projection_dim=64, out_channels=4)  # fmt: skip
+    return StableDiffusion3Pipeline(
+        transformer=fill_zero_params(transformer), scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae_kl(4, shift_factor=0.0609, scaling_factor=1.5035), text_encoder=_clip(32, 1),
+        tokenizer=_tokenizer(77), text_encoder_2=_clip(32, 2), tokenizer_2=_tokenizer(77), text_encoder_3=_t5(32, 3),
+        tokenizer_3=_tokenizer(),
+    )  # fmt: skip
+
+
+def lumina2():
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(0)
+    transformer = Lumina2Transformer2DModel(sample_size=4, patch_size=2, in_channels=4, hidden_size=8,
+                                            num_layers=2, num_attention_heads=1, num_kv_heads=1, multiple_of=16,
+                                            ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0,
+                                            axes_dim_rope=[4, 2, 2], cap_feat_dim=8)  # fmt: skip
+    torch.manual_seed(0)
+    encoder = Gemma2Model(Gemma2Config(head_dim=2, hidden_size=8, intermediate_size=37, num_attention_heads=4,
+                                       num_hidden_layers=2, num_key_value_heads=2, vocab_size=384,
+                                       pad_token_id=0))  # fmt: skip
+    return Lumina2Pipeline(transformer=fill_zero_params(transformer), scheduler=FlowMatchEulerDiscreteScheduler(),
+                           vae=_vae_kl(4, levels=4, shift_factor=0.0609, scaling_factor=0.3611), text_encoder=encoder.eval(),
+                           tokenizer=_tokenizer())  # fmt: skip
+
+
+def z_image():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32,
+                                           n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16,
+                                           axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])  # fmt: skip
+    torch.manual_seed(0)
+    encoder = Qwen3Model(Qwen3Config(hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, vocab_size=384,
+                                     max_position_embeddings=512, pad_token_id=0))  # fmt: skip
+    return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae_kl(4, levels=4, shift_factor=0.0609,
+                          scaling_factor=0.3611), text_encoder=encoder.eval(), tokenizer=_tokenizer(chat=True),
+                          transformer=fill_zero_params(transformer))  # fmt: skip
+
+
+def sana():
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(0)
+    transformer = SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+                                         num_attention_heads=2, attention_head_dim=4, num_cross_attention_heads=2,
+                                         cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+                                         sample_size=32)  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+                        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+                        decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)),
+                        decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
+                        decoder_layers_per_block=[1, 1], downsample_block_type="conv", upsample_block_type="interpolate",
+                        decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407)  # fmt: skip
+    torch.manual_seed(0)
+    encoder = Gemma2Model(Gemma2Config(head_dim=16, hidden_size=8, initializer_range=0.02, intermediate_size=64,
+                                       max_position_embeddings=8192, num_attention_heads=2, num_hidden_layers=1,
+                                       num_key_value_heads=2, vocab_size=384, pad_token_id=0))  # fmt: skip
+    return SanaPipeline(tokenizer=_tokenizer(), text_encoder=encoder.eval(), vae=vae.eval(),
+                        transformer=fill_zero_params(transformer),
+                        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))  # fmt: skip
+
+
+def _wan(transformer_config: dict, vae_config: dict, **pipeline):
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**vae_config).eval()
+    denoisers = {}
+    for i, name in enumerate(("transformer", "transformer_2")[: 2 if "boundary_ratio" in pipeline else 1]):
+        torch.manual_seed(i)
+        denoisers[name] = fill_zero_params(WanTransformer3DModel(**transformer_config))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=_tokenizer(), text_encoder=_t5(), vae=vae, scheduler=scheduler,
+                       **{"transformer_2": None} | denoisers, **pipeline)  # fmt: skip
+
+
+_WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=256,
+                        ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                        rope_max_seq_len=32)  # fmt: skip
+
+
+def wan22_ti2v():
+    """Wan 2.2 TI2V-5B-shaped: the 48-channel VAE that patchifies 2 x 2 pixels (16x spatially), a timestep per
+    token (``expand_timesteps``)."""
+    vae = dict(base_dim=3, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+               latents_mean=[0.1] * 48, latents_std=[1.5] * 48, is_residual=True, in_channels=12, out_channels=12,
+               patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16)  # fmt: skip
+    # patch 1: a 32 x 32 item is 2 x 2 tokens (one token would leave attention's query and key gradients zero, and
+    # AdamW would turn their rounding noise into lr-sized steps)
+    return _wan(_WAN_TRANSFORMER | dict(in_channels=48, out_channels=48, patch_size=(1, 1, 1)), vae,
+                expand_timesteps=True)
+
+
+def wan22_a14b():
+    """Wan 2.2 A14B-shaped: two experts, ``transformer`` above ``boundary_ratio`` x 1000, ``transformer_2`` below."""
+    vae = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+               latents_mean=[0.1] * 16, latents_std=[1.5] * 16)  # fmt: skip
+    return _wan(_WAN_TRANSFORMER | dict(in_channels=16, out_channels=16), vae, boundary_ratio=0.875)
+
+
+BUILDERS = {"chroma": chroma, "cogvideox": cogvideox, "ltx": ltx, "sd3": sd3, "lumina2": lumina2,
+            "z-image": z_image, "sana": sana, "wan2.2-ti2v": wan22_ti2v, "wan2.2-a14b": wan22_a14b}  # fmt: skip
+
+
+def write_square_media(folder: Path, count: int = 4, side: int = 32) -> None:
+    """``count`` captioned ``side`` x ``side`` images: one size bucket that every held-out pipeline's own size checks
+    accept (LTX asks multiples of 32 in code, SD3 and Z-Image their VAE factor times the patch)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(folder / f"sq{i}.png")
+        (folder / f"sq{i}.txt").write_text(f"a square number {i}")
+
+
+def build(name: str, root: Path) -> Path:
+    """The folder of held-out pipeline ``name`` under ``root`` (written once)."""
+    folder = Path(root) / name
+    if not (folder / "model_index.json").is_file():
+        BUILDERS[name]().save_pretrained(folder)
+    return folder
