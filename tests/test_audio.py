@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "A hammer hitting a wooden surface"
 STEPS = {"num_inference_steps": 3, "guidance_scale": 7.0}
-SAMPLES_PER_SECOND = 4000  # tiny-stable-audio's VAE
+SAMPLES_PER_SECOND = 8000  # tiny-stable-audio's VAE
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_audio_layouts_equal_one_process(layout, model, dist_run):
     assert progress and progress[-1][1:] == (3, 3)  # live steps through the pipeline's older callback
     for out in outputs:
         expected = reference_pipeline(model, out.prompt, out.seed, audio_end_in_s=0.25, **STEPS)
-        assert out.sample_rate == SAMPLES_PER_SECOND and out.audios.shape == (1, 2, 1000) == expected.shape
+        assert out.sample_rate == SAMPLES_PER_SECOND and out.audios.shape == (1, 2, 2000) == expected.shape
         assert np.isfinite(expected).all() and expected.std() > 0
         np.testing.assert_array_equal(out.audios, expected)
 
@@ -78,7 +78,7 @@ def test_bad_audio_input_refused_before_loading(model):
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
     for params, needle in [
         (SamplingParams(audio_seconds=-1.0), "audio_seconds=-1.0 must be > 0 (--audio-seconds)"),
-        (SamplingParams(audio_seconds=0.6), "audio_seconds=0.6 exceeds the 0.512 s that StableAudioPipeline"),
+        (SamplingParams(audio_seconds=0.6), "audio_seconds=0.6 exceeds the 0.256 s that StableAudioPipeline"),
         (SamplingParams(num_frames=5), "num_frames: StableAudioPipeline takes no num_frames"),
     ]:
         with pytest.raises(ValueError, match=params and needle.replace("(", r"\(").replace(")", r"\)")):
@@ -92,3 +92,36 @@ def test_bad_audio_input_refused_before_loading(model):
         (ParallelConfig(use_hsdp=True, ulysses_degree=2), "has no diffusers context-parallel plan"),
     ]:
         assert any(needle in p for p in layout_problems(info, layout.resolved()))
+
+
+def _decoded_track(path: Path, rate: int) -> np.ndarray | None:
+    """The mp4's audio stream decoded to float32 ``(channels=2, samples)``, or None when it has none."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-i", str(path), "-map", "0:a:0", "-f", "f32le",
+               "-ac", "2", "-ar", str(rate), "-"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True)
+    if done.returncode:
+        return None
+    return np.frombuffer(done.stdout, dtype="<f4").reshape(-1, 2).T
+
+
+def test_mp4_carries_the_sound_track_the_pipeline_made(tmp_path):
+    """A video output with a sound track (what LTX-2 makes) is one mp4: H.264 and AAC at the pipeline's sample
+    rate, as long as the frames; AAC is lossy, so the decoded track is compared by its error's energy (two tones
+    at ffmpeg's default AAC bit rate keep it more than 30 dB down)."""
+    from hsdp.engine.outputs import GenerationOutput, Timings
+
+    rate, fps, frames = 16000, 8, np.random.default_rng(0).random((9, 32, 32, 3), dtype=np.float32)
+    t = np.arange(int(len(frames) / fps * rate)) / rate
+    track = np.stack([0.5 * np.sin(2 * np.pi * 440 * t), 0.3 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
+    out = GenerationOutput(0, "p", 0, Timings(1.0), [0], "rss", frames=frames, audio=track, sample_rate=rate)
+    [with_sound] = out.save(tmp_path / "with.mp4", fps=fps)
+    [silent] = out.save(tmp_path / "without.mp4", fps=fps, with_audio=False)
+    decoded = _decoded_track(with_sound, rate)
+    assert decoded is not None and _decoded_track(silent, rate) is None
+    assert decoded.shape == track.shape  # the mp4's edit list drops AAC's priming: aligned, as long as the frames
+    error = decoded - track
+    assert 10 * np.log10(np.mean(track**2) / np.mean(error**2)) > 30  # 39 dB measured

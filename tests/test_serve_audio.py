@@ -42,7 +42,7 @@ def expected():
 
 def _waveform(data: bytes) -> np.ndarray:
     samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    assert rate == 4000
+    assert rate == 8000
     return samples.T
 
 
@@ -83,6 +83,6 @@ def test_routes_the_audio_model_cannot_serve_name_the_ones_it_can(server):
             assert "use POST /v1/audio/speech or /v1/chat/completions" in answer.json()["error"]["message"]
         too_long = client.post("/v1/audio/speech", json={"input": PROMPT, "audio_seconds": 0.6})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "audio_seconds", too_long.text
-        assert "exceeds the 0.512 s" in too_long.json()["error"]["message"]
+        assert "exceeds the 0.256 s" in too_long.json()["error"]["message"]
         fast = client.post("/v1/audio/speech", json={"input": PROMPT, "speed": 2.0})
         assert fast.status_code == 400 and fast.json()["error"]["param"] == "speed"

@@ -43,6 +43,7 @@ _DEFAULT_KEYS = (
     "guidance_scale",
     "true_cfg_scale",
     "max_sequence_length",
+    "frame_rate",
 )
 _UNCOND_PASS = re.compile(r"""cache_context\(\s*["']uncond["']""")
 _OUTPUT_CLASS = re.compile(r"return\s+(\w+Output)\(")

@@ -168,7 +168,10 @@ def encode_audio(waveform: np.ndarray, sample_rate: int, suffix: str = ".wav") -
         return (samples * 32767).round().astype("<i2").tobytes()
     buffer = io.BytesIO()
     fmt = suffix.lower().lstrip(".").upper()
-    soundfile.write(buffer, samples, sample_rate, format=fmt, subtype=None if fmt == "MP3" else "PCM_16")
+    try:
+        soundfile.write(buffer, samples, sample_rate, format=fmt, subtype=None if fmt == "MP3" else "PCM_16")
+    except soundfile.LibsndfileError as exc:  # mp3 takes 8 to 48 kHz only
+        raise ValueError(f"cannot write {sample_rate} Hz audio as {suffix}: {exc}; write .wav or .flac") from exc
     return buffer.getvalue()
 
 

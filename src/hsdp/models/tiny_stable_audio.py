@@ -2,10 +2,10 @@
 
 The real ``diffusers`` / ``transformers`` classes at the sizes of diffusers' own Stable Audio tests, a little
 wider: ``StableAudioDiTModel`` (the denoiser; it names no ``_no_split_modules``, so hsdp shards it by its
-repeated ``transformer_blocks``), ``AutoencoderOobleck`` (stereo, 8x hop, 4 kHz so the audio lasts long enough to
-hear), a ``T5EncoderModel`` text encoder behind the byte-level tokenizer of the other built-ins, the projection
-model of the seconds conditioning, and the ``CosineDPMSolverMultistepScheduler`` (v-prediction) Stable Audio
-ships with. ``hsdp generate --model tiny-stable-audio --output sound.wav`` writes 0.5 s in a few seconds.
+repeated ``transformer_blocks``), ``AutoencoderOobleck`` (stereo, 8x hop, 8 kHz: the lowest rate mp3 takes), a
+``T5EncoderModel`` text encoder behind the byte-level tokenizer of the other built-ins, the projection model of
+the seconds conditioning, and the ``CosineDPMSolverMultistepScheduler`` (v-prediction) Stable Audio ships with.
+``hsdp generate --model tiny-stable-audio --output sound.wav`` writes 0.256 s in a few seconds.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from hsdp.models.tiny import TINY_SEED, build_byte_tokenizer
 __all__ = ["build_tiny_stable_audio_pipeline", "TINY_STABLE_AUDIO_DEFAULTS"]
 
 TINY_STABLE_AUDIO_DEFAULTS = {"num_inference_steps": 4, "guidance_scale": 7.0}
-"""Generation defaults written next to the pipeline (the length defaults to the model's longest, 0.512 s)."""
+"""Generation defaults written next to the pipeline (the length defaults to the model's longest, 0.256 s)."""
 
 
 def build_tiny_stable_audio_pipeline(seed: int = TINY_SEED):
-    """A ``StableAudioPipeline`` of about 100 thousand parameters: up to 2048 stereo samples at 4 kHz."""
+    """A ``StableAudioPipeline`` of about 100 thousand parameters: up to 2048 stereo samples at 8 kHz."""
     from diffusers import (
         AutoencoderOobleck,
         CosineDPMSolverMultistepScheduler,
@@ -56,7 +56,7 @@ def build_tiny_stable_audio_pipeline(seed: int = TINY_SEED):
         decoder_input_channels=4,
         audio_channels=2,
         channel_multiples=[1, 2],
-        sampling_rate=4000,
+        sampling_rate=8000,
     )
     tokenizer = build_byte_tokenizer()
     tokenizer.model_max_length = 32  # the pipeline pads every prompt to it
