@@ -126,7 +126,7 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
         (["--height", "40"], "height=40 must be a positive multiple of 16"),
         (["--num-frames", "8"], "num_frames=8 must be 4k+1"),
         (["--output", "cat.avi"], "a video needs one of .mp4, .gif"),
-        (["--output", "cat.png"], "this pipeline makes video; name the output cat.mp4"),
+        (["--output", "cat.png"], "this pipeline makes video, not images; name the output cat.mp4"),
         (["--image", "cat.png"], "image: WanPipeline takes no image (drop --image)"),
         (["--true-cfg-scale", "4"], "true_cfg_scale: WanPipeline takes no true_cfg_scale"),
         (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),

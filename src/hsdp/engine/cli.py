@@ -50,7 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="other __call__ arguments as JSON, e.g. '{\"strength\": 0.6}'",
     )
-    video.add_argument("--fps", type=int, default=8, help="frame rate of the written video")
+    video.add_argument(
+        "--audio-seconds",
+        type=float,
+        default=None,
+        help="audio pipelines: seconds of audio (the pipeline's audio_end_in_s / audio_length_in_s / ...)",
+    )
+    video.add_argument(
+        "--fps",
+        type=int,
+        default=None,
+        help="frame rate of the written video (default 8, or the pipeline's frame_rate, which --fps then sets)",
+    )
+    video.add_argument(
+        "--no-audio", action="store_true", help="write a video without the sound track its pipeline made (LTX-2)"
+    )
     video.add_argument(
         "--batch-size",
         type=int,
@@ -131,6 +145,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def video_fps(info, fps: int | None) -> int:
+    """The written video's frame rate: ``--fps``, else the rate the pipeline generates at (its ``frame_rate``
+    default: LTX-2's sound track is made for it), else 8."""
+    return fps or int(info.defaults.get("frame_rate") or 8)
+
+
+def _frame_rate(info, fps: int | None) -> dict:
+    """``--fps`` for a pipeline that generates for a frame rate (``frame_rate``): the video and its sound match."""
+    return {"frame_rate": float(fps)} if fps and "frame_rate" in info.call_params else {}
+
+
 def _comm_line(comm: dict) -> str:
     calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm["calls"].items())) or "no collectives"
     forwards = max(1, comm["forwards"])
@@ -146,7 +171,7 @@ def _output_paths(output: str | None, count: int, kind: str) -> list[Path | None
     if output is None:
         if kind == "text":
             return [None] * count
-        output = "output.mp4" if kind == "video" else "output.png"
+        output = {"video": "output.mp4", "audio": "output.wav"}.get(kind, "output.png")
     path = Path(output)
     return [path] if count == 1 else [numbered(path, i) for i in range(count)]
 
@@ -199,10 +224,11 @@ def run(args: argparse.Namespace) -> int:
             guidance_scale=args.guidance_scale,
             guidance_scale_2=args.guidance_scale_2,
             true_cfg_scale=args.true_cfg_scale,
+            audio_seconds=args.audio_seconds,
             negative_prompt=args.negative_prompt,
             image=args.image,
             mask_image=args.mask_image,
-            pipeline_kwargs=args.pipeline_kwargs or {},
+            pipeline_kwargs=_frame_rate(info, args.fps) | (args.pipeline_kwargs or {}),
             cache=args.cache,
             cache_config=args.cache_config,
             max_new_tokens=args.max_new_tokens,
@@ -250,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         if path is None:
             print(output.text)
         else:
-            written += output.save(path, fps=args.fps)
+            written += output.save(path, fps=video_fps(info, args.fps), with_audio=not args.no_audio)
     print(_summary(engine, outputs, written), file=sys.stderr)
     if engine.last_comm and engine.last_comm[0]:
         print(_comm_line(engine.last_comm[0]), file=sys.stderr)

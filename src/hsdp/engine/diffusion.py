@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from hsdp.context_parallel import enable_ulysses
@@ -30,7 +31,7 @@ from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["DiffusionRunner", "call_kwargs"]
+__all__ = ["DiffusionRunner", "call_kwargs", "sample_rate"]
 
 
 def _heartbeat_hook(module: torch.nn.Module, args: tuple) -> None:
@@ -49,6 +50,13 @@ def _own_memory(module: torch.nn.Module) -> None:
             param.data = param.data.clone()
 
 
+def _numpy(values) -> np.ndarray:
+    """A waveform batch as float32 numpy (pipelines return tensors for audio whatever ``output_type`` says)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype=np.float32)
+
+
 def call_kwargs(info: ModelInfo, requests: list[Request], params: SamplingParams) -> dict:
     """The pipeline arguments for a group of requests run as one batch: the set fields it accepts, the per-request
     inputs (one each, as lists when the group has several), and any extra kwargs. Besides these, a call passes the
@@ -59,8 +67,23 @@ def call_kwargs(info: ModelInfo, requests: list[Request], params: SamplingParams
         values = [getattr(r, name) for r in requests]
         if any(v is not None for v in values):
             kwargs[name] = values[0] if len(values) == 1 else values
+    if params.audio_seconds is not None and info.audio_length_param is not None:
+        kwargs[info.audio_length_param] = params.audio_seconds
     kwargs.update(params.pipeline_kwargs)
     return {k: v for k, v in kwargs.items() if k in info.call_params}
+
+
+def sample_rate(pipe) -> int | None:
+    """Samples per second of the audio a pipeline makes: its own ``sample_rate`` (ACE-Step, LongCat), else the
+    config of the component that writes the waveform (the vocoder, else the audio or plain VAE)."""
+    if isinstance(getattr(pipe, "sample_rate", None), int):
+        return pipe.sample_rate
+    for name in ("vocoder", "audio_vae", "vae"):
+        config = getattr(getattr(pipe, name, None), "config", None) or {}
+        for key in ("output_sampling_rate", "sampling_rate", "sample_rate"):
+            if config.get(key):
+                return int(config[key])
+    return None
 
 
 class DiffusionRunner:
@@ -146,9 +169,13 @@ class DiffusionRunner:
                         emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
-        extra = (
-            {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
-        )
+        if "callback_on_step_end" in self.info.call_params:
+            extra = {"callback_on_step_end": on_step_end}
+        elif "callback" in self.info.call_params:  # the older per-step callback (Stable Audio, AudioLDM 2)
+            extra = {"callback": lambda step, timestep, latents: on_step_end(pipe, step, timestep, {}),
+                     "callback_steps": 1}  # fmt: skip
+        else:
+            extra = {}
         # The initial noise comes from CPU generators, so it is the same on every device type and layout, and a
         # request's noise is the same alone or in a batch (the pipeline draws each sample from its generator).
         generators = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
@@ -174,8 +201,24 @@ class DiffusionRunner:
             common["cache"] = self.step_cache.stats.to_dict()
         if not decode:
             return [dict(common) for _ in requests]
+        sound = getattr(result, "audios", None)
+        if sound is None:
+            sound = getattr(result, "audio", None)
+        if sound is not None:
+            common["sample_rate"] = sample_rate(pipe)
+            sound = _numpy(sound)
         if hasattr(result, "frames"):
-            return [{"frames": result.frames[i], **common} for i in range(len(requests))]
+            # A video pipeline that makes the sound too (LTX-2) gives one waveform per video.
+            return [
+                {"frames": result.frames[i], **({"audio": sound[i]} if sound is not None else {}), **common}
+                for i in range(len(requests))
+            ]
+        if sound is not None:
+            # One waveform per request, or several (num_waveforms_per_prompt): (n, channels, samples).
+            per_request = len(sound) // len(requests)
+            return [
+                {"audios": sound[i * per_request : (i + 1) * per_request], **common} for i in range(len(requests))
+            ]
         per_request = len(result.images) // len(requests)
         return [
             {"images": result.images[i * per_request : (i + 1) * per_request], **common}

@@ -44,7 +44,8 @@ PIPELINE_ARGS = (
 """Fields passed to the pipeline's ``__call__`` under their own name, when it accepts them."""
 
 RESERVED_ARGS = frozenset(
-    {"prompt", "negative_prompt", "image", "mask_image", "generator", "output_type", "return_dict"}
+    {"prompt", "negative_prompt", "image", "mask_image", "generator", "output_type", "return_dict", "callback"}
+    | {"callback_steps"}
     | {"callback_on_step_end", "callback_on_step_end_tensor_inputs", *PIPELINE_ARGS}
 )
 """``__call__`` arguments the engine sets itself; ``pipeline_kwargs`` may not name them."""
@@ -77,6 +78,9 @@ class SamplingParams:
     """For the unconditional branch: one for all prompts, or one per prompt."""
     max_sequence_length: int | None = None
     """Text-encoder tokens (prompts are padded or truncated to it)."""
+    audio_seconds: float | None = None
+    """Audio pipelines: the length of the audio to make, passed as the pipeline's own argument for it
+    (``audio_end_in_s``, ``audio_length_in_s``, ...: :data:`hsdp.engine.model_info.AUDIO_LENGTH_PARAMS`)."""
     image: Any = None
     """Input image of image-to-video / editing pipelines: a PIL image, a path or bytes; or one per prompt."""
     mask_image: Any = None
@@ -203,6 +207,18 @@ def _argument_problems(info: ModelInfo, p: SamplingParams, name_of: Naming) -> l
         if name in PER_REQUEST_INPUTS and getattr(p, name) is None:
             problems.append(
                 f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({name_of(name)})"
+            )
+    if p.audio_seconds is not None:
+        if info.audio_length_param is None:
+            problems.append(
+                f"audio_seconds: {info.class_name} takes no audio length (drop {name_of('audio_seconds')})"
+            )
+        elif not isinstance(p.audio_seconds, (int, float)) or p.audio_seconds <= 0:
+            problems.append(f"audio_seconds={p.audio_seconds} must be > 0 ({name_of('audio_seconds')})")
+        elif info.max_audio_seconds is not None and p.audio_seconds > info.max_audio_seconds:
+            problems.append(
+                f"audio_seconds={p.audio_seconds} exceeds the {info.max_audio_seconds:g} s that {info.class_name} "
+                f"makes at most ({name_of('audio_seconds')})"
             )
     unknown = sorted(set(p.pipeline_kwargs) - info.call_params)
     if unknown:

@@ -22,6 +22,8 @@ __all__ = [
     "ImageRequest",
     "ImageEditRequest",
     "ChatImageParams",
+    "SpeechRequest",
+    "AUDIO_MEDIA_TYPES",
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
@@ -109,6 +111,9 @@ class DiffusionFields(_Strict):
     )
     true_cfg_scale: float | None = Field(
         None, ge=0.0, le=100.0, allow_inf_nan=False, description="FLUX / Qwen-Image true CFG"
+    )
+    audio_seconds: float | None = Field(
+        None, gt=0.0, le=3600.0, allow_inf_nan=False, description="Audio pipelines: seconds of audio"
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
     lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
@@ -203,6 +208,14 @@ class ImageEditRequest(ImageRequest):
     )
 
 
+class ChatAudioOutput(_Strict):
+    """OpenAI's chat ``audio`` parameter: the format of ``message.audio.data`` (the voice is accepted and
+    ignored, as on ``/v1/audio/speech``)."""
+
+    format: Literal["wav", "flac", "mp3", "pcm16"] = "wav"
+    voice: str | dict | None = None
+
+
 class ChatImageParams(DiffusionFields):
     """Generation parameters of a chat completion on a diffusion model, as vLLM-Omni reads them from
     ``extra_body`` (nested in the JSON, or flattened to the top level by the ``openai`` client)."""
@@ -211,6 +224,29 @@ class ChatImageParams(DiffusionFields):
     num_frames: int | None = Field(None, ge=1, le=4096, description="Video pipelines")
     fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Video pipelines: frames per second of the mp4")
     output_format: OutputFormat = "png"
+    modalities: list[Literal["text", "image", "video", "audio"]] | None = Field(
+        None, description="OpenAI: ['audio'] answers in message.audio (audio pipelines)"
+    )
+    audio: ChatAudioOutput | None = Field(None, description="OpenAI: the answer's audio format (audio pipelines)")
+
+
+AudioFormat = Literal["wav", "flac", "mp3", "pcm"]
+AUDIO_MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg", "pcm": "audio/pcm"}
+
+
+class SpeechRequest(DiffusionFields):
+    """OpenAI ``POST /v1/audio/speech`` (what the ``openai`` client's ``audio.speech.create`` sends) on an audio
+    pipeline: ``input`` is the prompt; the generation fields come beside it (``extra_body``)."""
+
+    prompt: str | None = Field(None, max_length=MAX_TEXT, description="Ignored: the prompt is input")
+    input: str = Field(..., min_length=1, max_length=MAX_TEXT, description="What to make, as text")
+    voice: str | dict | None = Field(
+        None, description="Accepted and ignored: a text-to-audio pipeline has no voices (the client needs one)"
+    )
+    instructions: str | None = Field(None, max_length=MAX_TEXT, description="Accepted and ignored")
+    response_format: AudioFormat = Field("mp3", description="OpenAI's default mp3; pcm: 16-bit little-endian")
+    speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False, description="Only 1.0 is served")
+    stream_format: Literal["audio"] | None = Field(None, description="Only the whole file ('audio') is served")
 
 
 class ImageData(BaseModel):
@@ -321,6 +357,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "hsdp"
     kind: Literal["diffusion", "causal_lm"]
+    outputs: list[str] = Field(default_factory=list, description="What the model makes: video, image, audio, text")
+    routes: list[str] = Field(default_factory=list, description="The generation routes that serve it")
     root: str | None = None
     """With ``--lora``: the adapter folder (vLLM's card for a LoRA module)."""
     parent: str | None = None

@@ -50,6 +50,15 @@ logger = logging.getLogger("hsdp")
 __all__ = ["Server"]
 
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
+ROUTES = {
+    "video": ("/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/chat/completions"),
+    "image": ("/v1/images/generations", "/v1/chat/completions"),
+    "audio": ("/v1/audio/speech", "/v1/chat/completions"),
+    "text": ("/v1/completions", "/v1/chat/completions"),
+}
+"""The generation routes that serve each kind of output (image routes on a video pipeline make one frame)."""
+JOB_KINDS = {"video": {"video", "video_sync", "image"}, "image": {"image"}, "audio": {"audio"}}
+"""The jobs a diffusion pipeline can run, by the kind of output it makes."""
 """Per-job values (the Job holds them), not part of the parameters a batch shares."""
 _PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -199,14 +208,29 @@ class Server:
         if requested is not None and requested not in self._model_names() and requested not in self.adapter_paths:
             raise self._not_served(requested, "model")
         if self.kind != needs:
-            hint = (
-                "POST /v1/completions or /v1/chat/completions"
-                if self.kind == "causal_lm"
-                else f"POST {'/v1/videos or ' if self.info.output == 'video' else ''}/v1/images/generations"
-            )
             raise ApiError(
                 400,
-                f"this server runs {self.name!r}, a {self.kind.replace('_', ' ')} model; use {hint}",
+                f"this server runs {self.name!r}, a {self.kind.replace('_', ' ')} model; use {self.routes_hint()}",
+                code="wrong_model_kind",
+            )
+
+    @property
+    def outputs(self) -> str:
+        """What the served model makes: ``video``, ``image``, ``audio`` (diffusion) or ``text``."""
+        return self.info.output if self.kind == "diffusion" else "text"
+
+    def routes_hint(self) -> str:
+        routes = ROUTES[self.outputs]
+        return f"POST {', '.join(routes[:-1])} or {routes[-1]}"
+
+    def check_job_kind(self, kind: str) -> None:
+        """400 when the pipeline cannot make what a route asks for (images from an audio pipeline, ...)."""
+        if kind not in JOB_KINDS[self.info.output]:
+            made = f"an {self.info.output}" if self.info.output in ("image", "audio") else f"a {self.info.output}"
+            raise ApiError(
+                400,
+                f"this server runs {self.name!r}, {made} pipeline ({self.info.class_name}); use "
+                f"{self.routes_hint()}",
                 code="wrong_model_kind",
             )
 
@@ -327,14 +351,7 @@ class Server:
     # -- diffusion -------------------------------------------------------------------------------------------
     def check_video_model(self) -> None:
         """The ``/v1/videos`` routes need a pipeline that makes video."""
-        if self.info.output != "video":
-            edits = ", /v1/images/edits" if self.info.takes_image else ""
-            raise ApiError(
-                400,
-                f"this server runs {self.name!r}, an image pipeline ({self.info.class_name}); use POST "
-                f"/v1/images/generations{edits} or /v1/chat/completions",
-                code="wrong_model_kind",
-            )
+        self.check_job_kind("video")
 
     def _decode(self, upload: Upload) -> Image:
         """The upload as the PIL image the pipeline gets; 400 naming the client's field when it is not one."""
@@ -400,6 +417,7 @@ class Server:
         Only what the client set is passed (plus ``num_frames`` where the endpoint fixes it), so a field the
         pipeline does not take is a 400 naming it. ``image_field`` names the endpoint's image field in the error
         when the pipeline needs an image and none came."""
+        self.check_job_kind(kind)
         self._check_inputs(image, mask, image_field)
         kwargs = {k: v for k, v in (pipeline_kwargs or {}).items() if v is not None}
         for name in kwargs:
@@ -417,6 +435,7 @@ class Server:
                 guidance_scale=request.guidance_scale,
                 guidance_scale_2=request.guidance_scale_2,
                 true_cfg_scale=request.true_cfg_scale,
+                audio_seconds=request.audio_seconds,
                 negative_prompt=request.negative_prompt,
                 pipeline_kwargs=kwargs,
                 **decoded,
