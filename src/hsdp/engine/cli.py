@@ -98,6 +98,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """How the engine loads and holds the sharded weights (shared by ``hsdp generate`` and ``hsdp serve``)."""
     parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
     parser.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="attention kernel: a diffusers backend for a pipeline's denoisers (native, _native_math, flex, flash, "
+        "sage, xformers, ...), a transformers implementation for a causal LM (sdpa, eager, flex_attention, "
+        "flash_attention_2, ...); checked before loading",
+    )
+    parser.add_argument(
         "--weight-dtype",
         choices=["int8", "fp8"],
         default=None,
@@ -261,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory=args.device_memory,
             lora=next(iter(parse_adapters(args.lora).values())) if args.lora else None,
             compile=args.compile,
+            attention_backend=args.attention_backend,
         ) as engine:
             outputs = engine.generate(
                 args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size

@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from hsdp.attention import set_attention_backend
 from hsdp.context_parallel import enable_ulysses
 from hsdp.distributed import local_device
 from hsdp.engine.cache import StepCache, agreement_group
@@ -116,6 +117,8 @@ class DiffusionRunner:
         self.denoisers = [getattr(self.pipe, name) for name in self.info.denoisers]
         for name, model in zip(self.info.denoisers, self.denoisers, strict=True):
             model.register_forward_pre_hook(self._mark_denoising_start)
+            if spec.attention_backend is not None:  # before the sequence split, which wraps its processors
+                set_attention_backend(model, spec.attention_backend)
             if config.sequence_parallel_size > 1:
                 enable_ulysses(model, config, meshes)
             if spec.compile:

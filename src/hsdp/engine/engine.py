@@ -268,6 +268,7 @@ class Engine:
         cache: str | None = None,
         cache_config: dict | None = None,
         compile: bool = False,
+        attention_backend: str | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -288,7 +289,10 @@ class Engine:
         ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`).
         ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
         None (:mod:`hsdp.engine.cache`; skip decisions agreed across ranks). ``compile``: regional
-        ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
+        ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`). ``attention_backend``:
+        the denoisers' diffusers attention backend, or the causal LM's transformers attention implementation
+        (:mod:`hsdp.attention`)."""
+        from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems
 
@@ -299,6 +303,10 @@ class Engine:
         problems += cache_problems(cache, cache_config, self.info, self.config)
         if compile:
             problems += compile_problems(distributed.device_type(), cache)
+        if attention_backend is not None:
+            problems += attention_backend_problems(
+                attention_backend, self.info.kind, distributed.device_type(), self.config.sequence_parallel_size > 1
+            )
         if problems:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -350,6 +358,7 @@ class Engine:
             load_options=_load_options(self.info, self.memory_plan),
             lora=self.adapters.slots if self.adapters else None,
             compile=compile,
+            attention_backend=attention_backend,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)

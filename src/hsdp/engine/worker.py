@@ -59,6 +59,8 @@ class LoadSpec:
     """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
     compile: bool = False
     """``--compile``: regional compilation of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
+    attention_backend: str | None = None
+    """``--attention-backend``: the denoisers' or the causal LM's attention kernel (:mod:`hsdp.attention`)."""
     lora: adapters.SlotSpec | None = None
     """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
     denoiser before sharding; the caller fills them (:func:`load_adapter`) and picks one per call."""

@@ -126,6 +126,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         cache=args.cache,
         cache_config=args.cache_config,
         compile=args.compile,
+        attention_backend=args.attention_backend,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,
         max_batch_size=args.max_batch_size,

@@ -50,6 +50,7 @@ logger = logging.getLogger("hsdp")
 __all__ = ["Server"]
 
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
+"""Per-job values (the Job holds them), not part of the parameters a batch shares."""
 ROUTES = {
     "video": ("/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/chat/completions"),
     "image": ("/v1/images/generations", "/v1/chat/completions"),
@@ -59,7 +60,6 @@ ROUTES = {
 """The generation routes that serve each kind of output (image routes on a video pipeline make one frame)."""
 JOB_KINDS = {"video": {"video", "video_sync", "image"}, "image": {"image"}, "audio": {"audio"}}
 """The jobs a diffusion pipeline can run, by the kind of output it makes."""
-"""Per-job values (the Job holds them), not part of the parameters a batch shares."""
 _PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ADAPTER_COUNTS = ("loads", "switches", "evictions")
@@ -129,6 +129,7 @@ class Server:
             cache=s.cache,
             cache_config=s.cache_config,
             compile=s.compile,
+            attention_backend=s.attention_backend,
             lora=dict(self.adapter_paths) or None,
             max_loras=s.adapter_slots,
             max_lora_rank=s.max_lora_rank,

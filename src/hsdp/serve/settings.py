@@ -72,6 +72,8 @@ class ServeSettings:
     """Its config fields (``--cache-config``)."""
     compile: bool = False
     """Regional compilation of the denoiser's blocks (``--compile``), each shape compiled once for all requests."""
+    attention_backend: str | None = None
+    """The attention kernel (``--attention-backend``, :mod:`hsdp.attention`)."""
     max_queue: int = 64
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0

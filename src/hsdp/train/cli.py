@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile each repeated block (regional; forward and backward fused, FSDP hooks outside), once "
         "per input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="the trained model's attention kernel: a diffusers backend (native, _native_math, flex, flash, sage, "
+        "...) or a transformers implementation (sdpa, eager, flex_attention, flash_attention_2, ...)",
+    )
     parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
     parser.add_argument(
         "--frozen-whole",
@@ -187,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mixed_precision=args.mixed_precision,
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
+        attention_backend=args.attention_backend,
         freeze=tuple(args.freeze),
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,

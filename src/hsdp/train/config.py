@@ -86,6 +86,9 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` each repeated block of the trained model (regional, as ``hsdp generate --compile``): its
     forward and backward run as fused kernels, FSDP2's hooks stay outside; each input shape compiles once."""
+    attention_backend: str | None = None
+    """The trained model's attention kernel (``--attention-backend``, as ``hsdp generate`` takes it): a diffusers
+    backend for a denoiser, a transformers implementation for a causal LM (:mod:`hsdp.attention`)."""
     freeze: tuple[str, ...] = ()
     """Regular expressions; matching parameters are frozen (LoRA-style partial fine-tuning)."""
     lora_r: int = 0
@@ -541,6 +544,20 @@ def _check_lora(cfg: TrainConfig, model_dir: Path) -> None:
         raise TrainConfigError(str(exc)) from exc
 
 
+def check_attention_backend(cfg: TrainConfig, kind: str) -> None:
+    """``--attention-backend`` against what the model's library and this machine run (:mod:`hsdp.attention`)."""
+    if cfg.attention_backend is None:
+        return
+    from hsdp.attention import attention_backend_problems
+    from hsdp.distributed import device_type
+
+    problems = attention_backend_problems(
+        cfg.attention_backend, kind, device_type(), cfg.parallel.sequence_parallel_size > 1
+    )
+    if problems:
+        raise TrainConfigError("; ".join(problems))
+
+
 def preflight(cfg: TrainConfig) -> Preflight:
     """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
     from hsdp.models.builtin import resolve_model
@@ -573,6 +590,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
             f"--ulysses-degree={cfg.parallel.ulysses_degree}: sequence-parallel training splits a diffusers "
             "denoiser's sequence (its _cp_plan); a causal LM trains with --hsdp-shard-size or --tensor-parallel-size"
         )
+    check_attention_backend(cfg, "causal_lm")
     fingerprint = model_fingerprint(model_dir)
     _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hsdp import lora
+from hsdp.attention import set_attention_backend
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
@@ -162,6 +163,8 @@ class Trainer:
             prepare=lora.injector(self.lora) if self.lora else None,
         )
         self.model.train()
+        if cfg.attention_backend is not None:  # before the sequence split, which wraps the attention processors
+            set_attention_backend(self.model, cfg.attention_backend)
         if self.sequence_parallel > 1:
             self._enable_sequence_parallel()
         if self.lora:

@@ -40,7 +40,14 @@ from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead, local_device
 from hsdp.families import GENERIC, DenoiserBatch, Family, family_for, training_family
 from hsdp.lora_formats import save_lora
-from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
+from hsdp.train.config import (
+    Preflight,
+    TrainConfig,
+    TrainConfigError,
+    check_attention_backend,
+    model_fingerprint,
+    resume_target,
+)
 from hsdp.train.data import DatasetError
 from hsdp.train.diffusion import evaluation, validation
 from hsdp.train.diffusion.latent_cache import LatentCache, agreed_indices, encoder_fingerprint, fill_cache
@@ -107,6 +114,7 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
         raise TrainConfigError(f"{', '.join(lm_only)}: not available for diffusion training yet")
     component = check_trainable(cfg, model_dir)
     _check_sequence_parallel(cfg, model_dir, component)
+    check_attention_backend(cfg, "diffusion")
     fingerprint = model_fingerprint(model_dir / component)
     return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))
 
