@@ -154,6 +154,16 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
             responses = list(
                 pool.map(lambda b: client.post("/v1/images/generations", json={**common, **b}), bodies)
             )
+        # Chat on a diffusion server resolves the adapter as the images route does, and names what served it.
+        chat = {"messages": [{"role": "user", "content": "a red fox"}], "seed": 1, "num_inference_steps": 2}
+        chats = {
+            name: client.post("/v1/chat/completions", json={**chat, **body})
+            for name, body in {
+                "model": {"model": "x", "num_frames": 1},
+                "lora": {"extra_body": {"lora": {"name": "x"}, "num_frames": 1}},
+                "base": {"num_frames": 1},
+            }.items()
+        }
         unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
         outside = client.post(
             "/v1/images/generations", json={**common, "lora": {"name": "z", "local_path": str(wan)}}
@@ -170,6 +180,10 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
         )
         got = base64.b64decode(response.json()["data"][0]["b64_json"])
         assert got == encode_image(frame[0], ".png"), body
+    assert all(r.status_code == 200 for r in chats.values()), {k: r.text[:300] for k, r in chats.items()}
+    videos = {k: r.json()["choices"][0]["message"]["content"][0]["image_url"]["url"] for k, r in chats.items()}
+    assert videos["model"] == videos["lora"] != videos["base"]
+    assert [chats[k].json()["model"] for k in ("model", "lora", "base")] == ["x", "x", str(wan)]
     images = [r.json()["data"][0]["b64_json"] for r in responses]
     assert len({images[0], images[1], images[2]}) == 3, "an adapter changes nothing"
     assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
