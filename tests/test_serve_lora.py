@@ -285,3 +285,17 @@ def test_loading_off_loopback_needs_an_api_key(base, root, tmp_path):
         ServeSettings(model=str(base), host="0.0.0.0", api_key="k", lora_root=root, output_dir=tmp_path)
     )
     keyed.check_adapter_admin("lora_path")  # allowed with a key
+
+
+@pytest.mark.unit
+def test_adapters_recorded_at_run_time_are_recalled_if_still_allowed(base, root, tmp_path, caplog):
+    """A restarted server takes back the adapters loaded at run time that ``--lora-root`` still covers and no
+    ``--lora`` names; the others are dropped with the reason logged."""
+    settings = ServeSettings(model=str(base), lora=(f"a={root / 'a'}",), lora_root=root, output_dir=tmp_path)
+    Server(settings).store.save_adapters({"late": root / "late", "a": root / "b", "far": base})
+    server = Server(settings)
+    with caplog.at_level("WARNING", logger="hsdp"):
+        server._recall_adapters()
+    assert server.adapter_paths == {"a": root / "a", "late": root / "late"}
+    assert "adapter a loaded before the restart: --lora now names 'a'" in caplog.text
+    assert f"adapter far loaded before the restart: its folder {base} is not under --lora-root" in caplog.text
