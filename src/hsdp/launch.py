@@ -34,7 +34,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import select
 import signal
 import sys
 import threading
@@ -43,10 +42,11 @@ import traceback
 from collections.abc import Callable, Iterable
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from hsdp.distributed import pid_running, watch_process
 
 logger = logging.getLogger("hsdp")
 
@@ -186,33 +186,6 @@ def _group_check() -> None:
     dist.barrier()
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited process its parent has not reaped yet still has its pid
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _watch_caller(caller_pid: int) -> None:
-    """Exit this rank once the caller is gone. Under a forkserver the parent is the forkserver, not the caller:
-    watch the caller's pid itself (a pidfd, readable once it exits, where the kernel has them; else a poll)."""
-    try:
-        pidfd = os.pidfd_open(caller_pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3, or the caller already exited
-        while _is_running(caller_pid):
-            time.sleep(1.0)
-    else:
-        select.select([pidfd], [], [])
-    os._exit(1)
-
-
 class _CallerStream:
     """One of the caller's standard streams (its file descriptor at the rank's start), handed to the rank.
 
@@ -272,7 +245,8 @@ def _worker_main(
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    threading.Thread(target=_watch_caller, args=(caller_pid,), daemon=True).start()
+    # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
+    watch_process(caller_pid, "the caller")
     _quiet_progress_bars()
     from hsdp.distributed import destroy_distributed, init_distributed, skip_collection_at_exit
     from hsdp.logging_utils import configure_logging
@@ -369,20 +343,7 @@ def _alive(proc: mp.process.BaseProcess) -> bool:
         return False
     if proc.is_alive():
         return True
-    return proc.exitcode == 255 and _pid_running(proc.pid)
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the pid
-        return False
-    with contextlib.suppress(OSError, IndexError):  # a zombie has exited: only its parent's wait is missing
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] != "Z"
-    return True
+    return proc.exitcode == 255 and pid_running(proc.pid)
 
 
 def _kill(proc: mp.process.BaseProcess, timeout_s: float = 5.0) -> None:
@@ -394,7 +355,7 @@ def _kill(proc: mp.process.BaseProcess, timeout_s: float = 5.0) -> None:
         os.kill(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     proc.join(timeout=timeout_s)
-    while _pid_running(proc.pid) and time.monotonic() < deadline:
+    while pid_running(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 

@@ -182,13 +182,20 @@ class DiffusionRunner:
         # The initial noise comes from CPU generators, so it is the same on every device type and layout, and a
         # request's noise is the same alone or in a batch (the pipeline draws each sample from its generator).
         generators = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
+        kwargs = self.call_kwargs(requests, params)
         cache = None if params.cache == "none" else params.cache
-        self.step_cache.prepare(cache, params.cache_config, pipe, params.num_inference_steps)
+        self.step_cache.prepare(
+            cache,
+            params.cache_config,
+            pipe,
+            params.num_inference_steps,
+            requests=len(requests),
+        )
         result = pipe(
             prompt=[r.prompt for r in requests] if len(requests) > 1 else requests[0].prompt,
             generator=generators if len(requests) > 1 else generators[0],
             output_type="np" if decode or self.decode_everywhere else "latent",
-            **self.call_kwargs(requests, params),
+            **kwargs,
             **extra,
         )
         finished = time.perf_counter()

@@ -265,6 +265,7 @@ class Engine:
         lora: LoraArg = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        adapter_slots: adapters.SlotSpec | None = None,
         cache: str | None = None,
         cache_config: dict | None = None,
         compile: bool = False,
@@ -286,7 +287,9 @@ class Engine:
         per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
         (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
         otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
-        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`).
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). ``adapter_slots``
+        gives the slots as another engine made them (:attr:`adapter_slots`; a restarted server keeps its start-up
+        slots), instead of ``max_loras`` / ``max_lora_rank``.
         ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
         None (:mod:`hsdp.engine.cache`; skip decisions agreed across ranks). ``compile``: regional
         ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`). ``attention_backend``:
@@ -311,13 +314,14 @@ class Engine:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
-        specs = _check_lora(self.info, self.config, weight_dtype, {} if lora is None and max_loras else lora)
-        self.adapters: adapters.AdapterCache | None = None
-        if specs or max_loras:
+        slotted = lora is None and (max_loras or adapter_slots)
+        specs = _check_lora(self.info, self.config, weight_dtype, {} if slotted else lora)
+        slots = adapter_slots
+        if slots is None and (specs or max_loras):
             slots = adapters.slot_spec(
                 specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank
             )
-            self.adapters = adapters.AdapterCache(slots, specs.values())
+        self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
         self.lora = specs[self.default_adapter].path if self.default_adapter else None
@@ -556,6 +560,11 @@ class Engine:
         if self.adapters is None:
             raise adapters.UnknownAdapter(name, [])
         self.adapters.remove(name)
+
+    @property
+    def adapter_slots(self) -> adapters.SlotSpec | None:
+        """The adapter slots on the ranks (None without any)."""
+        return self.adapters.slots if self.adapters else None
 
     @property
     def adapter_stats(self) -> dict | None:

@@ -109,8 +109,9 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     merged = {**extras, **nested}
     if "true_cfg_scale" not in merged and "cfg_scale" in merged:  # vLLM-Omni's alias
         merged["true_cfg_scale"] = merged["cfg_scale"]
-    if merged.get("seed") is None and body.seed is not None:  # the standard chat field, as a fallback
-        merged["seed"] = body.seed
+    for name in ("seed", "model"):  # the standard chat fields, as a fallback (``model`` may name an adapter)
+        if merged.get(name) is None and getattr(body, name) is not None:
+            merged[name] = getattr(body, name)
     prompt = " ".join(m.text(" ") for m in body.messages if m.role == "user").strip()
     if not prompt:
         raise ApiError(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.adapters import parse_adapters
+from hsdp.engine.adapters import SlotSpec, parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
@@ -105,9 +105,13 @@ class Server:
         self.runner.job_timeout_s = settings.job_timeout_s
         self.tokenizer = None
         self.max_positions: int | None = None
-        self.adapter_paths: dict[str, Path] = parse_adapters(settings.lora)
-        """Adapter name -> folder: ``--lora`` and those loaded since (a restarted engine gets them all)."""
+        self.startup_adapters: dict[str, Path] = parse_adapters(settings.lora)
+        self.adapter_paths: dict[str, Path] = dict(self.startup_adapters)
+        """Adapter name -> folder: ``--lora`` and those loaded since, which a restarted engine serves again (those
+        that still load) and a restarted server too (:meth:`_recall_adapters`)."""
         self._adapters_lock = threading.Lock()
+        self._slots: SlotSpec | None = None
+        """The adapter slots the first engine made; every restart makes the same."""
         self.base_loads = 0
         """Engines started: the base is loaded once per engine, never to switch adapters."""
         self._earlier_adapter_counts: Counter = Counter()
@@ -119,6 +123,15 @@ class Server:
         if self.leader is not None and self.leader.broken:
             _await_torchrun_restart(self._stopped)
         previous = self.runner.engine.adapter_stats if self.runner.engine is not None else None
+        first = self.base_loads == 0
+        if first:  # the slots from the flags: --lora's adapters, --max-loras, --max-lora-rank
+            slots = {
+                "lora": dict(self.startup_adapters) or None,
+                "max_loras": s.adapter_slots,
+                "max_lora_rank": s.max_lora_rank,
+            }
+        else:  # the same slots, not re-derived from the adapters served now
+            slots = {"adapter_slots": self._slots}
         engine = Engine(
             s.model,
             s.parallel_config,
@@ -130,18 +143,60 @@ class Server:
             cache_config=s.cache_config,
             compile=s.compile,
             attention_backend=s.attention_backend,
-            lora=dict(self.adapter_paths) or None,
-            max_loras=s.adapter_slots,
-            max_lora_rank=s.max_lora_rank,
+            **slots,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
             # torchrun's ranks have no cancel board (a cancelled running job's output is dropped instead).
             cancellable=self.leader is None,
             workers=self.leader,
         )
+        if first:
+            self._slots = engine.adapter_slots
+        self._serve_adapters(engine, skip=self.startup_adapters if first else {})
         self.base_loads += 1
         self._earlier_adapter_counts.update({k: (previous or {}).get(k, 0) for k in _ADAPTER_COUNTS})
         return engine
+
+    def _serve_adapters(self, engine: Engine, skip: dict[str, Path]) -> None:
+        """Add the adapters served (but those in ``skip``, which the engine has) to a new engine. One that no
+        longer loads (its folder gone or changed) is dropped with the reason logged: the engine starts on what
+        still loads, and requests naming it get a 404."""
+        with self._adapters_lock:
+            dropped = []
+            for name, folder in self.adapter_paths.items():
+                if name in skip:
+                    continue
+                try:
+                    engine.add_adapter(name, folder, "adapter")
+                except ValueError as exc:
+                    logger.warning("no longer serving the LoRA adapter %s: %s", name, exc)
+                    dropped.append(name)
+            for name in dropped:
+                del self.adapter_paths[name]
+            if dropped:
+                self._record_adapters()
+
+    def _recall_adapters(self) -> None:
+        """The adapters loaded at run time before this server (re)started, from the output dir; one that a
+        ``--lora`` now names, or that is no longer under ``--lora-root``, is dropped with the reason logged."""
+        root = self.settings.lora_root
+        for name, folder in self.store.load_adapters().items():
+            if name in self.adapter_paths:
+                reason = f"--lora now names {name!r}"
+            elif root is None or not folder.resolve().is_relative_to(Path(root).resolve()):
+                reason = f"its folder {folder} is not under --lora-root {root}"
+            else:
+                self.adapter_paths[name] = folder
+                continue
+            logger.warning("no longer serving the LoRA adapter %s loaded before the restart: %s", name, reason)
+
+    def _record_adapters(self) -> None:
+        """Write the adapters loaded at run time to the output dir (a failure to is logged: they stay served)."""
+        runtime = {n: p for n, p in self.adapter_paths.items() if n not in self.startup_adapters}
+        try:
+            self.store.save_adapters(runtime)
+        except OSError as exc:
+            logger.warning("could not record the adapters loaded at run time (%s); a restart forgets them", exc)
 
     def adapter_counts(self) -> dict[str, int]:
         """Adapter slot loads, switches and evictions since the server started (over engine restarts)."""
@@ -151,6 +206,7 @@ class Server:
 
     def start(self) -> None:
         self.store.lock()  # first: a second server on this --output-dir is refused before anything loads
+        self._recall_adapters()
         loaded, requeued = self.store.load()
         if loaded:
             logger.info(
@@ -289,6 +345,7 @@ class Server:
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=flag, code="invalid_lora") from exc
             self.adapter_paths[name] = folder
+            self._record_adapters()
         logger.info("serving the LoRA adapter %s from %s", name, folder)
 
     def unload_adapter(self, name: str) -> None:
@@ -297,6 +354,7 @@ class Server:
             if name not in self.adapter_paths:
                 raise self._not_served(name, "lora_name")
             del self.adapter_paths[name]
+            self._record_adapters()
             engine = self.runner.engine
             if engine is not None and not engine.closed and name in engine.adapter_stats["adapters"]:
                 engine.remove_adapter(name)

@@ -41,7 +41,8 @@ def _text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Jo
 
 
 def _answered_by(server: Server, jobs: list[Job]) -> str:
-    """The ``model`` of the response: the adapter the request named (vLLM's convention), else the base."""
+    """The ``model`` of the response: the adapter that served it (named by ``model``, vLLM's convention, or by
+    the ``lora`` field, vLLM-Omni's), else the base."""
     return jobs[0].meta.get("adapter", server.name) if jobs else server.name
 
 
@@ -115,7 +116,7 @@ async def _chat_media(server: Server, body: ChatCompletionRequest, request: Requ
     )
     fmt = "mp4" if video else params.output_format
     urls = [data_url(j.result, fmt) for j in await run_jobs(server, jobs, request)]
-    return JSONResponse(chat_media_body(server.name, params.prompt, urls))
+    return JSONResponse(chat_media_body(_answered_by(server, jobs), params.prompt, urls))
 
 
 async def _chat_audio(server: Server, params: ChatImageParams, request: Request) -> JSONResponse:
