@@ -514,7 +514,7 @@ def test_a_full_disk_fails_the_job_and_the_engine_thread_goes_on(tmp_path, monke
                 raise OSError(errno.ENOSPC, "No space left on device")
             super()._save(job)
 
-    def save_frames(frames, path, fps):
+    def save_frames(frames, path, fps, audio=None):
         if full.is_set():
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
