@@ -34,6 +34,20 @@ def llama_info(tmp_path_factory):
     return inspect_model(resolve_model("tiny-llama", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
 
 
+def test_arguments_a_pipeline_config_turns_off_are_not_taken(wan_info, tmp_path):
+    """Wan 2.1's folder leaves boundary_ratio unset, so WanPipeline refuses guidance_scale_2 (its check_inputs):
+    not an argument of this pipeline; a folder that sets it (Wan 2.2's two experts) takes it (issue 27 item 9)."""
+    assert wan_info.config_gated == {"guidance_scale_2": "boundary_ratio"}
+    assert "guidance_scale_2" not in wan_info.call_params and "guidance_scale" in wan_info.call_params
+    for entry in wan_info.path.iterdir():
+        if entry.name != "model_index.json":
+            (tmp_path / entry.name).symlink_to(entry)
+    index = json.loads((wan_info.path / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
+    two_experts = inspect_model(tmp_path)
+    assert two_experts.config_gated == {} and "guidance_scale_2" in two_experts.call_params
+
+
 def test_model_info_reads_pipeline_and_lm_folders(wan_info, llama_info):
     assert wan_info.kind == "diffusion" and wan_info.class_name == "WanPipeline"
     assert (wan_info.spatial_multiple, wan_info.temporal_factor, wan_info.num_heads) == (16, 4, 2)
@@ -129,6 +143,11 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
         (["--output", "cat.png"], "this pipeline makes video; name the output cat.mp4"),
         (["--image", "cat.png"], "image: WanPipeline takes no image (drop --image)"),
         (["--true-cfg-scale", "4"], "true_cfg_scale: WanPipeline takes no true_cfg_scale"),
+        (
+            ["--guidance-scale-2", "3"],
+            "guidance_scale_2: this WanPipeline takes no guidance_scale_2: its model_index.json leaves "
+            "boundary_ratio unset",
+        ),
         (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
         (
             ["--model", "tiny-llama", "--batch-size", "2"],

@@ -45,6 +45,9 @@ _DEFAULT_KEYS = (
     "max_sequence_length",
 )
 _UNCOND_PASS = re.compile(r"""cache_context\(\s*["']uncond["']""")
+_CONFIG_GATE = re.compile(r"self\.config\.(\w+) is None and (\w+) is not None")
+"""A pipeline's input check refusing an argument while a config value is unset (Wan's ``guidance_scale_2`` needs
+``boundary_ratio``, which only Wan 2.2's two-expert folders set)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,10 @@ class ModelInfo:
     """The family's name (:mod:`hsdp.families`), or the pipeline class when no family claims it."""
     output: Literal["video", "image", "text"] = "text"
     call_params: frozenset[str] = frozenset()
-    """Arguments the pipeline's ``__call__`` accepts: only these are passed."""
+    """Arguments the pipeline's ``__call__`` accepts with this folder's config: only these are passed."""
+    config_gated: dict[str, str] = field(default_factory=dict)
+    """Arguments of ``__call__`` that this folder's pipeline config leaves off (not in :attr:`call_params`):
+    argument -> the config value it needs (``guidance_scale_2`` -> ``boundary_ratio`` on Wan 2.1)."""
     required_params: frozenset[str] = frozenset()
     """Arguments ``__call__`` has no default for (e.g. ``image`` for image-to-video)."""
     components: tuple[str, ...] = ()
@@ -166,6 +172,18 @@ def _spatial_patch(denoiser: dict) -> int:
     return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
 
 
+def _config_gated(pipeline_cls: type, source: str, index: dict) -> dict[str, str]:
+    """The ``__call__`` arguments the pipeline's own input check refuses with this folder's config (a value
+    ``model_index.json`` leaves unset, or its ``__init__`` default when absent): argument -> config key."""
+    init = inspect.signature(pipeline_cls.__init__).parameters
+    gated = {}
+    for key, argument in _CONFIG_GATE.findall(source):
+        default = init[key].default if key in init else None
+        if index.get(key, None if default is inspect.Parameter.empty else default) is None:
+            gated[argument] = key
+    return gated
+
+
 def _diffusion_info(folder: Path) -> ModelInfo:
     import diffusers
 
@@ -191,8 +209,13 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         if _has_shard_plan(cls)
         and (name in denoisers or sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
     )
+    try:
+        source = inspect.getsource(pipeline_cls)
+    except (OSError, TypeError):
+        source = ""
+    gated = _config_gated(pipeline_cls, source, index)
     signature = inspect.signature(pipeline_cls.__call__).parameters
-    call_params = frozenset(signature) - {"self"}
+    call_params = frozenset(signature) - {"self"} - set(gated)
     required = frozenset(
         n
         for n, p in signature.items()
@@ -205,10 +228,6 @@ def _diffusion_info(folder: Path) -> ModelInfo:
     defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():
         defaults.update(_read_json(folder / DEFAULTS_FILE))
-    try:
-        source = inspect.getsource(pipeline_cls)
-    except (OSError, TypeError):
-        source = ""
     return ModelInfo(
         path=folder,
         kind="diffusion",
@@ -217,6 +236,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         family=family.name if family.name != "generic" else class_name,
         output="video" if "num_frames" in call_params else "image",
         call_params=call_params,
+        config_gated=gated,
         required_params=required,
         components=tuple(specs),
         denoisers=denoisers,

@@ -190,13 +190,25 @@ def cli_flag(name: str) -> str:
 Naming = Callable[[str], str]
 
 
+def _not_taken(info: ModelInfo, name: str, name_of: Naming) -> str:
+    """Why the pipeline refuses the argument ``name``: it has no such argument, or this folder's config turns it
+    off (``guidance_scale_2`` without ``boundary_ratio``: Wan 2.1, not Wan 2.2's two experts)."""
+    key = info.config_gated.get(name)
+    if key is None:
+        return f"{name}: {info.class_name} takes no {name} (drop {name_of(name)})"
+    return (
+        f"{name}: this {info.class_name} takes no {name}: its model_index.json leaves {key} unset, which "
+        f"{name} needs (drop {name_of(name)})"
+    )
+
+
 def _argument_problems(info: ModelInfo, p: SamplingParams, name_of: Naming) -> list[str]:
     """Arguments set that the pipeline does not take, and required ones that are missing."""
     problems = []
     for name in (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image"):
         if getattr(p, name) is not None and name not in info.call_params:
             problems.append(
-                f"{name}: {info.class_name} takes no {name} (drop {name_of(name)}); it takes "
+                f"{_not_taken(info, name, name_of)}; it takes "
                 f"{', '.join(sorted(a for a in info.call_params if a in (*PIPELINE_ARGS, *PER_REQUEST_INPUTS)))}"
             )
     for name in sorted(info.required_params - {"prompt"}):
