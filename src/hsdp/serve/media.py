@@ -100,10 +100,12 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     if not isinstance(nested, dict):
         raise ApiError(400, "extra_body must be a JSON object of generation parameters", param="extra_body")
     merged = {**extras, **nested}
-    if "true_cfg_scale" not in merged and "cfg_scale" in merged:  # vLLM-Omni's alias
-        merged["true_cfg_scale"] = merged["cfg_scale"]
+    if "cfg_scale" in merged:  # vLLM-Omni's alias
+        merged.setdefault("true_cfg_scale", merged.pop("cfg_scale"))
     if merged.get("seed") is None and body.seed is not None:  # the standard chat field, as a fallback
         merged["seed"] = body.seed
+    if "lora" not in merged and body.lora is not None:
+        merged["lora"] = body.lora.model_dump()
     prompt = " ".join(m.text(" ") for m in body.messages if m.role == "user").strip()
     if not prompt:
         raise ApiError(
