@@ -23,7 +23,9 @@ from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.adapters import parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
+from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
+from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job, JobStore, QueueFull
 from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
@@ -79,11 +81,18 @@ def _await_torchrun_restart(stopped: threading.Event) -> None:
 
 
 class Server:
-    """One model behind one queue. ``start`` loads the model (errors surface before the port is bound).
+    """One model behind one queue. Building it checks what needs no loading (the settings, the model folder);
+    ``start`` loads the model (errors surface before the server listens).
     ``workers``: under torchrun, rank 0's :class:`hsdp.engine.leader.LeaderRanks` over every rank of the job."""
 
     def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
+        kind = inspect_model(resolve_model(settings.model)).kind  # from the folder's files: nothing loads yet
+        if kind == "causal_lm" and settings.max_batch_size > 1:
+            problems.append(
+                f"--max-batch-size {settings.max_batch_size}: causal LMs run one request at a time per rank "
+                "(per-request seeds); use --request-parallel to run several side by side"
+            )
         if problems:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.settings = settings
@@ -151,12 +160,6 @@ class Server:
                 requeued,
             )
         self.runner.start()
-        if self.kind == "causal_lm" and self.settings.max_batch_size > 1:
-            self.runner.stop()
-            raise ValueError(
-                f"--max-batch-size {self.settings.max_batch_size}: causal LMs run one request at a time per rank "
-                "(per-request seeds); use --request-parallel to run several side by side"
-            )
         if self.kind == "causal_lm":
             from transformers import AutoTokenizer
 
