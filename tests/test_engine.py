@@ -198,3 +198,24 @@ def test_batches_are_consecutive_chunks_when_inputs_are_alike():
 
     plain = [Request(i, "p", i) for i in range(5)]
     assert [[r.request_id for r in g] for [g] in lockstep_rounds(plain, 1, 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_inputs_a_pipeline_takes_one_of_are_never_batched(tmp_path_factory):
+    """Wan image-to-video's own check takes one image per call, not one per prompt: requests that give one run
+    one per rank per round, the others batched (issue 27 item 10: hsdp generate --batch-size 2 passed a list)."""
+    from PIL import Image
+
+    from hsdp.engine.params import Request, lockstep_rounds
+
+    i2v = inspect_model(resolve_model("tiny-wan-i2v", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
+    assert i2v.single_inputs == {"image"}
+    image = Image.new("RGB", (32, 32))
+    requests = [Request(0, "p", 0), Request(1, "p", 1, image=image), Request(2, "p", 2, image=image)]
+    requests += [Request(3, "p", 3)]
+    rounds = lockstep_rounds(requests, 2, 2, i2v.single_inputs)
+    assert [[[r.request_id for r in g] for g in groups] for groups in rounds] == [[[0], [3]], [[1], [2]]]
+    assert [[[r.request_id for r in g] for g in groups] for groups in lockstep_rounds(requests, 1, 2, i2v.single_inputs)] == [
+        [[0, 3]],
+        [[1]],
+        [[2]],
+    ]

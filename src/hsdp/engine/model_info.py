@@ -48,6 +48,8 @@ _UNCOND_PASS = re.compile(r"""cache_context\(\s*["']uncond["']""")
 _CONFIG_GATE = re.compile(r"self\.config\.(\w+) is None and (\w+) is not None")
 """A pipeline's input check refusing an argument while a config value is unset (Wan's ``guidance_scale_2`` needs
 ``boundary_ratio``, which only Wan 2.2's two-expert folders set)."""
+_SINGLE_INPUT = re.compile(r"not isinstance\((\w+), torch\.Tensor\) and not isinstance\(\1, PIL\.Image\.Image\)")
+"""A pipeline's input check taking one tensor or image for an input, never a list (Wan image-to-video)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class ModelInfo:
     argument -> the config value it needs (``guidance_scale_2`` -> ``boundary_ratio`` on Wan 2.1)."""
     required_params: frozenset[str] = frozenset()
     """Arguments ``__call__`` has no default for (e.g. ``image`` for image-to-video)."""
+    single_inputs: frozenset[str] = frozenset()
+    """Inputs the pipeline's own check takes one of per call (a tensor or an image, not one per prompt: Wan
+    image-to-video's ``image``): requests that give one never run batched."""
     components: tuple[str, ...] = ()
     denoisers: tuple[str, ...] = ()
     """Diffusers models that run every denoising step (transformer, transformer_2, unet, prior, ...)."""
@@ -238,6 +243,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         call_params=call_params,
         config_gated=gated,
         required_params=required,
+        single_inputs=frozenset(_SINGLE_INPUT.findall(source)) & call_params,
         components=tuple(specs),
         denoisers=denoisers,
         shardable=shardable,

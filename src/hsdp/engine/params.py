@@ -138,7 +138,9 @@ def input_signature(request: Request) -> tuple:
     )
 
 
-def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> list[list[list[Request]]]:
+def lockstep_rounds(
+    requests: list[Request], slots: int, batch_size: int, single_inputs: frozenset[str] = frozenset()
+) -> list[list[list[Request]]]:
     """The groups each rank runs, round by round: ``rounds[k][d]`` is the batch that the rank with data-parallel
     index ``d`` generates in round ``k`` (one group per round when ``slots`` is 1).
 
@@ -149,14 +151,17 @@ def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> lis
     round leaves short runs *fillers* (copies of the round's first request, output dropped). Padding costs the
     filler's compute, but every real output is that of one process running the request alone, and no input is
     changed or refused (encoding an empty negative prompt instead of none would change the images). Every rank
-    computes the same rounds from the same requests, so they agree without a collective.
+    computes the same rounds from the same requests, so they agree without a collective. Requests that give one
+    of ``single_inputs`` (inputs the pipeline takes one of per call: :attr:`ModelInfo.single_inputs`) run one
+    per rank per round whatever ``batch_size`` says.
     """
     by_signature: dict[tuple, list[Request]] = {}
     for request in requests:
         by_signature.setdefault(input_signature(request), []).append(request)
     rounds = []
-    per_round = slots * batch_size
-    for members in by_signature.values():
+    for signature, members in by_signature.items():
+        given = {name for name, value in zip(PER_REQUEST_INPUTS, signature, strict=True) if value is not None}
+        per_round = slots * (1 if given & single_inputs else batch_size)
         for start in range(0, len(members), per_round):
             chunk = members[start : start + per_round]
             size = -(-len(chunk) // slots)
