@@ -193,6 +193,19 @@ def test_worker_failure_in_memory_report_closes_the_engine(llama_info):
         engine.generate("again")
 
 
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        (SamplingParams(pipeline_kwargs=[1]), "pipeline_kwargs=[1] must be a dict (a JSON object for --pipeline-kwargs)"),
+        (SamplingParams(cache="first-block", cache_config="x"), "cache_config='x' must be a dict"),
+    ],
+)
+def test_mappings_that_are_not_dicts_are_named(wan_info, params, needle):
+    """The Python API's counterpart of the CLI's JSON-object flags (issue 27 item 12: a TypeError traceback)."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        build_requests(wan_info, HSDP2, ["x"], params)
+
+
 def test_batches_are_consecutive_chunks_when_inputs_are_alike():
     from hsdp.engine.params import Request, lockstep_rounds
 

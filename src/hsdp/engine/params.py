@@ -353,7 +353,13 @@ def build_requests(
             f"request-parallel HSDP runs {slots} requests side by side (one per rank, in lockstep), but "
             f"{len(prompts)} prompt(s) were given; pass a multiple of {slots} prompts, or drop --request-parallel"
         )
-    if info.kind == "diffusion":
+    not_mappings = [
+        f"{name}={value!r} must be a dict (a JSON object for {name_of(name)})"
+        for name in ("pipeline_kwargs", "cache_config")
+        if (value := getattr(params, name)) is not None and not isinstance(value, dict)
+    ]
+    problems += not_mappings
+    if info.kind == "diffusion" and not not_mappings:
         params = _fill_defaults(info, params)
         problems += _diffusion_problems(info, config, params, name_of)
     else:
