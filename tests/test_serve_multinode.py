@@ -143,23 +143,39 @@ def test_video_over_two_nodes_survives_a_dead_node(local_nodes, tmp_path):
     assert first == synced.content  # seed 3 again, after the restart: the same bytes
 
 
-def test_a_request_the_pipeline_refuses_fails_alone_over_two_nodes(local_nodes, tmp_path):
-    """The pipeline raising on every rank (fault injection: a prompt with "raise-valueerror") fails that request
-    only: 500 for the synchronous route, a failed job after one attempt for the queued one; the same ranks then
-    serve the next request (issue 27 item 1; before, no answer for 30 s, then both agents exited, or with
-    --max-restarts the job was queued again after the restart and crashed it again)."""
+def test_a_failing_request_fails_alone_over_two_nodes(local_nodes, tmp_path):
+    """Fault injection (tests/fault_injection): the pipeline raising on every rank (a prompt with
+    "raise-valueerror") fails that request only: 500 for the synchronous route, a failed job after one attempt for
+    the queued one, and the same ranks serve the next request (issue 27 item 1; before, no answer for 30 s, then
+    both agents exited, or with --max-restarts the job was queued again after the restart and crashed it again).
+    A job that kills its ranks ("poison") costs one torchrun restart per attempt: with --max-attempts 1 it is
+    failed after the restart, not run again, and the server serves on."""
     wan = builtin("tiny-wan", tmp_path / "cache")
     faults = str(Path(__file__).parent / "fault_injection")
-    env = {"HSDP_TEST_FAULTS": "1", "PYTHONPATH": os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")])}
-    nodes = local_nodes(wan, max_restarts=1, env=env)
+    env = {
+        "HSDP_TEST_FAULTS": "1",
+        "HSDP_TEST_POISON": "1",
+        "PYTHONPATH": os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")]),
+    }
+    nodes = local_nodes(wan, max_restarts=1, args=(*SHARD_2, "--max-attempts", "1"), env=env)
     ranks = nodes.ranks()
     refuse = {"prompt": "raise-valueerror", "seed": 1, **SMALL}
+    fox = {"prompt": "a red fox", "seed": 3, **SMALL}
     with httpx.Client(base_url=nodes.url, timeout=120) as client:
         refused = client.post("/v1/videos/sync", json=refuse)
         queued = client.post("/v1/videos", json=refuse).json()
         job = _poll_through_restarts(nodes, queued["id"], timeout_s=120)
-        synced = client.post("/v1/videos/sync", json={"prompt": "a red fox", "seed": 3, **SMALL})
+        synced = client.post("/v1/videos/sync", json=fox)
+        ranks_after = nodes.ranks()
+        poison = client.post("/v1/videos", json={**refuse, "prompt": "poison"}).json()
+    poisoned = _poll_through_restarts(nodes, poison["id"])
+    nodes.wait_healthy(120)
+    with httpx.Client(base_url=nodes.url, timeout=120) as client:
+        again = client.post("/v1/videos/sync", json=fox)
     assert refused.status_code == 500 and "injected: the pipeline refuses" in refused.json()["error"]["message"]
     assert (job["status"], job["error"]["code"], job["attempts"]) == ("failed", "generation_error", 1), job
     assert synced.status_code == 200 and synced.content == _reference_mp4(wan, tmp_path)
-    assert nodes.ranks() == ranks  # no rank was restarted
+    assert ranks_after == ranks  # no rank was restarted for the refusals
+    assert (poisoned["status"], poisoned["attempts"]) == ("failed", 1), poisoned
+    assert "(attempt 1 of 1)" in poisoned["error"]["message"]
+    assert nodes.ranks() != ranks and again.status_code == 200 and again.content == synced.content
