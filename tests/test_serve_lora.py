@@ -81,6 +81,8 @@ def _expected(base: Path, adapter: Path | None, prompt: str) -> str:
 
 
 def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, tmp_path):
+    from transformers import AutoTokenizer
+
     args = [*HSDP2, "--lora", f"a={root / 'a'}", "--lora", f"b={root / 'b'}", "--lora-root", str(root)]
     models = {str(base): None, "a": root / "a", "b": root / "b"}
     requests = [(model, PROMPTS[i % 3]) for i in range(10) for model in models]  # 30, rotating adapters
@@ -97,6 +99,11 @@ def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, t
         # Loaded at run time from under --lora-root (vLLM's route), served by name, then unloaded.
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "late"})
         late = _text(client, "late", PROMPTS[0])
+        # vLLM-Omni's lora field, as on diffusion servers: adapter b at half its scale.
+        by_field = client.post(
+            "/v1/completions",
+            json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "lora": {"name": "b", "scale": 0.5}},
+        )
         unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         gone = client.post("/v1/completions", json={"model": "late", "prompt": "x", "max_tokens": 1})
         errors = {
@@ -113,6 +120,11 @@ def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, t
     assert _metric(metrics, "hsdp_adapter_loads_total") == 2  # both fit their slots at start
     assert _metric(metrics, "hsdp_adapter_switches_total") >= 2
     assert loaded.status_code == 200 and late == _expected(base, root / "a", PROMPTS[0])
+    half, _ = lm_reference(base, root / "b", 0.5, PROMPTS[1], MAX_TOKENS, ((1, 2),))
+    assert by_field.status_code == 200 and by_field.json()["model"] == "b"
+    assert by_field.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(
+        half, skip_special_tokens=True
+    )
     assert unloaded.status_code == 200 and gone.status_code == 404
     message = gone.json()["error"]["message"]
     assert "'late' is not served" in message and "'a', 'b'" in message

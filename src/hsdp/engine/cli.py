@@ -22,6 +22,22 @@ from hsdp.models.builtin import builtin_names
 __all__ = ["add_arguments", "add_engine_arguments", "run"]
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``--pipeline-kwargs``, ``--cache-config``); anything else is exit 2 with
+    the reason, as argparse reports a bad value."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid JSON ({exc}); give an object like '{{\"a\": 1}}'"
+        ) from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is JSON but not an object ({type(value).__name__}); give an object like '{{\"a\": 1}}'"
+        )
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help=f"a local model folder or a built-in name ({builtin_names()})"
@@ -46,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     video.add_argument(
         "--pipeline-kwargs",
-        type=json.loads,
+        type=json_object,
         default=None,
         help="other __call__ arguments as JSON, e.g. '{\"strength\": 0.6}'",
     )
@@ -140,7 +156,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache-config",
-        type=json.loads,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="fields of the cache's diffusers config class, e.g. '{\"threshold\": 0.1}' (first-block's default: 0.05)",

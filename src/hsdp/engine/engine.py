@@ -446,7 +446,8 @@ class Engine:
         ``batch_size`` > 1 (diffusion) runs up to that many of a rank's requests as one batch through the
         pipeline, each with its own seed and noise: one forward per step for all of them. Requests that differ in
         which inputs they give (negative prompt, image, mask) run in separate batches and rounds
-        (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards.
+        (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards;
+        requests giving an input the pipeline takes one of per call (Wan image-to-video's image) run one at a time.
         ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
         ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
         ``on_start(call_id)`` is called once the call has its id, before the ranks start: :meth:`cancel` with
@@ -476,6 +477,7 @@ class Engine:
                     self._call_id,
                     batch_size,
                     active,
+                    self.info.single_inputs,
                     timeout_s=self.call_timeout_s,
                     on_event=_event_listener(on_progress, on_token),
                 )

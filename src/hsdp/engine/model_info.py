@@ -51,6 +51,11 @@ AUDIO_LENGTH_PARAMS = ("audio_end_in_s", "audio_length_in_s", "audio_duration_s"
 """The names diffusers' audio pipelines give the length of the audio to make, in seconds (Stable Audio,
 AudioLDM 2, LongCat, ACE-Step, Stable Audio 3): ``--audio-seconds`` / ``audio_seconds`` sets whichever the
 pipeline's ``__call__`` takes."""
+_CONFIG_GATE = re.compile(r"self\.config\.(\w+) is None and (\w+) is not None")
+"""A pipeline's input check refusing an argument while a config value is unset (Wan's ``guidance_scale_2`` needs
+``boundary_ratio``, which only Wan 2.2's two-expert folders set)."""
+_SINGLE_INPUT = re.compile(r"not isinstance\((\w+), torch\.Tensor\) and not isinstance\(\1, PIL\.Image\.Image\)")
+"""A pipeline's input check taking one tensor or image for an input, never a list (Wan image-to-video)."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,15 @@ class ModelInfo:
     max_audio_seconds: float | None = None
     """The longest audio the pipeline makes, where its family knows the limit (:mod:`hsdp.families`)."""
     call_params: frozenset[str] = frozenset()
-    """Arguments the pipeline's ``__call__`` accepts: only these are passed."""
+    """Arguments the pipeline's ``__call__`` accepts with this folder's config: only these are passed."""
+    config_gated: dict[str, str] = field(default_factory=dict)
+    """Arguments of ``__call__`` that this folder's pipeline config leaves off (not in :attr:`call_params`):
+    argument -> the config value it needs (``guidance_scale_2`` -> ``boundary_ratio`` on Wan 2.1)."""
     required_params: frozenset[str] = frozenset()
     """Arguments ``__call__`` has no default for (e.g. ``image`` for image-to-video)."""
+    single_inputs: frozenset[str] = frozenset()
+    """Inputs the pipeline's own check takes one of per call (a tensor or an image, not one per prompt: Wan
+    image-to-video's ``image``): requests that give one never run batched."""
     components: tuple[str, ...] = ()
     denoisers: tuple[str, ...] = ()
     """Diffusers models that run every denoising step (transformer, transformer_2, unet, prior, ...)."""
@@ -213,6 +224,18 @@ def _spatial_patch(denoiser: dict) -> int:
     return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
 
 
+def _config_gated(pipeline_cls: type, source: str, index: dict) -> dict[str, str]:
+    """The ``__call__`` arguments the pipeline's own input check refuses with this folder's config (a value
+    ``model_index.json`` leaves unset, or its ``__init__`` default when absent): argument -> config key."""
+    init = inspect.signature(pipeline_cls.__init__).parameters
+    gated = {}
+    for key, argument in _CONFIG_GATE.findall(source):
+        default = init[key].default if key in init else None
+        if index.get(key, None if default is inspect.Parameter.empty else default) is None:
+            gated[argument] = key
+    return gated
+
+
 def _diffusion_info(folder: Path) -> ModelInfo:
     import diffusers
 
@@ -239,8 +262,13 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         for name, cls in modules.items()
         if name in denoisers or (_has_shard_plan(cls) and sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
     )
+    try:
+        source = inspect.getsource(pipeline_cls)
+    except (OSError, TypeError):
+        source = ""
+    gated = _config_gated(pipeline_cls, source, index)
     signature = inspect.signature(pipeline_cls.__call__).parameters
-    call_params = frozenset(signature) - {"self"}
+    call_params = frozenset(signature) - {"self"} - set(gated)
     required = frozenset(
         n
         for n, p in signature.items()
@@ -253,10 +281,6 @@ def _diffusion_info(folder: Path) -> ModelInfo:
     defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():
         defaults.update(_read_json(folder / DEFAULTS_FILE))
-    try:
-        source = inspect.getsource(pipeline_cls)
-    except (OSError, TypeError):
-        source = ""
     output, audio_track = _output_kind(pipeline_cls, call_params)
     return ModelInfo(
         path=folder,
@@ -269,7 +293,9 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         audio_length_param=next((n for n in AUDIO_LENGTH_PARAMS if n in call_params), None),
         max_audio_seconds=family.max_audio_seconds(_configs(folder, modules)) if family.max_audio_seconds else None,
         call_params=call_params,
+        config_gated=gated,
         required_params=required,
+        single_inputs=frozenset(_SINGLE_INPUT.findall(source)) & call_params,
         components=tuple(specs),
         denoisers=denoisers,
         shardable=shardable,

@@ -142,7 +142,9 @@ def input_signature(request: Request) -> tuple:
     )
 
 
-def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> list[list[list[Request]]]:
+def lockstep_rounds(
+    requests: list[Request], slots: int, batch_size: int, single_inputs: frozenset[str] = frozenset()
+) -> list[list[list[Request]]]:
     """The groups each rank runs, round by round: ``rounds[k][d]`` is the batch that the rank with data-parallel
     index ``d`` generates in round ``k`` (one group per round when ``slots`` is 1).
 
@@ -153,14 +155,17 @@ def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> lis
     round leaves short runs *fillers* (copies of the round's first request, output dropped). Padding costs the
     filler's compute, but every real output is that of one process running the request alone, and no input is
     changed or refused (encoding an empty negative prompt instead of none would change the images). Every rank
-    computes the same rounds from the same requests, so they agree without a collective.
+    computes the same rounds from the same requests, so they agree without a collective. Requests that give one
+    of ``single_inputs`` (inputs the pipeline takes one of per call: :attr:`ModelInfo.single_inputs`) run one
+    per rank per round whatever ``batch_size`` says.
     """
     by_signature: dict[tuple, list[Request]] = {}
     for request in requests:
         by_signature.setdefault(input_signature(request), []).append(request)
     rounds = []
-    per_round = slots * batch_size
-    for members in by_signature.values():
+    for signature, members in by_signature.items():
+        given = {name for name, value in zip(PER_REQUEST_INPUTS, signature, strict=True) if value is not None}
+        per_round = slots * (1 if given & single_inputs else batch_size)
         for start in range(0, len(members), per_round):
             chunk = members[start : start + per_round]
             size = -(-len(chunk) // slots)
@@ -194,13 +199,25 @@ def cli_flag(name: str) -> str:
 Naming = Callable[[str], str]
 
 
+def _not_taken(info: ModelInfo, name: str, name_of: Naming) -> str:
+    """Why the pipeline refuses the argument ``name``: it has no such argument, or this folder's config turns it
+    off (``guidance_scale_2`` without ``boundary_ratio``: Wan 2.1, not Wan 2.2's two experts)."""
+    key = info.config_gated.get(name)
+    if key is None:
+        return f"{name}: {info.class_name} takes no {name} (drop {name_of(name)})"
+    return (
+        f"{name}: this {info.class_name} takes no {name}: its model_index.json leaves {key} unset, which "
+        f"{name} needs (drop {name_of(name)})"
+    )
+
+
 def _argument_problems(info: ModelInfo, p: SamplingParams, name_of: Naming) -> list[str]:
     """Arguments set that the pipeline does not take, and required ones that are missing."""
     problems = []
     for name in (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image"):
         if getattr(p, name) is not None and name not in info.call_params:
             problems.append(
-                f"{name}: {info.class_name} takes no {name} (drop {name_of(name)}); it takes "
+                f"{_not_taken(info, name, name_of)}; it takes "
                 f"{', '.join(sorted(a for a in info.call_params if a in (*PIPELINE_ARGS, *PER_REQUEST_INPUTS)))}"
             )
     for name in sorted(info.required_params - {"prompt"}):
@@ -352,7 +369,13 @@ def build_requests(
             f"request-parallel HSDP runs {slots} requests side by side (one per rank, in lockstep), but "
             f"{len(prompts)} prompt(s) were given; pass a multiple of {slots} prompts, or drop --request-parallel"
         )
-    if info.kind == "diffusion":
+    not_mappings = [
+        f"{name}={value!r} must be a dict (a JSON object for {name_of(name)})"
+        for name in ("pipeline_kwargs", "cache_config")
+        if (value := getattr(params, name)) is not None and not isinstance(value, dict)
+    ]
+    problems += not_mappings
+    if info.kind == "diffusion" and not not_mappings:
         params = _fill_defaults(info, params)
         problems += _diffusion_problems(info, config, params, name_of)
     else:

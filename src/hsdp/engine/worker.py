@@ -180,6 +180,7 @@ def generate(
     call_id: int = 0,
     batch_size: int = 1,
     adapter: adapters.ActiveAdapter | None = None,
+    single_inputs: frozenset[str] = frozenset(),
 ) -> RankResult:
     """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
 
@@ -188,6 +189,7 @@ def generate(
     :func:`hsdp.engine.params.lockstep_rounds` (requests ``d, d + N, d + 2N, ...`` when their inputs are alike).
     A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
     ``cancelled``. ``adapter``: the LoRA slot and scalings the call uses (None: the base alone).
+    ``single_inputs``: inputs the pipeline takes one of per call (requests giving one are not batched).
     """
     runner, config, meshes, watch = _loaded()
     adapters.activate(runner.modules(), adapter)
@@ -198,7 +200,7 @@ def generate(
     outputs = []
     accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
     with torch.no_grad(), accounting:
-        for groups in lockstep_rounds(requests, slots, batch_size):
+        for groups in lockstep_rounds(requests, slots, batch_size, single_inputs):
             group = groups[slot]
             decode = reports and not all(r.filler for r in group)
             payloads = _generate_group(runner, watch, call_id, group, params, decode, progress and rank() == 0)

@@ -107,11 +107,13 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     if not isinstance(nested, dict):
         raise ApiError(400, "extra_body must be a JSON object of generation parameters", param="extra_body")
     merged = {**extras, **nested}
-    if "true_cfg_scale" not in merged and "cfg_scale" in merged:  # vLLM-Omni's alias
-        merged["true_cfg_scale"] = merged["cfg_scale"]
+    if "cfg_scale" in merged:  # vLLM-Omni's alias
+        merged.setdefault("true_cfg_scale", merged.pop("cfg_scale"))
     for name in ("seed", "model"):  # the standard chat fields, as a fallback (``model`` may name an adapter)
         if merged.get(name) is None and getattr(body, name) is not None:
             merged[name] = getattr(body, name)
+    if "lora" not in merged and body.lora is not None:
+        merged["lora"] = body.lora.model_dump()
     prompt = " ".join(m.text(" ") for m in body.messages if m.role == "user").strip()
     if not prompt:
         raise ApiError(

@@ -7,10 +7,14 @@ Field bounds here are absolute (they appear in ``/openapi.json``); the server's 
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from hsdp.serve.settings import ServeLimits
 
@@ -29,6 +33,8 @@ __all__ = [
     "ChatCompletionRequest",
     "check_limits",
     "parse_size",
+    "closest_fields",
+    "unknown_fields_problem",
     "DEFAULT_MODEL_ALIAS",
 ]
 
@@ -62,8 +68,45 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+UNKNOWN_FIELD = "unknown_field"
+"""The pydantic error type of a field a body does not declare; its ``ctx`` holds each such field's closest known
+name (:func:`closest_fields`) and the hint (:func:`unknown_fields_problem` words it)."""
+EXTRA_ARGS_HINT = "other arguments of the pipeline's __call__ go in extra_args"
+
+
+def closest_fields(names: Iterable[str], known: Iterable[str]) -> dict[str, str | None]:
+    """Each unknown name's closest known one (difflib), or None."""
+    known = sorted(known)
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1)), None) for name in names}
+
+
+def unknown_fields_problem(closest: dict[str, str | None], hint: str = "", prefix: str = "") -> str:
+    """``num_inference_step: unknown field; did you mean num_inference_steps?``, as OpenAI refuses unknown
+    arguments (a typo is never silently ignored); ``prefix`` is the enclosing field's path (``lora.``)."""
+    parts = [f"{prefix}{name}: unknown field" + (f"; did you mean {c}?" if c else "") for name, c in closest.items()]
+    return "; ".join(parts) + (f" ({hint})" if hint else "")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
+    """A request body whose fields are all declared: an unknown one is a 400 naming it and the closest known
+    one; pipeline-specific arguments have their own field (``extra_args``)."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":
+            unknown = [str(k) for k in data if k not in cls.model_fields]
+            if unknown:
+                closest = closest_fields(unknown, cls.model_fields)
+                hint = EXTRA_ARGS_HINT if "extra_args" in cls.model_fields else ""
+                raise PydanticCustomError(
+                    UNKNOWN_FIELD,
+                    "{problem}",
+                    {"closest": closest, "hint": hint, "problem": unknown_fields_problem(closest, hint)},
+                )
+        return data
 
 
 class LoraRequest(_Strict):
@@ -117,6 +160,22 @@ class DiffusionFields(_Strict):
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
     lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
+    extra_args: dict[str, Any] | None = Field(
+        None,
+        description="Other arguments of the pipeline's __call__ by name, e.g. {\"strength\": 0.6} (checked "
+        "against its signature); a JSON string in multipart forms",
+    )
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _form_json(cls, value: Any) -> Any:
+        """Multipart forms carry ``extra_args`` as JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON ({exc}); give a JSON object") from exc
+        return value
 
 
 class VideoRequest(DiffusionFields):
@@ -276,6 +335,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first")
     n: int = Field(1, ge=1, le=1, description="One choice per prompt")
     user: str | None = Field(None, max_length=512)
+    lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
 
 
 class CompletionRequest(_SamplingFields):
@@ -317,8 +377,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """OpenAI ``POST /v1/chat/completions``. Unknown fields are kept (not validated here): on a diffusion model
-    they are the generation parameters (:class:`ChatImageParams`), also when nested under ``extra_body``."""
+    """OpenAI ``POST /v1/chat/completions``. Other fields are kept here and checked by the route: on a diffusion
+    model they are the generation parameters (:class:`ChatImageParams`), also when nested under ``extra_body``;
+    on a causal LM each is a 400 (:meth:`unknown_problem`)."""
 
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
@@ -330,6 +391,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def token_budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
+
+    def unknown_problem(self) -> str | None:
+        """The fields a text chat does not take (all it kept), named with the closest known ones."""
+        extra = list(self.model_extra or {})
+        return unknown_fields_problem(closest_fields(extra, type(self).model_fields)) if extra else None
 
 
 class ErrorDetail(BaseModel):

@@ -23,7 +23,9 @@ from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.adapters import SlotSpec, parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
-from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
+from hsdp.engine.model_info import inspect_model
+from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
+from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job, JobStore, QueueFull
 from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
@@ -37,6 +39,7 @@ from hsdp.serve.schemas import (
     LoraRequest,
     VideoJob,
     check_limits,
+    closest_fields,
     parse_size,
 )
 from hsdp.serve.settings import ServeSettings
@@ -87,11 +90,18 @@ def _await_torchrun_restart(stopped: threading.Event) -> None:
 
 
 class Server:
-    """One model behind one queue. ``start`` loads the model (errors surface before the port is bound).
+    """One model behind one queue. Building it checks what needs no loading (the settings, the model folder);
+    ``start`` loads the model (errors surface before the server listens).
     ``workers``: under torchrun, rank 0's :class:`hsdp.engine.leader.LeaderRanks` over every rank of the job."""
 
     def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
+        kind = inspect_model(resolve_model(settings.model)).kind  # from the folder's files: nothing loads yet
+        if kind == "causal_lm" and settings.max_batch_size > 1:
+            problems.append(
+                f"--max-batch-size {settings.max_batch_size}: causal LMs run one request at a time per rank "
+                "(per-request seeds); use --request-parallel to run several side by side"
+            )
         if problems:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.settings = settings
@@ -216,12 +226,6 @@ class Server:
                 requeued,
             )
         self.runner.start()
-        if self.kind == "causal_lm" and self.settings.max_batch_size > 1:
-            self.runner.stop()
-            raise ValueError(
-                f"--max-batch-size {self.settings.max_batch_size}: causal LMs run one request at a time per rank "
-                "(per-request seeds); use --request-parallel to run several side by side"
-            )
         if self.kind == "causal_lm":
             from transformers import AutoTokenizer
 
@@ -449,6 +453,20 @@ class Server:
                 param=mask.field,
             )
 
+    def _check_extra_args(self, extra: dict) -> None:
+        """``extra_args`` names arguments of the pipeline's ``__call__`` that no field covers (the engine sets
+        the rest: prompts, images, the fields above)."""
+        takes = self.info.call_params - RESERVED_ARGS
+        unknown = [name for name in extra if name not in takes]
+        if unknown:
+            named = [n + (f" (did you mean {c}?)" if c else "") for n, c in closest_fields(unknown, takes).items()]
+            raise ApiError(
+                400,
+                f"extra_args: {self.info.class_name}.__call__ takes no {', '.join(named)}; it takes "
+                f"{', '.join(sorted(takes))}",
+                param="extra_args",
+            )
+
     def _size(self, request: DiffusionFields, image: Image | None) -> tuple[int | None, int | None]:
         """``size``/``width``/``height``; ``size='auto'`` with an input image is its size, rounded down to the
         model's spatial multiple (the pipeline refuses other sizes)."""
@@ -482,6 +500,9 @@ class Server:
         for name in kwargs:
             if name not in self.info.call_params:
                 raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
+        extra = request.extra_args or {}
+        self._check_extra_args(extra)
+        kwargs = {**extra, **kwargs}
         decoded = {u.engine_field: self._decode(u) for u in (image, mask) if u is not None}
         width, height = self._size(request, decoded.get("image"))
         check_limits(request, self.settings.limits, width, height)
@@ -571,7 +592,7 @@ class Server:
             )
         )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
-        adapter = self.adapter_choice(request.model, None)
+        adapter = self.adapter_choice(request.model, request.lora)
         jobs = []
         for i, prompt in enumerate(prompts):
             prompt_tokens = len(self.tokenizer(prompt)["input_ids"])

@@ -103,6 +103,13 @@ class ServeSettings:
         problems = []
         if self.max_queue < 1:
             problems.append(f"--max-queue {self.max_queue} must be >= 1")
+        output_dir = Path(self.output_dir)
+        blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            problems.append(
+                f"--output-dir {output_dir}: {blocking} is a file; give a folder (created when missing) for the "
+                "job records and videos"
+            )
         if self.job_timeout_s <= 0:
             problems.append(f"--job-timeout {self.job_timeout_s} must be > 0 seconds")
         if self.step_timeout_s <= 0:

@@ -142,4 +142,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     if server.kind == "diffusion":
         return await _chat_media(server, body, request)
     server.check_model(body.model, "causal_lm")
+    if problem := body.unknown_problem():
+        raise ApiError(400, problem, param=next(iter(body.model_extra)), code="invalid_request")
     return await _text_response(server, body, request, chat=True)
