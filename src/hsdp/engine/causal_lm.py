@@ -15,9 +15,9 @@ import torch
 from hsdp.attention import set_attention_backend
 from hsdp.distributed import local_device
 from hsdp.distributed import world_size as current_world_size
+from hsdp.engine.components import LoadSpec, load_component
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams
-from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event
 from hsdp.mesh import ParallelMeshes
 

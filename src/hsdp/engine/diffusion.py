@@ -22,11 +22,11 @@ from hsdp.context_parallel import enable_ulysses
 from hsdp.distributed import local_device
 from hsdp.engine.cache import StepCache, agreement_group
 from hsdp.engine.compile import compile_blocks
+from hsdp.engine.components import LoadSpec, load_component
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
-from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event, heartbeat
 from hsdp.mesh import ParallelMeshes
 

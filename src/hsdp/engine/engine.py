@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from hsdp import distributed
 from hsdp.config import ParallelConfig
-from hsdp.engine import adapters, worker
+from hsdp.engine import adapters, components, worker
 from hsdp.engine.control import CancelBoard
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import GenerationOutput
@@ -351,7 +351,7 @@ class Engine:
             )
         started = time.perf_counter()
         self._group = self._ranks(workers, start_timeout_s)
-        spec = worker.LoadSpec(
+        spec = components.LoadSpec(
             self.info.path,
             self.info.kind,
             self.config,
