@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp import distributed
-from hsdp.launch import WorkerDiedError, WorkerError, WorkerRaised, WorkerTimeout, _error_report, event_sink
+from hsdp.launch import WorkerDiedError, WorkerError, WorkerRaised, WorkerTimeout, error_report, event_sink
 
 logger = logging.getLogger("hsdp")
 
@@ -87,12 +87,12 @@ def _gather(group: dist.ProcessGroup, payload: bytes, timeout_s: float) -> list[
 
 def _call(fn: Callable[..., Any], args: tuple, on_event: Callable[[Any], None] | None) -> bytes:
     """``fn(*args)`` on this rank, as a pickled ``("ok", result)`` or ``("err", report)`` (the traceback, the
-    exception line, and whether it is ordinary: :func:`hsdp.launch._error_report`)."""
+    exception line, and whether it is ordinary: :func:`hsdp.launch.error_report`)."""
     try:
         with event_sink(on_event or (lambda payload: None)):
             return pickle.dumps(("ok", fn(*args)))
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        return pickle.dumps(("err", _error_report(exc)))
+        return pickle.dumps(("err", error_report(exc)))
 
 
 GROUP_CHECK_S = 10.0
