@@ -12,7 +12,7 @@ import soundfile
 
 from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.engine import layout_problems
+from hsdp.engine.checks import layout_problems
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import encode_audio, output_suffix_problem, save_audio
 from hsdp.engine.params import build_requests

@@ -14,7 +14,7 @@ import pytest
 from hsdp import ParallelConfig
 from hsdp.cli import main as cli_main
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.engine import layout_problems
+from hsdp.engine.checks import layout_problems
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import build_requests
 from hsdp.models.builtin import resolve_model

@@ -14,7 +14,7 @@ import pytest
 
 from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.engine import layout_problems
+from hsdp.engine.checks import layout_problems
 from hsdp.engine.model_info import inspect_model
 from tests import engine_rank_fns
 from tests.engine_refs import builtin, input_image, reference_pipeline
