@@ -125,3 +125,31 @@ def test_mp4_carries_the_sound_track_the_pipeline_made(tmp_path):
     assert decoded.shape == track.shape  # the mp4's edit list drops AAC's priming: aligned, as long as the frames
     error = decoded - track
     assert 10 * np.log10(np.mean(track**2) / np.mean(error**2)) > 30  # 39 dB measured
+
+
+LTX2 = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 1.0,
+        "max_sequence_length": 16}  # fmt: skip
+
+
+def test_video_with_its_sound_equals_one_process(tmp_path, dist_run):
+    """LTX-2 (one joint video + audio transformer, sharded): the frames and the waveform of HSDP 2 equal one
+    process exactly; the pipeline's vocoder gives the sample rate."""
+    import torch
+
+    from tests.audio_pipelines import build_tiny_ltx2
+
+    folder = build_tiny_ltx2(tmp_path / "tiny-ltx2")
+    info = inspect_model(folder)
+    assert (info.output, info.audio_track) == ("video", True) and "transformer" in info.shardable
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    with Engine(folder, config, workers=dist_run.group(2)) as engine:
+        [out] = engine.generate(PROMPT, SamplingParams(seed=5, negative_prompt="", **LTX2))
+    from tests.engine_refs import _pipeline, one_thread
+
+    with one_thread(), torch.no_grad():  # the pipeline as the reference of every family test holds it
+        expected = _pipeline(folder)(prompt=PROMPT, negative_prompt="", generator=torch.Generator().manual_seed(5),
+                                     output_type="np", frame_rate=24.0, **LTX2)  # fmt: skip
+    assert out.sample_rate == 16000 and out.audio.shape == tuple(expected.audio[0].shape)
+    np.testing.assert_array_equal(out.frames, expected.frames[0])
+    np.testing.assert_array_equal(out.audio, expected.audio[0].numpy())
+    assert np.abs(out.audio).max() > 0
