@@ -102,6 +102,32 @@ def _numeric_actions() -> list[tuple[str, argparse.Action]]:
 
 _COUNTER = iter(range(10**6))
 
+ITEM_12 = "issue 27 item 12: valid JSON that is not an object gives a traceback / is accepted"
+KNOWN_SEAMS = {
+    ("generate", "--pipeline-kwargs"): ITEM_12,
+    ("generate", "--cache-config", "null"): ITEM_12,
+    ("serve", "--cache-config", "null"): ITEM_12,
+    ("serve", "--output-dir"): "issue 27 item 13: hsdp serve --output-dir FILE gives a traceback",
+    ("serve", "--port"): "issue 27 item 11: a busy port is found only after loading",
+    ("generate", "--guidance-scale-2"): "issue 27 item 9: a field of another family is accepted, then fails",
+    ("serve", "--max-batch-size"): "issue 27 item 17: --max-batch-size on an LM is refused only after loading",
+    # not in issue 27's list (nobody fixes them on this branch): reported
+    ("generate", "--image", "path"): "unowned: the refusal names the field 'image', not --image",
+    ("train", "--export"): "unowned: --export FILE is accepted (fails after training)",
+    ("train", "--output-dir"): "unowned: --output-dir FILE gives a traceback (NotADirectoryError)",
+    ("train", "--summary-json"): "unowned: --summary-json FOLDER is accepted (fails after training)",
+    ("train", "--logging-dir"): "unowned: --logging-dir FILE is accepted (fails when the first log is written)",
+    ("generate", "--num-frames"): "unowned (as item 9): a diffusion flag on a causal LM is accepted and ignored",
+    ("generate", "--cache"): "unowned (as item 9): --cache on a causal LM is accepted and ignored by hsdp generate",
+    ("generate", "--batch-size"): "unowned: the refusal names batch_size=2, not --batch-size",
+}
+"""(command, flag[, value]) -> why it fails today: xfail(strict) until the fix named is merged."""
+
+
+def _seam(*key: str):
+    reason = KNOWN_SEAMS.get(key) or KNOWN_SEAMS.get(key[:2])
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
 
 @pytest.mark.parametrize(
     "command, action", _numeric_actions(), ids=lambda x: x if isinstance(x, str) else x.option_strings[0]
@@ -124,8 +150,14 @@ def _json_actions() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.parametrize("command, flag", _json_actions())
-@pytest.mark.parametrize("value", ["[1]", '"x"', "3", "null"])
+@pytest.mark.parametrize(
+    "command, flag, value",
+    [
+        pytest.param(command, flag, value, marks=_seam(command, flag, value))
+        for command, flag in _json_actions()
+        for value in ("[1]", '"x"', "3", "null")
+    ],
+)
 def test_json_of_the_wrong_type_exits_2_naming_the_flag(command, flag, value, models, paths, nothing_starts, capsys):
     argv = [command, *_base(command, models, paths["root"], next(_COUNTER)), flag, value]
     outcome, err = _run(argv, capsys)
@@ -145,6 +177,10 @@ PATH_FLAGS = {
     ("train", "--output-dir"): "folder",
     ("train", "--export"): "folder",
     ("train", "--summary-json"): "file-out",
+    ("train", "--eval-data"): "file-in",
+    ("train", "--export-merged"): "folder",
+    ("train", "--logging-dir"): "folder",
+    ("train", "--lora-adapter"): "folder",
 }
 
 
@@ -156,7 +192,9 @@ def _wrong_paths(kind: str, paths: dict) -> list[Path]:
     }[kind]
 
 
-@pytest.mark.parametrize("command, flag", sorted(PATH_FLAGS))
+@pytest.mark.parametrize(
+    "command, flag", [pytest.param(*key, marks=_seam(*key, "path")) for key in sorted(PATH_FLAGS)]
+)
 def test_a_path_of_the_wrong_kind_exits_2_naming_the_flag(command, flag, models, paths, nothing_starts, capsys):
     for wrong in _wrong_paths(PATH_FLAGS[command, flag], paths):
         base = _base(command, models, paths["root"], next(_COUNTER))
@@ -181,11 +219,12 @@ def test_every_path_flag_is_fuzzed():
         and action.dest not in ("summary", "lora_r", "lora_alpha", "lora_dropout", "max_loras", "max_lora_rank")
     }
     unknown = {
-        f for f in found if f not in PATH_FLAGS and not any(w in f[1] for w in ("json", "dtype", "name", "format"))
+        f for f in found if f not in PATH_FLAGS and not any(w in f[1] for w in ("json", "dtype", "name", "format", "target"))
     }
     assert not unknown, f"add these to PATH_FLAGS: {sorted(unknown)}"
 
 
+@pytest.mark.xfail(strict=True, reason=KNOWN_SEAMS["serve", "--port"])
 def test_a_port_in_use_exits_2_before_loading(models, paths, nothing_starts, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -209,7 +248,10 @@ OTHER_FAMILY = [
 ]
 
 
-@pytest.mark.parametrize("command, model, flags", OTHER_FAMILY, ids=lambda x: x if isinstance(x, str) else " ".join(x))
+@pytest.mark.parametrize(
+    "command, model, flags",
+    [pytest.param(c, m, f, marks=_seam(c, f[0]), id=f"{c}-{m}-{f[0]}") for c, m, f in OTHER_FAMILY],
+)
 def test_a_field_of_another_family_exits_2_before_loading(command, model, flags, models, paths, nothing_starts, capsys):
     image = paths["root"] / "input.png"
     if not image.exists():
