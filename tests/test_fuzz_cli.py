@@ -113,10 +113,6 @@ KNOWN_SEAMS = {
     ("serve", "--max-batch-size"): "issue 27 item 17: --max-batch-size on an LM is refused only after loading",
     # not in issue 27's list (nobody fixes them on this branch): reported
     ("generate", "--image", "path"): "unowned: the refusal names the field 'image', not --image",
-    ("train", "--export"): "unowned: --export FILE is accepted (fails after training)",
-    ("train", "--output-dir"): "unowned: --output-dir FILE gives a traceback (NotADirectoryError)",
-    ("train", "--summary-json"): "unowned: --summary-json FOLDER is accepted (fails after training)",
-    ("train", "--logging-dir"): "unowned: --logging-dir FILE is accepted (fails when the first log is written)",
     ("generate", "--num-frames"): "unowned (as item 9): a diffusion flag on a causal LM is accepted and ignored",
     ("generate", "--cache"): "unowned (as item 9): --cache on a causal LM is accepted and ignored by hsdp generate",
     ("generate", "--batch-size"): "unowned: the refusal names batch_size=2, not --batch-size",
