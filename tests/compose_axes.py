@@ -119,6 +119,16 @@ COST = (
         "as above, for --compile",
     ),
     Rule(
+        {
+            "compile": ("on",),
+            "lifecycle": ("killed", "restarted"),
+            "layout": tuple(v for v in AXES["layout"] if v != "one-process"),
+        },
+        "cost",
+        "a killed worker's new group, and a restarted server, compile the blocks again (minutes on a CPU): "
+        "--compile meets those lifecycles at one process only",
+    ),
+    Rule(
         {"layout": ("request-parallel2",), "route": ("generate",), "batching": ("alone",)},
         "cost",
         "Engine.generate under --request-parallel takes a multiple of its 2 request slots (one prompt is refused "

@@ -239,8 +239,9 @@ class NodesHost:
         return int(metric(self.client, "hsdp_worker_failures_total"))
 
     def restart(self) -> None:
-        self.nodes.stop()
-        self.nodes.start()
+        self.close()
+        self.nodes.start()  # on a new port
+        self.client = httpx.Client(base_url=self.nodes.url, timeout=600)
 
     def wait_ready(self) -> None:
         self.nodes.wait_healthy(600)
