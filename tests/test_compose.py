@@ -312,6 +312,7 @@ def _blocker() -> Request:
 
 def run_on_server(host, case: Case) -> list:
     """The case's outputs, in :func:`requests` order, through its route on ``host``."""
+    host.wait_ready()  # an earlier case may have killed a worker
     client = host.client
     if case.adapter == "runtime":
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": runtime_name(case), "lora_path": "late"})
