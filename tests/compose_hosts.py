@@ -228,7 +228,12 @@ class NodesHost:
     """``hsdp serve`` over two torchrun agents (one rank each, HSDP 2), restarted by torchrun after a kill."""
 
     def __init__(self, model: Path, args: list[str], log_dir: Path):
-        self.nodes = LocalNodes(str(model), args, log_dir=log_dir, max_restarts=1)
+        self.model, self.args, self.log_dir = model, args, log_dir
+        self._start()
+
+    def _start(self) -> None:
+        # A new LocalNodes each start: a stopped one still holds its ended agents.
+        self.nodes = LocalNodes(str(self.model), self.args, log_dir=self.log_dir, max_restarts=1)
         self.nodes.start()
         self.client = httpx.Client(base_url=self.nodes.url, timeout=600)
 
@@ -240,8 +245,7 @@ class NodesHost:
 
     def restart(self) -> None:
         self.close()
-        self.nodes.start()  # on a new port
-        self.client = httpx.Client(base_url=self.nodes.url, timeout=600)
+        self._start()  # on a new port, the same --output-dir
 
     def wait_ready(self) -> None:
         self.nodes.wait_healthy(600)
