@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]  # benchmarks.serve_fuzz starts the servers
 
 MAX_EXAMPLES = 5
 """Per operation and phase: each server answers a few hundred requests in about a minute."""
