@@ -235,6 +235,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.summary_json and Path(args.summary_json).is_dir():
+        print(f"hsdp train: --summary-json {args.summary_json} is a folder; it names the file to write", file=sys.stderr)
+        return 2
     try:
         cfg = config_from_args(args)
         result = run_training(cfg)

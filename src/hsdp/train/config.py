@@ -260,6 +260,7 @@ class TrainConfig:
         out.extend(report_problems(self.report_to, self.output_dir, self.logging_dir))
         if (self.save_every or self.resume) and not self.output_dir:
             out.append("--save-every / --resume need --output-dir (where checkpoints live)")
+        out.extend(self._folder_problems())
         for pattern in self.freeze:
             try:
                 re.compile(pattern)
@@ -277,6 +278,20 @@ class TrainConfig:
                 f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
             )
         return out
+
+    def _folder_problems(self) -> list[str]:
+        """Folders the run writes into that are files: found now, not when training first writes there."""
+        folders = {
+            "--output-dir": self.output_dir,
+            "--export": self.export,
+            "--export-merged": self.export_merged,
+            "--logging-dir": self.logging_dir,
+        }
+        return [
+            f"{flag} {path} is a file; it names a folder (pass a folder path, or remove the file)"
+            for flag, path in folders.items()
+            if path and Path(path).is_file()
+        ]
 
     def _diffusion_problems(self) -> list[str]:
         out = []
