@@ -74,17 +74,6 @@ ANY_ADAPTER = ("one", "rotation", "scale", "runtime")
 SERIAL_LAYOUTS = tuple(v for v in AXES["layout"] if v != "request-parallel2")
 """Layouts whose ranks run one request's forward together (request-parallel ranks each run their own)."""
 KNOWN_SEAMS = (
-    ({"route": ("chat",), "adapter": ANY_ADAPTER}, "issue 27 item 4: /v1/chat/completions ignores the adapter"),
-    ({"adapter": ("runtime",), "lifecycle": ("restarted",)}, "issue 27 item 6: a run-time adapter is gone after a restart"),
-    (
-        {"cache": ("first-block",), "batching": ("beside",), "layout": SERIAL_LAYOUTS},
-        "issue 27 item 5: the first-block cache decides once for the whole batch",
-    ),
-    (
-        {"layout": ("cfg2",), "adapter": ANY_ADAPTER},
-        "not in issue 27's list: under --cfg-parallel-size 2 no adapter is applied (the CFG wrapper names the LoRA "
-        "layers 'transformer.blocks...', so adapters.fill / activate match none): 0.59 off one process",
-    ),
     (
         {"cache": ("taylorseer",), "batching": ("beside",), "layout": SERIAL_LAYOUTS},
         "not in issue 27's list: TaylorSeer with a request batched beside is 2.1e-4 from alone (> 1e-5)",

@@ -102,15 +102,7 @@ def _numeric_actions() -> list[tuple[str, argparse.Action]]:
 
 _COUNTER = iter(range(10**6))
 
-ITEM_12 = "issue 27 item 12: valid JSON that is not an object gives a traceback / is accepted"
 KNOWN_SEAMS = {
-    ("generate", "--pipeline-kwargs"): ITEM_12,
-    ("generate", "--cache-config", "null"): ITEM_12,
-    ("serve", "--cache-config", "null"): ITEM_12,
-    ("serve", "--output-dir"): "issue 27 item 13: hsdp serve --output-dir FILE gives a traceback",
-    ("serve", "--port"): "issue 27 item 11: a busy port is found only after loading",
-    ("generate", "--guidance-scale-2"): "issue 27 item 9: a field of another family is accepted, then fails",
-    ("serve", "--max-batch-size"): "issue 27 item 17: --max-batch-size on an LM is refused only after loading",
     # not in issue 27's list (nobody fixes them on this branch): reported
     ("generate", "--image", "path"): "unowned: the refusal names the field 'image', not --image",
     ("generate", "--num-frames"): "unowned (as item 9): a diffusion flag on a causal LM is accepted and ignored",
@@ -220,7 +212,6 @@ def test_every_path_flag_is_fuzzed():
     assert not unknown, f"add these to PATH_FLAGS: {sorted(unknown)}"
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_SEAMS["serve", "--port"])
 def test_a_port_in_use_exits_2_before_loading(models, paths, nothing_starts, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

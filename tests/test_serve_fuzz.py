@@ -12,12 +12,7 @@ MAX_EXAMPLES = 5
 """Per operation and phase: each server answers a few hundred requests in about a minute."""
 
 
-ITEM_9 = "issue 27 item 9: guidance_scale_2 on Wan 2.1 is accepted, then fails (500)"
-
-
-@pytest.mark.parametrize(
-    "model", [pytest.param("tiny-wan", marks=pytest.mark.xfail(strict=True, reason=ITEM_9)), "tiny-llama"]
-)
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-llama"])
 def test_schema_fuzz_gets_no_server_error(model, tmp_path):
     pytest.importorskip("schemathesis")  # the dev extra
     from benchmarks.serve_fuzz import fuzz

@@ -109,11 +109,11 @@ class DiffusionRunner:
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 _own_memory(module.to(self.device))
+        self.cfg_wrappers: list[CFGParallelTransformer] = []
         for component in self.modules():
             for module in component.modules():
                 module.register_forward_pre_hook(_heartbeat_hook)
         self._first_denoiser_call: float | None = None
-        self.cfg_wrappers: list[CFGParallelTransformer] = []
         self.denoisers = [getattr(self.pipe, name) for name in self.info.denoisers]
         for name, model in zip(self.info.denoisers, self.denoisers, strict=True):
             model.register_forward_pre_hook(self._mark_denoising_start)
@@ -136,7 +136,12 @@ class DiffusionRunner:
         )
 
     def modules(self) -> list[torch.nn.Module]:
-        return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        """The pipeline's models, each as loaded: a denoiser that CFG parallel wraps is listed itself, so its
+        layers keep their own names (LoRA slots are filled and switched by them)."""
+        wrapped = {id(w): w.transformer for w in self.cfg_wrappers}
+        return [
+            wrapped.get(id(m), m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)
+        ]
 
     def watched_modules(self) -> list[torch.nn.Module]:
         """The modules a cancellation is checked before: the denoisers, once per denoising forward."""
