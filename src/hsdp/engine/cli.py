@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
         )
         build_requests(info, config, args.prompt, params)
-        problem = batch_size_problem(info.kind, args.batch_size)
+        problem = batch_size_problem(info.kind, args.batch_size, "--batch-size")
         if problem:
             raise ValueError(problem)
         if args.compile:

@@ -118,13 +118,14 @@ class Request:
     ranks beside it (see :func:`lockstep_rounds`); its output is dropped and it reports no progress."""
 
 
-def batch_size_problem(kind: str, batch_size: int) -> str | None:
-    """Why ``batch_size`` cannot be used for a model of ``kind`` (None when it can)."""
+def batch_size_problem(kind: str, batch_size: int, flag: str = "batch_size") -> str | None:
+    """Why ``batch_size`` cannot be used for a model of ``kind`` (None when it can); ``flag`` names it as the
+    caller takes it (``--batch-size``, ``--max-batch-size`` or the API's ``batch_size``)."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        return f"batch_size={batch_size} must be an integer >= 1 (--batch-size / --max-batch-size)"
+        return f"{flag} {batch_size}: must be an integer >= 1"
     if batch_size > 1 and kind != "diffusion":
         return (
-            f"batch_size={batch_size}: causal LMs generate one request at a time per rank (per-request sampling "
+            f"{flag} {batch_size}: causal LMs generate one request at a time per rank (per-request sampling "
             "seeds); use --request-parallel to run several side by side"
         )
     return None
@@ -324,6 +325,7 @@ def _fill_defaults(info: ModelInfo, params: SamplingParams) -> SamplingParams:
 
 
 def _images(values: list, field_name: str, problems: list[str]) -> list:
+    """The input images, read; ``field_name`` names the input in messages as the caller takes it."""
     images = []
     for i, value in enumerate(values):
         try:
@@ -334,8 +336,17 @@ def _images(values: list, field_name: str, problems: list[str]) -> list:
     return images
 
 
+DIFFUSION_ONLY = (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image", "audio_seconds", "cache_config")
+"""Fields that only a diffusion pipeline takes: set for a causal LM, they are refused, never ignored."""
+
+
 def _lm_problems(p: SamplingParams, name_of: Naming) -> list[str]:
-    problems = []
+    diffusion = [name for name in DIFFUSION_ONLY if getattr(p, name) is not None]
+    diffusion += ["pipeline_kwargs"] * bool(p.pipeline_kwargs) + ["cache"] * (p.cache not in (None, "none"))
+    problems = [
+        f"{name}: a causal LM takes no {name} (it is for diffusion pipelines); drop {name_of(name)}"
+        for name in diffusion
+    ]
     if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
         problems.append(f"max_new_tokens={p.max_new_tokens} must be >= 1 ({name_of('max_new_tokens')})")
     if p.temperature < 0:
@@ -383,7 +394,7 @@ def build_requests(
     n = len(prompts)
     per_request = {name: _as_list(getattr(params, name), n, name, problems) for name in PER_REQUEST_INPUTS}
     for name in ("image", "mask_image"):
-        per_request[name] = _images(per_request[name], name, problems)
+        per_request[name] = _images(per_request[name], name_of(name), problems)
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     seeds = [seed + i for i in range(n)] if isinstance(seed, int) else _as_list(seed, n, "seed", problems)
     if problems:
