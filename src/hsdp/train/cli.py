@@ -133,13 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--export-merged", default=None, metavar="DIR", help="with LoRA: write the merged model folder"
     )
-    parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
+    parser.add_argument(
+        "--export-dtype", default=None, help="dtype of the exported model or LoRA tensors (default fp32, as trained)"
+    )
     parser.add_argument(
         "--export-format",
-        choices=FORMATS,
-        default="peft",
-        help="with LoRA: peft adapter folder (default), diffusers (pytorch_lora_weights.safetensors for "
-        "pipe.load_lora_weights) or comfyui (diffusion_model. keys)",
+        default=None,
+        metavar="|".join(FORMATS),
+        help="with LoRA: peft (adapter folder; the default for a causal LM), diffusers (pytorch_lora_weights."
+        "safetensors for pipe.load_lora_weights; the default for a pipeline) or comfyui (diffusion_model. keys); "
+        "several comma-separated (diffusers,comfyui) go into --export's subfolders of those names",
     )
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument(

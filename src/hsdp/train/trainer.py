@@ -512,18 +512,27 @@ class Trainer:
         cfg = self.cfg
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         if cfg.export and self.lora:
-            result.export = str(save_lora(self.model, self.lora, cfg.export, format=cfg.export_format))
+            result.export = str(self._export_lora())
         elif cfg.export:
             result.export = str(
-                export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir)
+                export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir, run=cfg.run_name())
             )
         if cfg.export_merged:
             merged = lora.merged_state(self.model, dtype)
             result.export_merged = str(
                 export_safetensors(
-                    self.model, cfg.export_merged, dtype=dtype, source_dir=self.model_dir, state_dict=merged
+                    self.model, cfg.export_merged, dtype=dtype, source_dir=self.model_dir, state_dict=merged,
+                    run=cfg.run_name(),
                 )
-            )
+            )  # fmt: skip
+
+    def _export_lora(self, component: str = "transformer", diffusers: bool = False) -> Path:
+        """The adapters in each ``--export-format`` (several: one subfolder each), cast to ``--export-dtype``."""
+        cfg = self.cfg
+        dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+        for fmt, folder in cfg.export_folders(diffusers).items():
+            save_lora(self.model, self.lora, folder, format=fmt, component=component, dtype=dtype, run=cfg.run_name())
+        return Path(cfg.export)
 
     def _guarded_step(self) -> StepResult:
         try:
