@@ -25,7 +25,9 @@ run reads what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,16 @@ class MediaItem:
     caption: str
     key: str
     """The file name relative to the dataset folder (``#n`` added for the n-th repeat of a metadata file_name):
-    stable across runs, the latent cache's key."""
+    stable across runs."""
+    content: str = ""
+    """What the item's encodings depend on besides its bucket: a digest of its caption and its file's size and
+    modification time (set by :meth:`MediaDataset.from_source`)."""
+
+    @property
+    def cache_key(self) -> str:
+        """The latent cache's key: the name and the content, so an edited caption or a replaced file is encoded
+        again instead of reusing another content's encodings under the same name."""
+        return f"{self.key}@{self.content}" if self.content else self.key
 
 
 @dataclass(frozen=True)
@@ -221,6 +232,14 @@ def _decode(path: Path, frames: int) -> np.ndarray:
     return np.stack([f[..., None].repeat(3, -1) if f.ndim == 2 else f[..., :3] for f in decoded])
 
 
+def _content(path: Path, caption: str) -> str:
+    """A digest of the caption and the file's size and modification time (not its bytes: reading every file of a
+    large dataset at each start would cost more than encoding a few again)."""
+    stat = path.stat()
+    text = json.dumps([caption, stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 # ------------------------------------------------------------------------------------------------- sizes
 
 
@@ -303,7 +322,7 @@ class MediaDataset:
             available, height, width = _probe(path, frames)
             count = frame_count(available, spec, frames, path)
             buckets.append(bucket_for(height, width, count, spec, resolution))
-            items.append(MediaItem(path, caption, key))
+            items.append(MediaItem(path, caption, key, _content(path, caption)))
         return cls(items, buckets)
 
     def __len__(self) -> int:
