@@ -225,6 +225,31 @@ def test_plan_command_training_json(capsys):
     assert layouts["hsdp 1x4"]["weights"] < layouts["hsdp 4x1"]["weights"]
 
 
+def test_plan_command_lm_lora_plans_lora(capsys):
+    """``--lora-r`` on a causal LM plans LoRA (issue 27 item 19: it planned full fine-tuning and dropped the flag):
+    only the adapters carry gradients and AdamW state, the frozen-whole layouts are candidates, and the command
+    that runs the plan trains LoRA."""
+    common = ("tiny-llama", "--devices", "2", "--device-memory", "64MiB", "--train", "--seq-len", "64")
+    assert _run(*common, "--json") == 0
+    full = {row["layout"]: row for row in json.loads(capsys.readouterr().out)["layouts"]}
+    assert _run(*common, "--lora-r", "8", "--json") == 0
+    lora = {row["layout"]: row for row in json.loads(capsys.readouterr().out)["layouts"]}
+    assert "hsdp 1x2 frozen-whole" in lora and "hsdp 1x2 frozen-whole" not in full
+    # r 8 adapters on every projection of every layer (peft's all-linear): 8 x (in + out) each, fp32 grads + AdamW
+    from hsdp.models.builtin import resolve_model
+
+    c = json.loads((resolve_model("tiny-llama") / "config.json").read_text())
+    h, kv, mlp = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    adapters = c["num_hidden_layers"] * 8 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + mlp))
+    assert lora["hsdp 2x1"]["grads"] + lora["hsdp 2x1"]["optimizer"] == adapters * (4 + 8)
+    assert _run(*common, "--lora-r", "8") == 0
+    out = capsys.readouterr().out
+    assert "training (LoRA r=8" in out and "tensor bytes" in out
+    assert out.strip().splitlines()[-1].startswith("run it: hsdp train") and "--lora-r 8" in out.splitlines()[-1]
+    assert _run(*common[:-3], "--lora-r", "8") == 2  # without --train
+    assert "--lora-r 8 plans LoRA training: add --train" in capsys.readouterr().err
+
+
 def test_plan_command_pipeline_table(capsys):
     assert (
         _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64", "--reserve", "2MiB")

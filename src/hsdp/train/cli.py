@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         median = sorted(s.tokens_per_s for s in steps)[len(steps) // 2]
         print(
             f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
-            f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB"
+            f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB ({result.memory_kind})"
         )
     if steps and steps[-1].eval_loss is not None:
         perplexity = steps[-1].eval_perplexity  # None for diffusion

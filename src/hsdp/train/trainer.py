@@ -82,6 +82,9 @@ class TrainResult:
     export_merged: str | None = None
     unit: str = "tokens"
     """What ``StepResult.tokens_per_s`` counts (``samples`` for diffusion)."""
+    memory_kind: str = ""
+    """What ``StepResult.peak_memory`` counts (:attr:`hsdp.measure.MemoryReading.kind`: the allocator's tensor peak
+    on an accelerator, what ``hsdp plan`` estimates; the resident set on a CPU, which adds the runtime's memory)."""
     comm: dict | None = None
     """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
 
@@ -444,7 +447,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        result = TrainResult(unit=self.unit)
+        result = TrainResult(unit=self.unit, memory_kind=peak_memory(self.device).kind)
         reporter = make_reporter(cfg) if self.rank == 0 else None
         bar = tqdm(
             total=cfg.steps,
@@ -467,7 +470,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB) %s",
+                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s",
                         step.step,
                         cfg.steps,
                         step.loss,
@@ -475,6 +478,7 @@ class Trainer:
                         "" if step.grad_norm is None else f" grad-norm {step.grad_norm:.4f}",
                         self.unit,
                         step.tokens_per_s,
+                        result.memory_kind,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
                     )
                 if self.eval_data is not None and (
