@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from hsdp.launch import WorkerError
 from hsdp.lora_formats import FORMATS
 from hsdp.measure.comm import CommReport
 from hsdp.train.config import TrainConfig, TrainConfigError
-from hsdp.train.report import REPORTERS
+from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
 from hsdp.train.schedule import SCHEDULERS
 
@@ -219,6 +218,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         report_to=args.report_to,
         logging_dir=args.logging_dir,
         comm_stats=args.comm_stats,
+        summary_json=args.summary_json,
         resolution=args.resolution,
         frames=args.frames,
         timestep_sampling=args.timestep_sampling,
@@ -229,6 +229,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def _stopped(args: argparse.Namespace) -> str:
+    """What a stopped run leaves: its last complete checkpoint and the figures of the steps it made."""
+    last = latest_checkpoint(args.output_dir) if args.output_dir else None
+    hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
+    if args.summary_json and Path(args.summary_json).is_file():
+        hint += f"\nthe steps made so far: {args.summary_json}"
+    return hint
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
@@ -237,10 +246,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"hsdp train: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
-        last = latest_checkpoint(args.output_dir) if args.output_dir else None
-        hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
-        print(f"hsdp train: training failed: {exc}\n{hint}", file=sys.stderr)
+        print(f"hsdp train: training failed: {exc}\n{_stopped(args)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"hsdp train: interrupted\n{_stopped(args)}", file=sys.stderr)
+        return 130
     if rank() != 0:  # under torchrun every process returns here; one summary is enough
         return 0
     steps = result.steps
@@ -264,5 +274,5 @@ def run(args: argparse.Namespace) -> int:
     if result.export_merged:
         print(f"exported merged model: {result.export_merged}")
     if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps([vars(s) for s in steps], indent=1))
+        write_summary(args.summary_json, steps)
     return 0

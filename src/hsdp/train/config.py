@@ -151,6 +151,9 @@ class TrainConfig:
     logging_dir: str | None = None
     """TensorBoard / wandb folder (default ``<output_dir>/runs``)."""
     progress: bool = True
+    summary_json: str | None = None
+    """Rank 0 rewrites this JSON file (one object per step: loss, lr, grad norm, throughput, peak memory) after every
+    step, so a run that is interrupted or fails keeps the figures of the steps it made."""
     comm_stats: bool = False
     """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
     # Diffusion pipelines (hsdp.train.diffusion): ignored for causal LMs.
@@ -639,6 +642,13 @@ def preflight(cfg: TrainConfig) -> Preflight:
         model_dir = resolve_model(cfg.model)
     except FileNotFoundError as exc:
         raise TrainConfigError(f"--model: {exc}") from exc
+    if Path(cfg.data).is_dir():
+        raise TrainConfigError(
+            f"--data {cfg.data} is a folder (a media folder of images or videos with captions?), and --model "
+            f"{cfg.model} is a causal LM, which trains on one .txt, .jsonl, .json or .parquet file: this is a media "
+            "folder; pass --model with a diffusers pipeline (a folder with model_index.json, or tiny-wan, tiny-flux, "
+            "tiny-sdxl) to fine-tune it on the folder"
+        )
     if not Path(cfg.data).is_file():
         raise TrainConfigError(f"--data {cfg.data}: no such file")
     if cfg.eval_data and not Path(cfg.eval_data).is_file():

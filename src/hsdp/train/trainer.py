@@ -49,7 +49,7 @@ from hsdp.train.data import (
     tokenize_file,
 )
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
-from hsdp.train.report import make_reporter, step_metrics
+from hsdp.train.report import make_reporter, step_metrics, write_summary
 from hsdp.train.schedule import build_scheduler
 
 logger = logging.getLogger("hsdp")
@@ -466,6 +466,8 @@ class Trainer:
                 else:
                     step = self._guarded_step()
                 result.steps.append(step)
+                if self.rank == 0 and cfg.summary_json:  # after every step: an interrupted run keeps its figures
+                    write_summary(cfg.summary_json, result.steps)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):

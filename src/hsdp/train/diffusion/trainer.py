@@ -26,6 +26,7 @@ import gc
 import inspect
 import json
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -160,9 +161,11 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     component = trained_component(cfg, model_dir)
     spec = media_spec(meta_pipeline(model_dir), model_dir, component)
     try:
-        MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
+        dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+    if os.environ.get("RANK", "0") == "0":  # once, also under torchrun (every process checks before joining)
+        logger.info("%s", dataset.summary(cfg.data))
     if cfg.eval_data:
         evaluation.open_eval_media(cfg, spec)
 
