@@ -115,8 +115,7 @@ def _records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[t
 
 
 def _captioned_records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                        p.relative_to(root).parts))  # fmt: skip
+    files = sorted(p for p in root.rglob("*") if p.is_file())
     media = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
     captions = {p.with_suffix(".txt") for p in media}
     kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
@@ -124,6 +123,7 @@ def _captioned_records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str
         (p, "a caption with no image or video of the same name" if p.suffix == ".txt" else f"not an image or video ({kinds})")
         for p in files
         if p not in captions and p.suffix.lower() not in IMAGE_SUFFIXES | VIDEO_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)  # .DS_Store, .git: not data
     ]
     out = []
     for path in media:
