@@ -317,3 +317,27 @@ def test_plan_command_unreadable_folder(tmp_path, capsys):
     assert f"cannot read model folder {tmp_path}" in capsys.readouterr().err
     assert _run(str(tmp_path / "missing"), "--devices", "2", "--device-memory", "24GiB") == 2
     assert "neither an existing path nor a built-in model" in capsys.readouterr().err
+
+
+def test_train_takes_the_planned_layout_of_its_mesh(capsys):
+    """What ``hsdp train`` runs when its command names no layout (issue 26 item 6): the fastest layout of ``hsdp plan
+    --train`` that fits and keeps the command's mesh; for LoRA one that keeps the frozen base whole."""
+    from hsdp.planning.training import planned_layout
+    from hsdp.train import TrainConfig
+
+    hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    lora = TrainConfig(model="tiny-llama", data="x", parallel=hsdp2, batch_size=2, seq_len=64, lora_r=8)
+    planned = planned_layout(lora, device_memory=64 * 2**20)
+    assert planned.cfg.parallel.frozen_whole and planned.chosen.layout.config.frozen_whole
+    assert (planned.cfg.parallel.hsdp_shard_size, planned.cfg.parallel.world_size) == (2, 2)
+    assert planned.cfg.parallel.sharding_strategy is planned.chosen.layout.config.sharding_strategy
+    assert planned.cfg.replace(parallel=hsdp2) == lora  # nothing else changed
+    assert "64.00 MiB" in planned.reason
+    # the plan command's own estimates (it also offers the other mesh, 2x1): the fastest 1x2 row that fits
+    assert _run("tiny-llama", "--devices", "2", "--device-memory", "64MiB", "--train", "--seq-len", "64",
+                "--lora-r", "8", "--json") == 0  # fmt: skip
+    rows = [r for r in json.loads(capsys.readouterr().out)["layouts"] if r["fits"] and " 1x2" in r["layout"]]
+    assert planned.chosen.layout.label == max(rows, key=lambda r: (r["samples_per_s"], -r["total"]))["layout"]
+    full = planned_layout(lora.replace(lora_r=0), device_memory=64 * 2**20)
+    assert not full.cfg.parallel.frozen_whole
+    assert planned_layout(lora.replace(parallel=ParallelConfig())) is None  # one process: nothing to choose

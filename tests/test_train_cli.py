@@ -107,3 +107,20 @@ def test_interrupted_run_names_its_checkpoint_and_keeps_its_steps(inputs):
     steps = json.loads(summary.read_text())
     assert f"the steps made so far: {summary}" in err and len(steps) >= 2
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+
+
+def test_sharded_run_without_a_layout_takes_the_planned_one_and_says_so(inputs):
+    """No --strategy nor --frozen-whole (issue 26 item 6): the planner's layout for this mesh, named in the first log
+    line; LoRA keeps its frozen base whole. A named layout is taken as given, without that line."""
+    root = inputs["root"] / "planned"
+    common = ["--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size", "2",
+              "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--lora-r", "4"]  # fmt: skip
+    out = _hsdp(*common, "--output-dir", str(root / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = next(line for line in out.stderr.splitlines() if line.startswith("INFO"))
+    match = re.search(r"\] layout: hsdp 1x2 (?:grad-op )?frozen-whole, (\w+) \(the planner's pick", first)
+    assert match, first
+    state = json.loads((root / "run" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["settings"]["--strategy"] == match[1]  # the run took it
+    named = _hsdp(*common, "--strategy", "FULL_SHARD", "--output-dir", str(root / "named"))
+    assert named.returncode == 0 and "layout:" not in named.stderr

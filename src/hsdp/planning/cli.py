@@ -245,21 +245,9 @@ def _diffusion_training(args: argparse.Namespace) -> tuple[list, Workload]:
 
 
 def _lm_lora(args: argparse.Namespace, dtype) -> list:
-    """The causal LM as ``hsdp train --lora-r`` builds it: the base in its stored dtype, frozen, with the trainer's
-    own LoRA config injected (fp32 adapters, the only trained parameters)."""
-    from hsdp import lora
-    from hsdp.models.builtin import resolve_model
-    from hsdp.planning.profile import build_meta_model, profile_module
-    from hsdp.train.config import TrainConfig
+    from hsdp.planning.training import lm_lora_profiles
 
-    folder = resolve_model(args.model)
-    cfg = TrainConfig(model=args.model, data="", lora_r=args.lora_r, lora_target_modules=tuple(args.lora_target_modules))
-    model, config = build_meta_model(folder, dtype)
-    try:
-        lora.injector(cfg.lora_config(str(folder), task_type="CAUSAL_LM"))(model)
-    except ValueError as exc:
-        raise PlanError(f"--lora-target-modules: {exc}") from exc
-    return [profile_module(model, folder.name, config)]
+    return lm_lora_profiles(args.model, args.lora_r, tuple(args.lora_target_modules), dtype)
 
 
 def _lora_flags(args: argparse.Namespace) -> list[str]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from hsdp.train.run import run_training
 from hsdp.train.schedule import SCHEDULERS
 
 __all__ = ["add_arguments", "run", "config_from_args"]
+
+logger = logging.getLogger("hsdp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,9 +241,42 @@ def _stopped(args: argparse.Namespace) -> str:
     return hint
 
 
+def _names_no_layout(args: argparse.Namespace) -> bool:
+    """Sharded, and none of the flags that say how FSDP2 holds the model over the mesh."""
+    chosen = (args.sharding_strategy, args.reshard_after_forward)
+    return args.use_hsdp and chosen == (None, None) and not (args.frozen_whole or args.cpu_offload)
+
+
+def _planned(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` on the planner's layout for its mesh (:func:`hsdp.planning.training.planned_layout`), said in the
+    run's first log line. Not under torchrun: every node would have to read the same memory to plan alike."""
+    from hsdp.distributed import launched_by_torchrun
+    from hsdp.planning import PlanError
+    from hsdp.planning.training import planned_layout
+
+    if launched_by_torchrun() or cfg.problems():  # preflight names the problems
+        return cfg
+    try:
+        planned = planned_layout(cfg)
+    except (PlanError, ValueError, FileNotFoundError) as exc:  # the trainer's own checks say it better
+        logger.info("layout: as the flags give it (the planner could not plan this run: %s)", exc)
+        return cfg
+    if planned is None:
+        return cfg
+    logger.info(
+        "layout: %s, %s (%s; name --strategy or --frozen-whole to choose another)",
+        planned.chosen.layout.label,
+        planned.cfg.parallel.sharding_strategy.value,
+        planned.reason,
+    )
+    return planned.cfg
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        if _names_no_layout(args):
+            cfg = _planned(cfg)
         result = run_training(cfg)
     except (TrainConfigError, ValueError) as exc:
         print(f"hsdp train: {exc}", file=sys.stderr)
