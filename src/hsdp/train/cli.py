@@ -258,8 +258,11 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
         return cfg
     try:
         planned = planned_layout(cfg)
-    except (PlanError, ValueError, FileNotFoundError) as exc:  # the trainer's own checks say it better
+    except (PlanError, ValueError, FileNotFoundError) as exc:  # a refusal: the trainer's own checks say it better
         logger.info("layout: as the flags give it (the planner could not plan this run: %s)", exc)
+        return cfg
+    except Exception as exc:  # a model the planner cannot trace still trains on the layout its flags give
+        logger.warning("layout: as the flags give it (planning failed: %s: %s)", type(exc).__name__, exc)
         return cfg
     if planned is None:
         return cfg
