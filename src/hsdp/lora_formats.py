@@ -35,6 +35,7 @@ from torch import nn
 
 from hsdp.distributed import rank
 from hsdp.exports import commit, staging_dir
+from hsdp.lora_state import ADAPTER_WEIGHTS, adapter_state
 from hsdp.sharding import unwrapped_class
 
 if TYPE_CHECKING:
@@ -155,7 +156,6 @@ def save_lora(
     (default: as trained, fp32); ``run`` names the run for :mod:`hsdp.exports` (an earlier export of the same run
     in ``out_dir`` is replaced, anything else there refused). A problem (a format the model's family cannot take)
     is a ``ValueError`` on every rank, raised before anything is written."""
-    from hsdp.lora import ADAPTER_WEIGHTS, adapter_state
 
     if format not in FORMATS:
         raise ValueError(f"--export-format {format!r}: use one of {', '.join(FORMATS)}")
@@ -245,7 +245,6 @@ def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
         return path
     from peft import LoraConfig
 
-    from hsdp.lora import ADAPTER_WEIGHTS
     from hsdp.models.tiny import default_cache_dir
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
