@@ -3,9 +3,9 @@ every operation and checks that the server never answers 5xx and that answers ma
 
 Starts local servers on free 127.0.0.1 ports (tiny-wan, then tiny-llama, both HSDP 2 with an API key and tight
 limits so that valid generated requests stay cheap), runs ``schemathesis run`` against each with a bounded
-number of examples per operation, and records how many test cases were tried and what failed.
+number of examples per operation, and records how many test cases were tried and what failed. schemathesis
+comes with the ``dev`` extra; ``tests/test_serve_fuzz.py`` runs :func:`fuzz` in the suite with 5 examples.
 
-    .venv/bin/pip install schemathesis                      # once
     .venv/bin/python benchmarks/serve_fuzz.py               # ~25 examples per operation, both models
     .venv/bin/python benchmarks/serve_fuzz.py --max-examples 100 --models tiny-llama
 """

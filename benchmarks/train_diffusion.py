@@ -176,7 +176,7 @@ def write_batches(spec: dict, media) -> None:
         generator = torch.Generator().manual_seed(SEED * 1_000_003 + number)
         torch.rand(len(rows), generator=generator)  # the caption-dropout draw (dropout 0)
         noised = objective.noise(torch.stack([items[i]["latents"] for i in rows]), generator)
-        prompts = [items[i]["prompt_embeds"] for i in rows]
+        prompts = [items[i]["prompt.0.0"] for i in rows]  # encode_prompt's first return (the trainer's cache name)
         length = max(p.shape[0] for p in prompts)
         embeds = torch.stack([F.pad(p, (0, 0, 0, length - p.shape[0])) for p in prompts])
         batches.append(dict(noisy=noised.noisy, timesteps=noised.timesteps, target=noised.target,

@@ -4,8 +4,9 @@
 results. One group per world size is kept for the whole session (process start-up and imports cost seconds);
 a group that broke (a rank raised, died or timed out) is replaced before the next test.
 
-Test tiers (``bash scripts/test.sh -m unit``): every test gets one of the markers ``unit``, ``multirank``, ``gpu``
-or ``docs`` (``tests/test_docs_run.py``: runs the commands of README.md and docs/). A test marked with one of them
+Test tiers (``bash scripts/test.sh -m unit``): every test gets one of the markers ``unit``, ``multirank``, ``gpu``,
+``docs`` (``tests/test_docs_run.py``: runs the commands of README.md and docs/) or ``compose`` (the combination
+tier, ``tests/test_compose.py``: pairwise cases of the feature axes of ``tests/compose_axes.py``). A test marked with one of them
 keeps it; otherwise it is ``multirank`` when it uses ``dist_run`` or when
 its code, the fixtures it uses or the test helpers they call name something that starts processes
 (:data:`PROCESS_STARTERS`), and ``unit`` when not. The scan reads names, not behaviour, so it errs towards
@@ -74,7 +75,7 @@ def tiny_checkpoints(tmp_path_factory):
     return write_tiny_checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
-TIERS = ("unit", "multirank", "gpu", "docs")
+TIERS = ("unit", "multirank", "gpu", "docs", "compose")
 # Names whose use starts worker ranks, a server or a subprocess: the launcher, the classes and entry points that
 # spawn it (``main`` / ``cli_main``: the hsdp command), and subprocess itself (torchrun, ``python -m hsdp.cli``).
 PROCESS_STARTERS = frozenset(

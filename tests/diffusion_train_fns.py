@@ -73,6 +73,7 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
                                     frames=cfg.frames)
     forward = FORWARDS[index["_class_name"]]
     losses = []
+    grad_share = {n: torch.ones_like(p) for n, p in model.named_parameters() if p.requires_grad}
     for step in range(cfg.steps):
         optimizer.zero_grad()
         total = 0.0
@@ -86,10 +87,41 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
             loss = torch.nn.functional.mse_loss(pred, target) / cfg.grad_accum
             loss.backward()
             total += loss.item()
+        for name, param in model.named_parameters():
+            if param.requires_grad and param.grad is not None:
+                share = param.grad.abs() / param.grad.abs().max().clamp_min(1e-30)
+                grad_share[name] = torch.minimum(grad_share[name], share)
         optimizer.step()
         losses.append(total)
     state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "state": state, "grad_share": grad_share, "lr": cfg.lr, "steps": cfg.steps}
+
+
+# How far a gradient summed in another order (ranks' partial sums, another batch split) may be off, as a share of
+# its tensor's largest gradient: fp32 sums of n terms err by about sqrt(n) * 6e-8 of their largest terms, up to
+# n * 6e-8 in the worst case; these tests sum up to a few thousand terms per element.
+GRAD_ROUNDING = 1e-4
+
+
+def assert_trained_like(run: dict, ref: dict, tol: float) -> None:
+    """Losses within ``tol``, and each trained weight within what AdamW makes of a rounding difference in its
+    gradient (``ref`` is :func:`reference_run`'s, which keeps each element's smallest gradient over the steps as a
+    share of its tensor's largest). AdamW steps by lr * m_hat / sqrt(v_hat), which does not depend on the
+    gradient's scale: a gradient off by a relative e moves that step by <= 2 * e * lr, and whatever the
+    gradients, |m_hat / sqrt(v_hat)| <= 1.01 for the first three steps (Cauchy-Schwarz with beta1 0.9, beta2
+    0.999). So an element whose gradient share was s differs by <= tol + 2 * lr * steps * min(1.01,
+    GRAD_ROUNDING / s): within ``tol`` where the gradient was large, and by up to 2 lr per step where it was at
+    rounding level and AdamW could step it either way (3.6e-5 seen at lr 1e-4 on another CPU)."""
+    import numpy as np
+
+    assert np.allclose(run["losses"], ref["losses"], atol=tol, rtol=0), (run["losses"], ref["losses"])
+    assert run["state"].keys() == ref["state"].keys()
+    for name, want in ref["state"].items():
+        diff = (run["state"][name].cpu() - want).abs()
+        share = ref["grad_share"][name]
+        allowed = tol + 2 * ref["lr"] * ref["steps"] * (GRAD_ROUNDING / share.clamp_min(1e-30)).clamp(max=1.01)
+        worst = (diff - allowed).argmax()
+        assert (diff <= allowed).all(), (name, diff.flatten()[worst].item(), allowed.flatten()[worst].item())
 
 
 def _flow_sigmas(rows: int, shift: float, generator: torch.Generator) -> torch.Tensor:

@@ -89,13 +89,15 @@ def builtin(name: str, cache_dir: Path) -> Path:
 
 
 def reference_pipeline(path: Path, prompt: str, seed: int, **call_kwargs) -> np.ndarray:
-    """Frames (video pipelines) or images of the pipeline's own ``__call__`` in this process, given every
-    argument explicitly."""
+    """Frames (video pipelines), images or waveforms (audio pipelines) of the pipeline's own ``__call__`` in this
+    process, given every argument explicitly."""
     with one_thread(), torch.no_grad():
         result = _pipeline(path)(
             prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **call_kwargs
         )
-    return result.frames[0] if hasattr(result, "frames") else result.images
+    if hasattr(result, "frames"):
+        return result.frames[0]
+    return result.audios if hasattr(result, "audios") else result.images
 
 
 def input_image(size: int, seed: int = 0):

@@ -40,12 +40,12 @@ def main(workdir: str) -> None:
     from hsdp import launch
     from hsdp.launch import WorkerGroup
 
-    launch.PRELOAD_PACKAGES += ("tests",)  # the forkserver preloads this module too
+    launch.group.PRELOAD_PACKAGES += ("tests",)  # the forkserver preloads this module too
     os.environ["HSDP_TEST_FAIL_IMPORT"] = "1"
     with WorkerGroup(1) as spawned:
         print(json.dumps({"fallback_ppid": spawned.run(os.getppid)[0]}), flush=True)
     del os.environ["HSDP_TEST_FAIL_IMPORT"]
-    launch._FORKSERVER_FAILED.clear()  # try the forkserver again (it restarts, this time preloading cleanly)
+    launch.group._FORKSERVER_FAILED.clear()  # try the forkserver again (it restarts, this time preloading cleanly)
     os.environ["HSDP_TEST_GONE"] = "set when the first group started"
     with WorkerGroup(1) as first:
         first.run(os.getpid)

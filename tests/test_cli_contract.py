@@ -126,3 +126,19 @@ def _fake_command(monkeypatch, error: BaseException) -> None:
     module.run = run
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(cli.COMMANDS, "fake", (module.__name__, "raises the error under test"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "--model", "tiny-wan", "--prompt", "x", "--pipeline-kwargs", "[1]"], "--pipeline-kwargs: '[1]' is JSON but not an object (list)"),
+        (["serve", "tiny-wan", "--cache-config", '"x"'], "--cache-config: '\"x\"' is JSON but not an object (str)"),
+        (["generate", "--model", "tiny-wan", "--prompt", "x", "--cache-config", "{x"], "--cache-config: '{x' is not valid JSON"),
+    ],
+)
+def test_json_flags_take_an_object(argv, needle):
+    """Valid JSON that is not an object is refused by the parser, naming the flag (issue 27 item 12: a traceback)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2 and needle in err.getvalue()

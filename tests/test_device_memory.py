@@ -170,13 +170,13 @@ def test_int8_budget_counts_8_bit_shards():
 def test_engine_budgets_with_its_weight_dtype(model_cache):
     """``Engine(weight_dtype="int8", device_memory=...)`` plans with 8-bit shards (before any worker starts):
     a budget sized for one gathered block in full precision keeps more blocks gathered with int8."""
-    from hsdp.engine.engine import _memory_plan
+    from hsdp.engine.checks import memory_plan
 
     path = builtin("tiny-wan", model_cache)
     info = inspect_model(path)
     budget = _need(engine_profiles(path, None, info.shardable), resident=1)
-    full = _memory_plan(info, HSDP2, budget, None, None)
-    eight_bit = _memory_plan(info, HSDP2, budget, None, "int8")
+    full = memory_plan(info, HSDP2, budget, None, None)
+    eight_bit = memory_plan(info, HSDP2, budget, None, "int8")
     assert eight_bit.estimate.layout.weight_dtype == "int8"
     assert len(eight_bit.resident_modules) > len(full.resident_modules)
 
@@ -184,13 +184,13 @@ def test_engine_budgets_with_its_weight_dtype(model_cache):
 def test_no_prefetch_is_kept_under_a_budget(model_cache):
     """``--no-prefetch --device-memory``: the plan keeps its residency but prefetches nothing (it planned with
     prefetch 1 regardless); the estimate, which counts one prefetched block, stays an upper bound."""
-    from hsdp.engine.engine import _memory_plan
+    from hsdp.engine.checks import memory_plan
 
     path = builtin("tiny-wan", model_cache)
     info = inspect_model(path)
     budget = _need(engine_profiles(path, None, info.shardable), resident=1)
-    default = _memory_plan(info, HSDP2, budget, None, None)
-    plain = _memory_plan(info, HSDP2, budget, None, None, forward_prefetch=False)
+    default = memory_plan(info, HSDP2, budget, None, None)
+    plain = memory_plan(info, HSDP2, budget, None, None, forward_prefetch=False)
     assert default.prefetch == 1 and plain.prefetch == 0
     assert plain.resident_modules == default.resident_modules
     assert plain.load_options()[plain.component]["forward_prefetch"] == 0 and "prefetch 0" in plain.describe()

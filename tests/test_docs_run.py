@@ -24,7 +24,7 @@ Printed output is checked line by line, in order, against everything the command
 whitespace runs taken as one space, so a line the doc wraps still matches): ``[varies]`` in a doc line stands for
 any text (a time, a memory figure, a path), a line ``...`` for any number of lines; everything else must appear as
 written. Files a command names as ``--output``, ``--export``, ``--export-merged``, ``-o`` or ``> FILE`` must exist
-afterwards (for several outputs, the numbered ``NAME_0.EXT``). Ports given as ``--port N`` are replaced by free
+afterwards (for several outputs, the numbered ``NAME_0.EXT``), unless the block expects a failing exit. Ports given as ``--port N`` are replaced by free
 ports throughout the doc, so the tier does not collide with other servers on the machine.
 
 ``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons) and the documented
@@ -52,7 +52,9 @@ from tests.test_docs_commands import DOC_COMMANDS, DOC_FILES, ROOT  # noqa: E402
 
 pytestmark = [pytest.mark.docs, pytest.mark.slow]
 
-BLOCK_TIMEOUT_S = 240
+# Room for a loaded machine: the slowest blocks take ~60 s on an idle 2-core machine and ran past 240 s with
+# other work on it; a block that hangs still fails.
+BLOCK_TIMEOUT_S = 600
 SERVER_READY_S = 180
 VARIES = "[varies]"
 SHELL_INFOS = {"bash", "sh", "shell", "console"}
@@ -302,7 +304,7 @@ class DocRun:
             )
             problem = missing_output(expected, printed)
             assert problem is None, self._failure(block, f"the doc shows {problem!r}, not printed", printed)
-            for name in expected_files(command) if block.kind == "shell" else ():
+            for name in expected_files(command) if block.kind == "shell" and not want_exit else ():
                 assert _written(self._cwd(block), name), self._failure(
                     block, f"{name} was not written", printed
                 )
@@ -375,7 +377,7 @@ class DocRun:
         return f"{block.where}: {what}\n--- printed (last 40 lines) ---\n{tail}"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)  # a whole doc, its blocks in turn, on a loaded machine
 @pytest.mark.parametrize("doc", sorted(DOCS))
 def test_doc_runs(doc: str, tmp_path: Path):
     runner = DocRun(doc, tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from hsdp import ParallelConfig
 from hsdp.cli import main as cli_main
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.engine import layout_problems
+from hsdp.engine.checks import layout_problems
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import build_requests
 from hsdp.models.builtin import resolve_model
@@ -32,6 +32,20 @@ def wan_info(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_info(tmp_path_factory):
     return inspect_model(resolve_model("tiny-llama", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
+
+
+def test_arguments_a_pipeline_config_turns_off_are_not_taken(wan_info, tmp_path):
+    """Wan 2.1's folder leaves boundary_ratio unset, so WanPipeline refuses guidance_scale_2 (its check_inputs):
+    not an argument of this pipeline; a folder that sets it (Wan 2.2's two experts) takes it (issue 27 item 9)."""
+    assert wan_info.config_gated == {"guidance_scale_2": "boundary_ratio"}
+    assert "guidance_scale_2" not in wan_info.call_params and "guidance_scale" in wan_info.call_params
+    for entry in wan_info.path.iterdir():
+        if entry.name != "model_index.json":
+            (tmp_path / entry.name).symlink_to(entry)
+    index = json.loads((wan_info.path / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.875}))
+    two_experts = inspect_model(tmp_path)
+    assert two_experts.config_gated == {} and "guidance_scale_2" in two_experts.call_params
 
 
 def test_model_info_reads_pipeline_and_lm_folders(wan_info, llama_info):
@@ -126,9 +140,14 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
         (["--height", "40"], "height=40 must be a positive multiple of 16"),
         (["--num-frames", "8"], "num_frames=8 must be 4k+1"),
         (["--output", "cat.avi"], "a video needs one of .mp4, .gif"),
-        (["--output", "cat.png"], "this pipeline makes video; name the output cat.mp4"),
+        (["--output", "cat.png"], "this pipeline makes video, not images; name the output cat.mp4"),
         (["--image", "cat.png"], "image: WanPipeline takes no image (drop --image)"),
         (["--true-cfg-scale", "4"], "true_cfg_scale: WanPipeline takes no true_cfg_scale"),
+        (
+            ["--guidance-scale-2", "3"],
+            "guidance_scale_2: this WanPipeline takes no guidance_scale_2: its model_index.json leaves "
+            "boundary_ratio unset",
+        ),
         (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
         (
             ["--model", "tiny-llama", "--batch-size", "2"],
@@ -174,8 +193,42 @@ def test_worker_failure_in_memory_report_closes_the_engine(llama_info):
         engine.generate("again")
 
 
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        (SamplingParams(pipeline_kwargs=[1]), "pipeline_kwargs=[1] must be a dict (a JSON object for --pipeline-kwargs)"),
+        (SamplingParams(cache="first-block", cache_config="x"), "cache_config='x' must be a dict"),
+    ],
+)
+def test_mappings_that_are_not_dicts_are_named(wan_info, params, needle):
+    """The Python API's counterpart of the CLI's JSON-object flags (issue 27 item 12: a TypeError traceback)."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        build_requests(wan_info, HSDP2, ["x"], params)
+
+
 def test_batches_are_consecutive_chunks_when_inputs_are_alike():
     from hsdp.engine.params import Request, lockstep_rounds
 
     plain = [Request(i, "p", i) for i in range(5)]
     assert [[r.request_id for r in g] for [g] in lockstep_rounds(plain, 1, 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_inputs_a_pipeline_takes_one_of_are_never_batched(tmp_path_factory):
+    """Wan image-to-video's own check takes one image per call, not one per prompt: requests that give one run
+    one per rank per round, the others batched (issue 27 item 10: hsdp generate --batch-size 2 passed a list)."""
+    from PIL import Image
+
+    from hsdp.engine.params import Request, lockstep_rounds
+
+    i2v = inspect_model(resolve_model("tiny-wan-i2v", cache_dir=tmp_path_factory.getbasetemp() / "hsdp-cache"))
+    assert i2v.single_inputs == {"image"}
+    image = Image.new("RGB", (32, 32))
+    requests = [Request(0, "p", 0), Request(1, "p", 1, image=image), Request(2, "p", 2, image=image)]
+    requests += [Request(3, "p", 3)]
+    rounds = lockstep_rounds(requests, 2, 2, i2v.single_inputs)
+    assert [[[r.request_id for r in g] for g in groups] for groups in rounds] == [[[0], [3]], [[1], [2]]]
+    assert [[[r.request_id for r in g] for g in groups] for groups in lockstep_rounds(requests, 1, 2, i2v.single_inputs)] == [
+        [[0, 3]],
+        [[1]],
+        [[2]],
+    ]

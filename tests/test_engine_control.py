@@ -115,3 +115,23 @@ def test_batched_requests_equal_each_alone(name, layout, model_cache, dist_run):
 
 def _pixels(output) -> np.ndarray:
     return output.frames if output.frames is not None else output.images
+
+
+def test_image_to_video_with_a_batch_size_runs_each_image_alone(model_cache, dist_run):
+    """Wan image-to-video takes one image per call, so batch_size=2 runs requests with an image one per call:
+    each output is the one of that request alone, bit for bit (issue 27 item 10: the pipeline was given a list
+    of images and refused it)."""
+    from tests.engine_refs import input_image
+
+    path = builtin("tiny-wan-i2v", model_cache)
+    images = [input_image(32, seed=1), input_image(32, seed=2)]
+    params = SamplingParams(seed=5, num_inference_steps=2, image=images)
+    with Engine(path, HSDP2, workers=dist_run.group(2)) as engine:
+        batched = engine.generate(["a fox", "a cat"], params, batch_size=2)
+        alone = [
+            engine.generate(prompt, SamplingParams(seed=5 + i, num_inference_steps=2, image=images[i]))[0]
+            for i, prompt in enumerate(["a fox", "a cat"])
+        ]
+    for together, single in zip(batched, alone, strict=True):
+        np.testing.assert_array_equal(together.frames, single.frames)
+    assert not np.array_equal(batched[0].frames, batched[1].frames)

@@ -74,3 +74,58 @@ def test_generate_command_writes_a_playable_video(tmp_path, monkeypatch, capsys)
     assert comm is not None, summary
     assert int(comm[2]) == 10 and int(comm[1]) > 0
     assert 1.0 <= float(comm[3]) <= 1.05
+
+
+def _refuse() -> None:
+    raise ValueError("WanPipeline takes no guidance_scale_2 without boundary_ratio")
+
+
+def _refuse_on_rank_1() -> None:
+    from hsdp import distributed
+
+    if distributed.rank() == 1:
+        raise ValueError("only rank 1 refuses")
+
+
+def _my_rank() -> int:
+    from hsdp import distributed
+
+    return distributed.rank()
+
+
+def _lead_or_follow() -> object:
+    """Rank 0 leads as ``hsdp serve`` does under torchrun (the others follow): the outcome of each call, whether
+    the group broke; a follower returns follow()'s exit code (0: stopped by rank 0, 1: lost it)."""
+    from hsdp import distributed
+    from hsdp.engine.leader import LeaderRanks, follow
+    from hsdp.launch import WorkerError, WorkerRaised
+
+    if distributed.rank() != 0:
+        return follow(idle_timeout_s=20)
+    leader = LeaderRanks(call_timeout_s=20)
+    outcomes = []
+    try:
+        for fn in (_refuse, _refuse_on_rank_1, _my_rank):
+            try:
+                outcomes.append(("ok", leader.run(fn)))
+            except WorkerRaised as exc:
+                outcomes.append(("raised", exc.rank, exc.error))
+            except WorkerError:
+                outcomes.append(("broken",))
+        return outcomes, leader.broken
+    finally:
+        leader.close()
+
+
+def test_leader_ranks_survive_an_exception_of_the_call(dist_run):
+    """Under torchrun (rank 0 leads, :mod:`hsdp.engine.leader`), a call that raises an ordinary exception fails
+    that call only, as :class:`hsdp.launch.WorkerRaised` does on one host: the next call runs and rank 0 stops
+    the followers cleanly (issue 27 item 1; before, the group counted as broken and the server waited for
+    torchrun to restart every rank)."""
+    (outcomes, broken), follower_code = dist_run(2, _lead_or_follow, timeout_s=120)
+    assert outcomes == [
+        ("raised", 0, "ValueError: WanPipeline takes no guidance_scale_2 without boundary_ratio"),
+        ("raised", 1, "ValueError: only rank 1 refuses"),
+        ("ok", [0, 1]),
+    ]
+    assert not broken and follower_code == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hsdp.exports import MANIFEST
 from hsdp.lora import adapter_state
 from hsdp.lora_formats import COMFYUI_WEIGHTS, DIFFUSERS_WEIGHTS, as_peft_folder, save_lora
 from hsdp.models.builtin import resolve_model
@@ -79,7 +80,8 @@ def _loaded(exported, folder, **kwargs) -> torch.Tensor:
 
 def test_diffusers_export_loads_in_diffusers_with_the_same_output(exported):
     folder = exported["root"] / "diffusers"
-    assert sorted(p.name for p in folder.iterdir()) == [DIFFUSERS_WEIGHTS]
+    # the weights and the export's manifest (hsdp.exports), which diffusers' loader leaves alone
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, DIFFUSERS_WEIGHTS]
     out = _loaded(exported, folder)
     assert (exported["adapted"] - exported["base"]).abs().max() > 1e-3  # the adapter changes the output
     torch.testing.assert_close(out, exported["adapted"], rtol=0, atol=1e-5)

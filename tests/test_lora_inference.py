@@ -219,7 +219,7 @@ def test_adapter_of_another_kind_of_model_is_refused(wan, adapter, capsys):
 def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, tmp_path):
     from dataclasses import replace
 
-    from hsdp.engine.engine import _check_lora
+    from hsdp.engine.checks import check_lora
     from hsdp.engine.model_info import inspect_model
 
     ia3 = tmp_path / "ia3"
@@ -232,4 +232,4 @@ def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, tmp_path):
         Engine(base, HSDP2, lora=adapter, weight_dtype="int8")
     two = replace(inspect_model(wan), denoisers=("transformer", "transformer_2"))
     with pytest.raises(ValueError, match="--lora .* has 2 denoisers"):
-        _check_lora(two, HSDP2.resolved(), None, adapter)
+        check_lora(two, HSDP2.resolved(), None, adapter)

@@ -29,6 +29,7 @@ def merged_on_ranks(model_dir: str, targets: list[str]) -> tuple | None:
     from hsdp import lora
     from hsdp.distributed import rank
     from hsdp.loading import load_pretrained, local_slices
+    from hsdp.lora_state import full_tensor
 
     config = lora.lora_config(r=4, alpha=8, dropout=0.0, targets=targets)
     model = load_pretrained(
@@ -42,7 +43,7 @@ def merged_on_ranks(model_dir: str, targets: list[str]) -> tuple | None:
                 local, region = local_slices(param)
                 local.copy_(full[region].reshape(local.shape))
         logits = model(_ids()).logits
-        merged = {k: lora._full(v).detach().clone() for k, v in lora.merged_state(model).items()}
+        merged = {k: full_tensor(v).detach().clone() for k, v in lora.merged_state(model).items()}
     return (logits, merged) if rank() == 0 else None
 
 

@@ -225,6 +225,31 @@ def test_plan_command_training_json(capsys):
     assert layouts["hsdp 1x4"]["weights"] < layouts["hsdp 4x1"]["weights"]
 
 
+def test_plan_command_lm_lora_plans_lora(capsys):
+    """``--lora-r`` on a causal LM plans LoRA (issue 27 item 19: it planned full fine-tuning and dropped the flag):
+    only the adapters carry gradients and AdamW state, the frozen-whole layouts are candidates, and the command
+    that runs the plan trains LoRA."""
+    common = ("tiny-llama", "--devices", "2", "--device-memory", "64MiB", "--train", "--seq-len", "64")
+    assert _run(*common, "--json") == 0
+    full = {row["layout"]: row for row in json.loads(capsys.readouterr().out)["layouts"]}
+    assert _run(*common, "--lora-r", "8", "--json") == 0
+    lora = {row["layout"]: row for row in json.loads(capsys.readouterr().out)["layouts"]}
+    assert "hsdp 1x2 frozen-whole" in lora and "hsdp 1x2 frozen-whole" not in full
+    # r 8 adapters on every projection of every layer (peft's all-linear): 8 x (in + out) each, fp32 grads + AdamW
+    from hsdp.models.builtin import resolve_model
+
+    c = json.loads((resolve_model("tiny-llama") / "config.json").read_text())
+    h, kv, mlp = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    adapters = c["num_hidden_layers"] * 8 * (2 * (h + h) + 2 * (h + kv) + 3 * (h + mlp))
+    assert lora["hsdp 2x1"]["grads"] + lora["hsdp 2x1"]["optimizer"] == adapters * (4 + 8)
+    assert _run(*common, "--lora-r", "8") == 0
+    out = capsys.readouterr().out
+    assert "training (LoRA r=8" in out and "tensor bytes" in out
+    assert out.strip().splitlines()[-1].startswith("run it: hsdp train") and "--lora-r 8" in out.splitlines()[-1]
+    assert _run(*common[:-3], "--lora-r", "8") == 2  # without --train
+    assert "--lora-r 8 plans LoRA training: add --train" in capsys.readouterr().err
+
+
 def test_plan_command_pipeline_table(capsys):
     assert (
         _run("tiny-wan", "--devices", "4", "--device-memory", "8MiB", "--seq-len", "64", "--reserve", "2MiB")
@@ -292,3 +317,27 @@ def test_plan_command_unreadable_folder(tmp_path, capsys):
     assert f"cannot read model folder {tmp_path}" in capsys.readouterr().err
     assert _run(str(tmp_path / "missing"), "--devices", "2", "--device-memory", "24GiB") == 2
     assert "neither an existing path nor a built-in model" in capsys.readouterr().err
+
+
+def test_train_takes_the_planned_layout_of_its_mesh(capsys):
+    """What ``hsdp train`` runs when its command names no layout (issue 26 item 6): the fastest layout of ``hsdp plan
+    --train`` that fits and keeps the command's mesh; for LoRA one that keeps the frozen base whole."""
+    from hsdp.planning.training import planned_layout
+    from hsdp.train import TrainConfig
+
+    hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    lora = TrainConfig(model="tiny-llama", data="x", parallel=hsdp2, batch_size=2, seq_len=64, lora_r=8)
+    planned = planned_layout(lora, device_memory=64 * 2**20)
+    assert planned.cfg.parallel.frozen_whole and planned.chosen.layout.config.frozen_whole
+    assert (planned.cfg.parallel.hsdp_shard_size, planned.cfg.parallel.world_size) == (2, 2)
+    assert planned.cfg.parallel.sharding_strategy is planned.chosen.layout.config.sharding_strategy
+    assert planned.cfg.replace(parallel=hsdp2) == lora  # nothing else changed
+    assert "64.00 MiB" in planned.reason
+    # the plan command's own estimates (it also offers the other mesh, 2x1): the fastest 1x2 row that fits
+    assert _run("tiny-llama", "--devices", "2", "--device-memory", "64MiB", "--train", "--seq-len", "64",
+                "--lora-r", "8", "--json") == 0  # fmt: skip
+    rows = [r for r in json.loads(capsys.readouterr().out)["layouts"] if r["fits"] and " 1x2" in r["layout"]]
+    assert planned.chosen.layout.label == max(rows, key=lambda r: (r["samples_per_s"], -r["total"]))["layout"]
+    full = planned_layout(lora.replace(lora_r=0), device_memory=64 * 2**20)
+    assert not full.cfg.parallel.frozen_whole
+    assert planned_layout(lora.replace(parallel=ParallelConfig())) is None  # one process: nothing to choose

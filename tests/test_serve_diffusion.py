@@ -110,8 +110,8 @@ def test_edits_equal_the_one_process_pipeline(kontext_client):
 
     source = _png(input_image(64, seed=1))
     form = {"prompt": "make it red", "seed": "5", "n": "2", "num_inference_steps": str(STEPS)}
-    # vLLM-Omni's client sends these; they mean nothing to this pipeline and are ignored.
-    form |= {"model": "default", "response_format": "b64_json", "bot_task": "think", "quality": "high"}
+    # vLLM-Omni's client sends these (OpenAI's quality means nothing to this pipeline and is ignored).
+    form |= {"model": "default", "response_format": "b64_json", "quality": "high"}
     response = kontext_client.post(
         "/v1/images/edits", data=form, files=[("image", ("in.png", source, "application/octet-stream"))]
     )
@@ -232,6 +232,41 @@ def test_image_errors_name_the_field(kontext_client):
     assert chat["param"] == "messages[0].content[1].image_url" and "data URL" in chat["message"]
     other = kontext_client.post("/v1/images/generations", json={"prompt": "x", "model": "other"})
     assert _error(other, 404)["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_a_400_naming_the_closest_and_extra_args_reach_the_pipeline(kontext_client):
+    """A misspelled or foreign field is refused with the closest known name, on JSON, form and chat bodies; the
+    pipeline's other ``__call__`` arguments go in ``extra_args``, checked against its signature (issue 27 item
+    16; before, each was accepted and ignored: 200 with the defaults)."""
+    from tests.engine_refs import input_image
+
+    png = _png(input_image(64))
+    typo = _error(kontext_client.post("/v1/images/generations", json={"prompt": "x", "num_inference_step": 2}))
+    assert typo["param"] == "num_inference_step"
+    assert "num_inference_step: unknown field; did you mean num_inference_steps?" in typo["message"]
+    assert "extra_args" in typo["message"]
+    form = kontext_client.post(
+        "/v1/images/edits", data={"prompt": "x", "bot_task": "think"}, files=[("image", ("a.png", png, "image/png"))]
+    )
+    assert _error(form)["param"] == "bot_task"
+    chat = {"messages": [{"role": "user", "content": "x"}], "extra_body": {"guidance_scal": 2}}
+    chat_typo = _error(kontext_client.post("/v1/chat/completions", json=chat))
+    assert chat_typo["param"] == "guidance_scal" and "did you mean guidance_scale?" in chat_typo["message"]
+    lora = _error(kontext_client.post("/v1/images/generations", json={"prompt": "x", "lora": {"nam": "a"}}))
+    assert lora["param"] == "lora.nam" and "did you mean name?" in lora["message"]
+    wrong = {"prompt": "x", "extra_args": {"max_aera": 1024}}
+    extra = _error(kontext_client.post("/v1/images/generations", json=wrong))
+    assert extra["param"] == "extra_args" and "takes no max_aera (did you mean max_area?)" in extra["message"]
+    reserved = {"prompt": "x", "extra_args": {"prompt": "y"}}
+    assert _error(kontext_client.post("/v1/images/generations", json=reserved))["param"] == "extra_args"
+    # Kontext's max_area, from a form's JSON text: the 64x64 input is generated at 32x32.
+    edited = kontext_client.post(
+        "/v1/images/edits",
+        data={"prompt": "x", "num_inference_steps": str(STEPS), "extra_args": json.dumps({"max_area": 32 * 32})},
+        files=[("image", ("a.png", png, "image/png"))],
+    )
+    assert edited.status_code == 200, edited.text
+    assert edited.json()["size"] == "32x32"
 
 
 # -- tiny-wan-i2v: video ---------------------------------------------------------------------------------------

@@ -8,7 +8,11 @@ Every output is compared with one process holding the base and only that adapter
 from __future__ import annotations
 
 import base64
+import json
+import os
 import shutil
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from hsdp.engine import SamplingParams
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import encode_image
 from hsdp.models.tiny import build_tiny_llama
+from hsdp.serve.jobs import Job
 from hsdp.serve.local import LocalServer
 from hsdp.serve.schemas import ApiError
 from hsdp.serve.service import Server
@@ -76,6 +81,8 @@ def _expected(base: Path, adapter: Path | None, prompt: str) -> str:
 
 
 def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, tmp_path):
+    from transformers import AutoTokenizer
+
     args = [*HSDP2, "--lora", f"a={root / 'a'}", "--lora", f"b={root / 'b'}", "--lora-root", str(root)]
     models = {str(base): None, "a": root / "a", "b": root / "b"}
     requests = [(model, PROMPTS[i % 3]) for i in range(10) for model in models]  # 30, rotating adapters
@@ -92,6 +99,11 @@ def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, t
         # Loaded at run time from under --lora-root (vLLM's route), served by name, then unloaded.
         loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "late"})
         late = _text(client, "late", PROMPTS[0])
+        # vLLM-Omni's lora field, as on diffusion servers: adapter b at half its scale.
+        by_field = client.post(
+            "/v1/completions",
+            json={"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "lora": {"name": "b", "scale": 0.5}},
+        )
         unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         gone = client.post("/v1/completions", json={"model": "late", "prompt": "x", "max_tokens": 1})
         errors = {
@@ -108,6 +120,11 @@ def test_two_adapters_and_the_base_under_mixed_concurrent_requests(base, root, t
     assert _metric(metrics, "hsdp_adapter_loads_total") == 2  # both fit their slots at start
     assert _metric(metrics, "hsdp_adapter_switches_total") >= 2
     assert loaded.status_code == 200 and late == _expected(base, root / "a", PROMPTS[0])
+    half, _ = lm_reference(base, root / "b", 0.5, PROMPTS[1], MAX_TOKENS, ((1, 2),))
+    assert by_field.status_code == 200 and by_field.json()["model"] == "b"
+    assert by_field.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(
+        half, skip_special_tokens=True
+    )
     assert unloaded.status_code == 200 and gone.status_code == 404
     message = gone.json()["error"]["message"]
     assert "'late' is not served" in message and "'a', 'b'" in message
@@ -154,6 +171,16 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
             responses = list(
                 pool.map(lambda b: client.post("/v1/images/generations", json={**common, **b}), bodies)
             )
+        # Chat on a diffusion server resolves the adapter as the images route does, and names what served it.
+        chat = {"messages": [{"role": "user", "content": "a red fox"}], "seed": 1, "num_inference_steps": 2}
+        chats = {
+            name: client.post("/v1/chat/completions", json={**chat, **body})
+            for name, body in {
+                "model": {"model": "x", "num_frames": 1},
+                "lora": {"extra_body": {"lora": {"name": "x"}, "num_frames": 1}},
+                "base": {"num_frames": 1},
+            }.items()
+        }
         unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
         outside = client.post(
             "/v1/images/generations", json={**common, "lora": {"name": "z", "local_path": str(wan)}}
@@ -170,6 +197,10 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
         )
         got = base64.b64decode(response.json()["data"][0]["b64_json"])
         assert got == encode_image(frame[0], ".png"), body
+    assert all(r.status_code == 200 for r in chats.values()), {k: r.text[:300] for k, r in chats.items()}
+    videos = {k: r.json()["choices"][0]["message"]["content"][0]["image_url"]["url"] for k, r in chats.items()}
+    assert videos["model"] == videos["lora"] != videos["base"]
+    assert [chats[k].json()["model"] for k in ("model", "lora", "base")] == ["x", "x", str(wan)]
     images = [r.json()["data"][0]["b64_json"] for r in responses]
     assert len({images[0], images[1], images[2]}) == 3, "an adapter changes nothing"
     assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
@@ -177,6 +208,74 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
     assert (
         _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 2
     )
+
+
+def _video(client: httpx.Client, body: dict, timeout_s: float = 240) -> tuple[dict, bytes]:
+    """An asynchronous ``/v1/videos`` job, waited for: its final record and its mp4."""
+    job = client.post("/v1/videos", json=body)
+    assert job.status_code == 200, job.text
+    return _finished(client, job.json()["id"], timeout_s)
+
+
+def _finished(client: httpx.Client, video_id: str, timeout_s: float = 240) -> tuple[dict, bytes]:
+    deadline = time.monotonic() + timeout_s
+    while (job := client.get(f"/v1/videos/{video_id}").json())["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    content = client.get(f"/v1/videos/{video_id}/content").content if job["status"] == "completed" else b""
+    return job, content
+
+
+def test_adapters_survive_engine_and_server_restarts(wan, wan_root, tmp_path):
+    """Issue 27 items 6-8. A worker crash restarts the engine with the start-up adapter slots (``--lora-root``
+    alone: rank 16, every linear layer), not slots re-derived from the adapters loaded since (rank 4: a rank-8
+    adapter was refused); an adapter whose folder was removed is dropped with its reason logged, and the engine
+    starts on the rest (it restarted for ever); a server restarted on the same output dir serves the adapters
+    loaded at run time, so a queued job naming one runs, equal to the same job before (it failed: "no adapter
+    named 'y'")."""
+    from diffusers import WanTransformer3DModel
+
+    root = tmp_path / "root"
+    shutil.copytree(wan_root, root)
+    shutil.copytree(root / "x", root / "gone")
+    transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
+    save_adapter(transformer, root / "big", ["to_q", "to_k", "to_v", "to_out.0", "proj_out"], r=8, seed=5)
+    out = tmp_path / "out"
+    args = [*HSDP2, "--lora-root", str(root), "--max-loras", "2", "--output-dir", str(out)]
+    body = {"prompt": "a red fox", "seed": 1, "size": "32x32", "num_frames": 1, "num_inference_steps": 2}
+    with LocalServer(str(wan), args, log=tmp_path / "log") as server:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
+            for name in ("y", "gone"):
+                loaded = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": name})
+                assert loaded.status_code == 200, loaded.text
+            first, with_y = _video(client, {**body, "model": "y"})
+            assert first["status"] == "completed", first
+            shutil.rmtree(root / "gone")
+            os.kill(server.worker_pids()[1], signal.SIGKILL)
+            while client.get("/health").status_code == 200:
+                time.sleep(0.05)
+            server.wait_healthy(timeout_s=120)
+            served = [card["id"] for card in client.get("/v1/models").json()["data"]]
+            big = client.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": "big"})
+            gone = client.post("/v1/images/generations", json={"prompt": "x", "model": "gone"})
+        assert server.stop() == 0
+        log = server.log.read_text()
+    assert served == [str(wan), "y"], served
+    assert "no longer serving the LoRA adapter gone: adapter" in log and "no such folder" in log
+    assert gone.status_code == 404
+    assert big.status_code == 200, big.text
+    # What a server stopped with a job still queued leaves: the job names y, loaded at run time.
+    record = json.loads((out / "jobs" / f"{first['id']}.json").read_text())
+    queued = Job(record["kind"], record["prompt"], record["params"], record["seed"], meta=record["meta"])
+    (out / "jobs" / f"{queued.id}.json").write_text(json.dumps(queued.record()))
+    with (
+        LocalServer(str(wan), args, log=tmp_path / "log2") as again,
+        httpx.Client(base_url=again.url, timeout=300) as client,
+    ):
+        served = [card["id"] for card in client.get("/v1/models").json()["data"]]
+        job, content = _finished(client, queued.id)
+    assert served == [str(wan), "big", "y"], served
+    assert job["status"] == "completed" and content == with_y, job
 
 
 # -- refused before any rank starts, or off loopback without a key --------------------------------------------
@@ -198,3 +297,17 @@ def test_loading_off_loopback_needs_an_api_key(base, root, tmp_path):
         ServeSettings(model=str(base), host="0.0.0.0", api_key="k", lora_root=root, output_dir=tmp_path)
     )
     keyed.check_adapter_admin("lora_path")  # allowed with a key
+
+
+@pytest.mark.unit
+def test_adapters_recorded_at_run_time_are_recalled_if_still_allowed(base, root, tmp_path, caplog):
+    """A restarted server takes back the adapters loaded at run time that ``--lora-root`` still covers and no
+    ``--lora`` names; the others are dropped with the reason logged."""
+    settings = ServeSettings(model=str(base), lora=(f"a={root / 'a'}",), lora_root=root, output_dir=tmp_path)
+    Server(settings).store.save_adapters({"late": root / "late", "a": root / "b", "far": base})
+    server = Server(settings)
+    with caplog.at_level("WARNING", logger="hsdp"):
+        server._recall_adapters()
+    assert server.adapter_paths == {"a": root / "a", "late": root / "late"}
+    assert "adapter a loaded before the restart: --lora now names 'a'" in caplog.text
+    assert f"adapter far loaded before the restart: its folder {base} is not under --lora-root" in caplog.text

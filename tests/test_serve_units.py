@@ -342,13 +342,42 @@ def _wait_finished(jobs: list[Job], timeout_s: float = 10.0) -> None:
         (["tiny-llama", "--max-queue", "0"], "--max-queue 0 must be >= 1"),
         (["tiny-llama", "--max-frames", "0"], "--max-frames 0 must be >= 1"),
         (["tiny-llama", "--use-hsdp", "--ulysses-degree", "2"], "causal LMs run with HSDP"),
+        (["tiny-llama", "--max-batch-size", "2"], "--max-batch-size 2: causal LMs run one request at a time"),
+        (["tiny-llama", "--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an address"),
     ],
 )
-def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, argv, needle):
+def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, monkeypatch, argv, needle):
+    """Each refusal comes before the model loads (issue 27 item 17: --max-batch-size on a causal LM was refused
+    only after loading it)."""
     from hsdp.cli import main
 
-    assert main(["serve", *argv, "--output-dir", str(tmp_path), "--port", "1"]) == 2
+    monkeypatch.setattr("hsdp.engine.engine.WorkerGroup", _no_ranks)
+    assert main(["serve", *argv, "--output-dir", str(tmp_path), "--port", "0"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def _no_ranks(*args, **kwargs):
+    raise AssertionError("ranks started to load the model before the refusal")
+
+
+def test_cli_refuses_a_busy_port_and_a_file_as_output_dir_before_loading(tmp_path, capsys, monkeypatch):
+    """A port in use is exit 2 before the model loads (issue 27 item 11: it loaded, said "serving", then exited
+    3), and so is an --output-dir that is a file (item 13: a NotADirectoryError traceback)."""
+    import socket
+
+    from hsdp.cli import main
+
+    monkeypatch.setattr("hsdp.engine.engine.WorkerGroup", _no_ranks)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "tiny-llama", "--output-dir", str(tmp_path), "--port", str(port)]) == 2
+    assert f"--port {port} on 127.0.0.1: cannot listen there" in capsys.readouterr().err
+    (tmp_path / "file").write_text("not a folder")
+    for output_dir in (tmp_path / "file", tmp_path / "file" / "sub"):
+        assert main(["serve", "tiny-llama", "--output-dir", str(output_dir), "--port", "0"]) == 2
+        assert f"--output-dir {output_dir}: {tmp_path / 'file'} is a file" in capsys.readouterr().err
 
 
 def test_wait_healthy_retries_until_its_deadline(tmp_path):
@@ -514,7 +543,7 @@ def test_a_full_disk_fails_the_job_and_the_engine_thread_goes_on(tmp_path, monke
                 raise OSError(errno.ENOSPC, "No space left on device")
             super()._save(job)
 
-    def save_frames(frames, path, fps):
+    def save_frames(frames, path, fps, audio=None):
         if full.is_set():
             path.write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")

@@ -167,3 +167,44 @@ def test_init_distributed_tears_down_at_exit():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["joined: True", "initialized at exit: False"], done.stdout
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_rank_exits_when_its_torchrun_agent_is_killed(tmp_path):
+    """torchrun stops its ranks when it stops, but a SIGKILLed agent (a kill -9, the OOM killer) left its rank
+    running for good: a serving rank 0 kept answering HTTP and holding its --output-dir. A rank that joined with
+    ``init_distributed`` now exits within a few seconds of its agent, as engine-spawned ranks do of their caller."""
+    from hsdp.distributed import pid_running
+
+    joined = tmp_path / "joined"
+    script = tmp_path / "join.py"
+    script.write_text(
+        "import sys, time\n"
+        "from hsdp.distributed import init_distributed\n"
+        "init_distributed()\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "time.sleep(300)\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script), str(joined)]
+    agent = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    rank = None
+    try:
+        deadline = time.monotonic() + 120
+        while not joined.exists():
+            assert agent.poll() is None and time.monotonic() < deadline, "the rank never joined"
+            time.sleep(0.05)
+        rank = _worker(agent.pid, 0)
+        assert rank is not None
+        agent.kill()
+        agent.wait()
+        killed = time.monotonic()
+        while pid_running(rank) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert not pid_running(rank), "the rank still runs 10 s after its agent was killed"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        if rank is not None and pid_running(rank):
+            os.kill(rank, signal.SIGKILL)

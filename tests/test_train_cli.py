@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hsdp.checkpoint import latest_checkpoint
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
 
 pytestmark = pytest.mark.slow  # builds and trains models, spawns ranks
@@ -69,3 +70,57 @@ def test_train_two_ranks_checkpoint_and_export(inputs):
     summary = json.loads((root / "summary.json").read_text())
     assert [s["step"] for s in summary] == [1, 2, 3] and all(len(s["peak_memory"]) == 2 for s in summary)
     assert (root / "export" / "config.json").exists() and list((root / "export").glob("*.safetensors"))
+
+
+def test_media_folder_with_the_default_lm_says_pass_model(inputs, media):
+    out = _hsdp("--data", str(media))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "this is a media folder; pass --model" in " ".join(out.stderr.split())
+
+
+def test_interrupted_run_names_its_checkpoint_and_keeps_its_steps(inputs):
+    """Ctrl-C during training (issue 26 item 5): exit 130, the last complete checkpoint named, and --summary-json
+    holding the steps made so far (rank 0 rewrites it after every step)."""
+    import signal
+    import time
+
+    root = inputs["root"] / "interrupted"
+    summary = root / "summary.json"
+    args = ["--model", str(inputs["model"]), "--data", str(inputs["data"]), "--steps", "100000", "--batch-size", "2",
+            "--seq-len", "32", "--save-every", "2", "--output-dir", str(root / "run"), "--summary-json", str(summary)]  # fmt: skip
+    env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
+    proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (root / "run" / "step-00000002" / "COMPLETE").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "hsdp train: interrupted" in err and "Traceback" not in err
+    last = latest_checkpoint(root / "run")
+    assert f"last complete checkpoint: {last} (rerun with --resume)" in err
+    steps = json.loads(summary.read_text())
+    assert f"the steps made so far: {summary}" in err and len(steps) >= 2
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+
+
+def test_sharded_run_without_a_layout_takes_the_planned_one_and_says_so(inputs):
+    """No --strategy nor --frozen-whole (issue 26 item 6): the planner's layout for this mesh, named in the first log
+    line; LoRA keeps its frozen base whole. A named layout is taken as given, without that line."""
+    root = inputs["root"] / "planned"
+    common = ["--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size", "2",
+              "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--lora-r", "4"]  # fmt: skip
+    out = _hsdp(*common, "--output-dir", str(root / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = next(line for line in out.stderr.splitlines() if line.startswith("INFO"))
+    match = re.search(r"\] layout: hsdp 1x2 (?:grad-op )?frozen-whole, (\w+) \(the planner's pick", first)
+    assert match, first
+    state = json.loads((root / "run" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["settings"]["--strategy"] == match[1]  # the run took it
+    named = _hsdp(*common, "--strategy", "FULL_SHARD", "--output-dir", str(root / "named"))
+    assert named.returncode == 0 and "layout:" not in named.stderr

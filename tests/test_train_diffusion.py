@@ -1,8 +1,9 @@
 """Diffusion fine-tuning (hsdp.train.diffusion) against one process running diffusers + peft.
 
-Same media rows, noise and sigmas; fp32. Sharded runs sum gradients in another order, so losses and weights are
-compared within 1e-5. Full fine-tuning runs at lr 1e-4: AdamW turns rounding-level differences of near-zero
-gradients into differences of up to ~lr / 10 in the update (7.7e-5 seen at lr 1e-3)."""
+Same media rows, noise and sigmas; fp32. Sharded runs sum gradients in another order, so losses are compared
+within 1e-5, and so are trained weights wherever the gradient is above rounding level; AdamW may step a weight
+whose gradient is at rounding level either way, so those are held to AdamW's bound (``assert_trained_like``:
+a full fine-tuning run on another CPU reached 3.6e-5 on such a weight)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.diffusion_train_fns import reference_run, sharded_encoders, train_diffusion
+from tests.diffusion_train_fns import assert_trained_like, reference_run, sharded_encoders, train_diffusion
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -31,10 +32,7 @@ def _cfg(media, **kw) -> TrainConfig:
 
 
 def _close(run: dict, ref: dict) -> None:
-    assert np.allclose(run["losses"], ref["losses"], atol=TOL, rtol=0), (run["losses"], ref["losses"])
-    assert run["state"].keys() == ref["state"].keys()
-    worst = max((run["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
-    assert worst < TOL, worst
+    assert_trained_like(run, ref, TOL)
 
 
 @pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])

@@ -378,6 +378,49 @@ def test_fill_cache_encodes_only_missing_items(tmp_path):
     assert calls == []
 
 
+def test_summary_counts_items_buckets_and_names_what_was_left_out(tmp_path):
+    """The log at start (issue 26 item 5): item count, the bucket table, every skipped or upscaled file with why."""
+    _image(tmp_path / "a.png", 32, 48)
+    _image(tmp_path / "b.png", 48, 32)
+    _image(tmp_path / "sub" / "c.png", 32, 48)
+    _image(tmp_path / "tiny.png", 8, 8)
+    (tmp_path / "notes.pdf").write_bytes(b"%PDF")
+    (tmp_path / "orphan.txt").write_text("a caption whose image was deleted")
+    data = MediaDataset.from_source(tmp_path, IMAGE, resolution=48)
+    text = data.summary(tmp_path)
+    assert f"--data {tmp_path}: 4 items (4 images, 0 clips) in 3 size buckets" in text
+    assert "  1 x 32 x 48: 2" in text and "  1 x 48 x 32: 1" in text and "  1 x 16 x 16: 1" in text
+    assert f"skipped {tmp_path / 'notes.pdf'}: not an image or video" in text
+    assert f"skipped {tmp_path / 'orphan.txt'}: a caption with no image or video" in text
+    assert f"upscaled {tmp_path / 'tiny.png'}: 8 x 8 is below its bucket 16 x 16" in text
+    assert "a.png" not in text  # items that fit are counted, not listed
+
+
+def test_cache_is_keyed_by_content_not_by_name(tmp_path):
+    """Captions edited, a file replaced under the same name: those items are encoded again, the others reused
+    (issue 27 item 3: the old captions' encodings were reused for the new ones)."""
+    import os
+
+    for i, caption in enumerate(["a cat", "a dog", "a fox"]):
+        _image(tmp_path / "data" / f"{i}.png", 32, 32, caption, seed=i)
+    cache = LatentCache(tmp_path / "cache", "fp")
+
+    def encoded() -> list[int]:
+        data = MediaDataset.from_source(tmp_path / "data", IMAGE, resolution=32)
+        calls: list[list[int]] = []
+        fill_cache(data, cache, _recording_encode(calls, data), 0, 1, lambda: None)
+        return sorted(i for call in calls for i in call)
+
+    assert encoded() == [0, 1, 2]
+    assert encoded() == []  # nothing changed: every item from the cache
+    (tmp_path / "data" / "1.txt").write_text("a wolf")
+    replaced = tmp_path / "data" / "2.png"
+    stat = replaced.stat()
+    _image(replaced, 32, 32, None, seed=9)
+    os.utime(replaced, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a new file, however quickly written
+    assert encoded() == [1, 2]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fill_cache_calls_encode_alike_on_every_rank(tmp_path, world):
     """The ranks' calls (as each rank would make them; no process group) have the same count and batch size,

@@ -39,3 +39,22 @@ def test_schedules_follow_transformers(name):
         for scheduler in schedulers:
             scheduler.optimizer.step()
             scheduler.step()
+
+
+def test_log_lines_follow_the_current_stderr(monkeypatch):
+    """The hsdp log handler writes to ``sys.stderr`` as it is now: a run in a process whose stderr was swapped since
+    logging was set up (pytest's capture between tests) logged 'I/O operation on closed file' tracebacks."""
+    import io
+    import logging
+
+    from hsdp.logging_utils import configure_logging
+
+    configure_logging()
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    logging.getLogger("hsdp").info("one")
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    logging.getLogger("hsdp").info("two")
+    assert second.getvalue().endswith("] two\n")

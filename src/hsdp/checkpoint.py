@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from hsdp.distributed import rank
+from hsdp.exports import commit, staging_dir
 from hsdp.loading import CheckpointError
 
 logger = logging.getLogger("hsdp")
@@ -52,6 +53,7 @@ __all__ = [
     "latest_checkpoint",
     "read_trainer_state",
     "export_safetensors",
+    "export_pipeline",
 ]
 
 COMPLETE = "COMPLETE"
@@ -261,9 +263,9 @@ def _tied_aliases(model: nn.Module) -> set[str]:
 def _name_plain_class(config_file: Path, model: torch.nn.Module) -> None:
     """Name the model's own class in a diffusers ``config.json``: ``save_config`` writes the class of the instance,
     which FSDP2 swapped for ``FSDP<Name>`` (a class no library has, so no loader could read the folder)."""
-    from torch.distributed.fsdp import FSDPModule
+    from hsdp.sharding import unwrapped_class
 
-    plain = next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    plain = unwrapped_class(model)
     config = json.loads(config_file.read_text())
     config["_class_name"] = plain.__name__
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -276,6 +278,7 @@ def export_safetensors(
     dtype: torch.dtype | None = None,
     source_dir: str | Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    run: str = "",
 ) -> Path:
     """Write a ``from_pretrained``-loadable folder from a (sharded) model; collective.
 
@@ -283,16 +286,63 @@ def export_safetensors(
     out (``from_pretrained`` re-ties them); ``dtype`` casts floating tensors (default: as trained).
     ``config.json`` records the dtype; tokenizer files are copied from ``source_dir``. ``state_dict`` (sharded or
     plain tensors under the model's keys, e.g. a LoRA-merged state) is written instead of the model's own.
-    Written into a temporary sibling and renamed, so a failed export leaves nothing behind.
+    Written into a temporary sibling and moved into place (:func:`hsdp.exports.commit`), so a failed export
+    leaves nothing behind and only what an earlier export of ``run`` wrote in ``out_dir`` is replaced.
     """
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        staging_dir(out_dir)
     _barrier()
+    _write_model(model, tmp, dtype=dtype, source_dir=source_dir, state_dict=state_dict)
+    try:  # rank 0 may refuse to commit (a file appeared in out_dir): the other ranks must not wait for it
+        if rank() == 0:
+            commit(tmp, out_dir, run)
+    finally:
+        _barrier()
+    if rank() == 0:
+        logger.info("Exported %s (%s) to %s", type(model).__name__, dtype or "as trained", out_dir)
+    return out_dir
+
+
+def export_pipeline(
+    model: nn.Module,
+    model_dir: str | Path,
+    component: str,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    run: str = "",
+) -> Path:
+    """A diffusers pipeline folder: ``model_dir``'s files with ``component`` replaced by the trained (sharded)
+    ``model``, written and moved into place as :func:`export_safetensors` does; collective."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if rank() == 0:
+        shutil.copytree(
+            model_dir, staging_dir(out_dir), dirs_exist_ok=True, ignore=shutil.ignore_patterns(component, ".complete")
+        )
+    _barrier()
+    _write_model(model, tmp / component, dtype=dtype, source_dir=Path(model_dir) / component, state_dict=None)
+    try:
+        if rank() == 0:
+            commit(tmp, out_dir, run)
+    finally:
+        _barrier()
+    return out_dir
+
+
+def _write_model(
+    model: nn.Module,
+    tmp: Path,
+    *,
+    dtype: torch.dtype | None,
+    source_dir: str | Path | None,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> None:
+    """Every rank's slices into ``tmp``, consolidated there by rank 0 (see :func:`export_safetensors`)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
     skip = _tied_aliases(model)
     state = {
         k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach())
@@ -332,10 +382,3 @@ def export_safetensors(
                     )
                 ):
                     shutil.copy2(item, tmp / item.name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    _barrier()
-    if rank() == 0:
-        logger.info("Exported %d tensors (%s) to %s", len(state), dtype or "as trained", out_dir)
-    return out_dir

@@ -23,7 +23,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers.core_model_loading import WeightConverter
 
-    from hsdp.loading import TensorEntry
+    from hsdp.safetensors_index import TensorEntry
 
 __all__ = ["FusedParam", "KeyPlan", "plan_keys"]
 

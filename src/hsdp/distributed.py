@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import logging
 import os
+import select
+import threading
 import time
 from pathlib import Path
 
@@ -58,13 +61,16 @@ def init_distributed(
 ) -> torch.device:
     """Join (or create) the default process group; returns this rank's device.
 
-    Without arguments it reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...). Every
-    collective gets ``timeout_s``, so a dead peer surfaces as an error instead of a hang. The groups are torn down
-    at exit (:func:`destroy_distributed`) if the caller has not done so.
+    Without arguments it reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...); a rank
+    started by torchrun then exits once its agent is gone (:func:`_watch_torchrun_agent`). Every collective gets
+    ``timeout_s``, so a dead peer surfaces as an error instead of a hang. The groups are torn down at exit
+    (:func:`destroy_distributed`) if the caller has not done so.
     """
     device = local_device()
     if dist.is_initialized():
         return device
+    if store is None:
+        _watch_torchrun_agent()
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     backend = dist.get_default_backend_for_device(device)
@@ -75,6 +81,51 @@ def init_distributed(
     _tear_down_at_exit()
     logger.debug("rank %d/%d joined %s on %s", dist.get_rank(), dist.get_world_size(), backend, device)
     return device
+
+
+_agent_watched = False
+
+
+def _watch_torchrun_agent() -> None:
+    """Under torchrun, exit this rank once its agent (the parent process) is gone. torchrun's agent stops its ranks
+    when it stops, but not when it is killed (SIGKILL, the OOM killer): its ranks would run on with no agent, a
+    serving rank 0 answering HTTP and holding its ``--output-dir``. Once per process; not under another launcher,
+    whose ranks may outlive their parent on purpose."""
+    global _agent_watched
+    if "TORCHELASTIC_RUN_ID" in os.environ and not _agent_watched:
+        watch_process(os.getppid(), "this rank's torchrun agent")
+        _agent_watched = True
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` runs: not when it is gone, a zombie (exited, only its parent's wait missing), or
+    the pid now belongs to someone else's process."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    return True
+
+
+def watch_process(pid: int, what: str) -> None:
+    """End this process (status 1) as soon as process ``pid`` (``what``, for the log) is gone, from a daemon
+    thread: a pidfd, readable once that process exits, where the kernel has them; else a poll every second."""
+
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3, or the process already exited
+            while pid_running(pid):
+                time.sleep(1.0)
+        else:
+            select.select([pidfd], [], [])
+        logger.error("%s (pid %d) is gone; exiting", what, pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"watch-{pid}", daemon=True).start()
 
 
 _teardown_registered = False

@@ -18,12 +18,11 @@ import logging
 import re
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -31,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hsdp.config import DTYPES, ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes
+from hsdp.safetensors_index import CheckpointError, CheckpointIndex, read_checkpoint_index
 from hsdp.shard_rules import ShardPlan
 from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
 
@@ -47,82 +47,6 @@ __all__ = [
     "model_class_for",
     "build_empty_model",
 ]
-
-_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable, or does not match the model."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    file: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class CheckpointIndex:
-    """Every tensor of a safetensors checkpoint (one file or an index of shards), read from headers only."""
-
-    folder: Path
-    tensors: dict[str, TensorEntry]
-
-    @property
-    def floating_dtype(self) -> torch.dtype | None:
-        return next((e.dtype for e in self.tensors.values() if e.dtype.is_floating_point), None)
-
-
-def _checkpoint_files(folder: Path) -> list[Path]:
-    for name in _INDEX_NAMES:
-        index = folder / name
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
-            files = [folder / f for f in sorted(set(weight_map.values()))]
-            missing = [str(f) for f in files if not f.exists()]
-            if missing:
-                raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
-            return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors checkpoint in {folder}")
-    return files
-
-
-def read_checkpoint_index(folder: str | Path) -> CheckpointIndex:
-    """Read the headers of every checkpoint file in ``folder``; raises :class:`CheckpointError` naming the file."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    tensors: dict[str, TensorEntry] = {}
-    for file in _checkpoint_files(folder):
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                    sl = handle.get_slice(key)
-                    tensors[key] = TensorEntry(
-                        file, tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()]
-                    )
-        except (SafetensorError, OSError, KeyError) as exc:
-            raise CheckpointError(f"{file}: unreadable or corrupt safetensors file ({exc})") from exc
-    return CheckpointIndex(folder, tensors)
-
 
 def model_class_for(folder: Path) -> type[nn.Module]:
     """The model class named by a folder's ``config.json`` (diffusers ``_class_name`` or HF ``architectures``)."""

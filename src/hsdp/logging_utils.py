@@ -7,6 +7,19 @@ import os
 import sys
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on ``sys.stderr`` as it is when a record is written, not when logging was set up: a process that
+    swaps it later (pytest's capture, a caller redirecting it) would otherwise get "I/O operation on closed file"."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; the current sys.stderr is always used
+        pass
+
+
 def configure_logging(rank: int | None = None, level: str | None = None) -> None:
     """Send the ``hsdp`` logger to stderr with a rank tag; level from ``HSDP_LOG_LEVEL`` (default INFO)."""
     logger = logging.getLogger("hsdp")
@@ -17,7 +30,7 @@ def configure_logging(rank: int | None = None, level: str | None = None) -> None
         if getattr(handler, "_hsdp", False):
             handler.setFormatter(formatter)
             return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler._hsdp = True  # type: ignore[attr-defined]
     handler.setFormatter(formatter)
     logger.addHandler(handler)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hsdp.loading import local_slices
+from hsdp.lora_formats import as_peft_folder
+from hsdp.lora_state import ADAPTER, ADAPTER_WEIGHTS, LORA_KEY, adapter_state, full_tensor, peft_key
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -45,9 +46,6 @@ __all__ = [
     "peft_key",
 ]
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER = "default"  # peft's adapter name inside the model; dropped from the keys of a saved adapter
-_LORA_KEY = re.compile(r"\.lora_(A|B)\." + ADAPTER + r"\.")
 
 
 def lora_config(
@@ -87,7 +85,7 @@ def injector(config) -> Callable[[nn.Module], None]:
 
         inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
         for name, param in model.named_parameters():
-            is_adapter = _LORA_KEY.search(name) is not None
+            is_adapter = LORA_KEY.search(name) is not None
             param.requires_grad_(is_adapter)
             if is_adapter and param.dtype != torch.float32:
                 param.data = param.data.float()
@@ -113,14 +111,7 @@ def adapter_injector(folder: str | Path) -> Callable[[nn.Module], None]:
 def _peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
     """``folder``, or the peft adapter folder converted from it when it holds diffusers' LoRA format
     (:func:`hsdp.lora_formats.as_peft_folder`)."""
-    from hsdp.lora_formats import as_peft_folder  # it builds on this module: imported when used
-
     return as_peft_folder(folder, flag)
-
-
-def peft_key(name: str) -> str:
-    """The key of an adapter tensor in a saved peft adapter (``PeftModel.save_pretrained``)."""
-    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
 def _meta_model(model_dir: Path) -> nn.Module:
@@ -204,7 +195,7 @@ def _fit_problem(
         return f"{flag} {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)"
     with safe_open(path, framework="pt") as handle:
         stored = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
-    expected = {peft_key(n): tuple(p.shape) for n, p in model.named_parameters() if _LORA_KEY.search(n)}
+    expected = {peft_key(n): tuple(p.shape) for n, p in model.named_parameters() if LORA_KEY.search(n)}
     problems = [f"missing {k}" for k in sorted(expected.keys() - stored.keys())][:3]
     problems += [f"unexpected {k}" for k in sorted(stored.keys() - expected.keys())][:3]
     problems += [
@@ -232,7 +223,7 @@ def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -
     generator = torch.Generator().manual_seed(seed)
     count = 0
     for name, param in model.named_parameters():
-        if not _LORA_KEY.search(name):
+        if not LORA_KEY.search(name):
             continue
         full = torch.empty(param.shape, dtype=torch.float32)
         if stored:
@@ -247,26 +238,12 @@ def init_adapters(model: nn.Module, seed: int, adapter_dir: str | None = None) -
     return count
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return param.full_tensor() if isinstance(param, DTensor) else param
-
-
-@torch.no_grad()
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every adapter tensor gathered whole, on the CPU, under its peft key; collective."""
-    return {
-        peft_key(name): _full(param).detach().cpu().clone()
-        for name, param in model.named_parameters()
-        if _LORA_KEY.search(name)
-    }
-
-
 def _delta_weight(layer: nn.Module) -> torch.Tensor:
     """What merging adds to the base weight of a peft LoRA ``layer``, whole and in fp32, laid out as the base
     weight: ``scaling * B @ A`` is (out, in), and layers that store their weight as (in, out) (transformers'
     ``Conv1D`` in GPT-2, peft's ``fan_in_fan_out``) take its transpose, as peft's ``get_delta_weight`` does."""
-    a = _full(layer.lora_A[ADAPTER].weight).float()
-    b = _full(layer.lora_B[ADAPTER].weight).float()
+    a = full_tensor(layer.lora_A[ADAPTER].weight).float()
+    b = full_tensor(layer.lora_B[ADAPTER].weight).float()
     delta = layer.scaling[ADAPTER] * (b @ a)
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
@@ -279,7 +256,7 @@ def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
     modules = dict(model.named_modules())
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if _LORA_KEY.search(name):
+        if LORA_KEY.search(name):
             continue
         key = name.replace(".base_layer.", ".")
         owner = name.rsplit(".base_layer.", 1)[0]

@@ -34,6 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hsdp.distributed import rank
+from hsdp.exports import commit, staging_dir
+from hsdp.lora_state import ADAPTER_WEIGHTS, adapter_state
+from hsdp.sharding import unwrapped_class
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -43,6 +46,7 @@ __all__ = [
     "DIFFUSERS_WEIGHTS",
     "COMFYUI_WEIGHTS",
     "save_lora",
+    "format_problem",
     "diffusers_lora",
     "comfyui_lora",
     "as_peft_folder",
@@ -92,12 +96,11 @@ def comfyui_lora(peft_state: dict[str, torch.Tensor], config: LoraConfig, model:
     has no diffusers converter to invert, or the converter would not read the result back."""
     from hsdp.families import family_of_model
 
-    family = family_of_model(type(model).__name__)
-    if family.comfyui_lora is None:
-        raise ValueError(
-            f"--export-format comfyui: {family.comfyui_refusal or f'no ComfyUI key map for {type(model).__name__}'}; "
-            "use --export-format diffusers"
-        )
+    name = unwrapped_class(model).__name__  # the model's own class, not FSDP2's FSDP<Name> subclass
+    problem = format_problem("comfyui", name)
+    if problem:
+        raise ValueError(problem)
+    family = family_of_model(name)
     out = family.comfyui_lora(_module_keys(peft_state), _scaling(config))
     problem = family.comfyui_check(out, _module_keys(peft_state)) if family.comfyui_check else None
     if problem:
@@ -105,33 +108,54 @@ def comfyui_lora(peft_state: dict[str, torch.Tensor], config: LoraConfig, model:
     return out
 
 
-def _write(out_dir: Path, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]], config=None) -> None:
-    """Write ``{name: (tensors, metadata)}`` (and a peft ``adapter_config.json``) into a temporary sibling, then
-    rename it into place: a failed export leaves nothing behind."""
+def format_problem(format: str, model_class: str) -> str | None:
+    """Why adapters of a ``model_class`` denoiser (its own class name, as its ``config.json`` says) cannot be
+    written in ``format``, or None; reads no weights, so ``hsdp train`` refuses before any rank starts."""
+    from hsdp.families import family_of_model
+
+    if format != "comfyui":
+        return None
+    family = family_of_model(model_class)
+    if family.comfyui_lora is None:
+        reason = family.comfyui_refusal or f"no ComfyUI key map for {model_class}"
+        return f"--export-format comfyui: {reason}; use --export-format diffusers"
+    return None
+
+
+def _write(
+    out_dir: Path, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]], config=None, run: str = ""
+) -> None:
+    """Write ``{name: (tensors, metadata)}`` (and a peft ``adapter_config.json``) into a temporary sibling, then move
+    it into place (:func:`hsdp.exports.commit`: a failed export leaves nothing behind, and only what an earlier
+    export of ``run`` wrote there is replaced)."""
     from safetensors.torch import save_file
 
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     for name, (tensors, metadata) in files.items():
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name, metadata=metadata)
     if config is not None:
         saved = copy.copy(config)
         saved.inference_mode = True  # as PeftModel.save_pretrained writes it
         saved.save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    commit(tmp, out_dir, run)
 
 
 def save_lora(
-    model: nn.Module, config: LoraConfig, out_dir: str | Path, format: str = "peft", component: str = "transformer"
+    model: nn.Module,
+    config: LoraConfig,
+    out_dir: str | Path,
+    format: str = "peft",
+    component: str = "transformer",
+    *,
+    dtype: torch.dtype | None = None,
+    run: str = "",
 ) -> Path:
     """Write the adapters of ``model`` (injected with ``config``) in ``format``; collective: every rank gathers the
     adapters (only they: never the frozen base), rank 0 checks and writes, then a barrier. ``component`` names the
-    pipeline component the adapters belong to (the diffusers format's key prefix). A problem (a format the
-    model's family cannot take) is a ``ValueError`` on every rank, raised before anything is written."""
-    from hsdp.lora import ADAPTER_WEIGHTS, adapter_state
+    pipeline component the adapters belong to (the diffusers format's key prefix); ``dtype`` casts the tensors
+    (default: as trained, fp32); ``run`` names the run for :mod:`hsdp.exports` (an earlier export of the same run
+    in ``out_dir`` is replaced, anything else there refused). A problem (a format the model's family cannot take)
+    is a ``ValueError`` on every rank, raised before anything is written."""
 
     if format not in FORMATS:
         raise ValueError(f"--export-format {format!r}: use one of {', '.join(FORMATS)}")
@@ -147,9 +171,11 @@ def save_lora(
         files = {DIFFUSERS_WEIGHTS: diffusers_lora(state, config, component)}
     else:
         files = {COMFYUI_WEIGHTS: (comfyui_lora(state, config, model), {"format": "pt"})}
+    if dtype is not None:  # every tensor of the file (ComfyUI's alpha scalars too)
+        files = {name: ({k: v.to(dtype) for k, v in tensors.items()}, meta) for name, (tensors, meta) in files.items()}
     out_dir = Path(out_dir)
     if rank() == 0:
-        _write(out_dir, files, config if format == "peft" else None)
+        _write(out_dir, files, config if format == "peft" else None, run)
     if dist.is_initialized():
         dist.barrier()
     return out_dir
@@ -219,7 +245,6 @@ def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
         return path
     from peft import LoraConfig
 
-    from hsdp.lora import ADAPTER_WEIGHTS
     from hsdp.models.tiny import default_cache_dir
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]

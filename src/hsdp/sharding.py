@@ -55,7 +55,14 @@ __all__ = [
     "ShardReport",
     "parameter_bytes",
     "fsdp_units",
+    "unwrapped_class",
 ]
+
+
+def unwrapped_class(module: nn.Module) -> type:
+    """The module's own class: ``fully_shard`` swaps it for a generated ``FSDP<Name>`` subclass, which no library's
+    class registry or key map knows."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 @dataclass

@@ -262,15 +262,17 @@ class AdapterCache:
         whose adapter, None for the base, differs from the previous call's). Thread-safe: adapters are added and removed
     from request handlers while the engine's thread runs calls."""
 
-    def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = ()):
+    def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = (), flag: str = "--lora"):
         self.slots = slots
-        self.known: dict[str, AdapterSpec] = {a.name: a for a in adapters}
+        self.known: dict[str, AdapterSpec] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()
         self.current: str | None = None
         self.loads = 0
         self.switches = 0
         self.evictions = 0
         self._lock = threading.RLock()
+        for adapter in adapters:  # slots made for these adapters fit them; slots given may not
+            self._add(adapter, flag)
 
     def add(self, adapter: AdapterSpec, flag: str) -> None:
         with self._lock:

@@ -13,7 +13,15 @@ sequence must skip together. Every cache here but the first-block cache decides 
 step counter, the timestep, the config's ratios). The first-block cache compares the first block's output
 residual with the previous step's, a statistic of the rank's own tokens; :class:`StepCache` replaces that
 decision with one computed from the sums of all ranks that run the same forward (one all-reduce of two float64
-numbers per step), so the ratio is the whole sequence's, as in one process, and identical on every rank.
+numbers per request per step), so the ratio is the whole sequence's, as in one process, and identical on every
+rank.
+
+Batched requests. diffusers' first-block cache takes one decision for the whole denoiser batch, so a request
+batched beside another would skip when its neighbour does. :class:`StepCache` decides per request (the rows
+that request owns, both guidance branches when the pipeline batches them, as when it runs alone); when the
+requests of a batch disagree the remaining blocks run for the whole batch, and the rows of the requests that
+skip get what skipping gives them (the head block's output plus their cached tail residual) and keep their
+cached residuals, so each request's output and cache state equal its run alone.
 """
 
 from __future__ import annotations
@@ -270,15 +278,26 @@ class StepCache:
         self.group = group
         self._key: tuple | None = None
         self.stats: CacheStats | None = None
+        self._requests = 1
         self._wrapped: list[tuple[Any, str, Callable]] = []
         """(hook function reference, attribute, the function it held before counting): undone before
         ``disable_cache``, which puts a hook's original forward back on the module."""
 
-    def prepare(self, name: str | None, fields: dict | None, pipe, num_inference_steps: int | None) -> None:
-        """Enable cache ``name`` for the next call (or none), resetting its state and counters."""
+    def prepare(
+        self,
+        name: str | None,
+        fields: dict | None,
+        pipe,
+        num_inference_steps: int | None,
+        *,
+        requests: int = 1,
+    ) -> None:
+        """Enable cache ``name`` for the next call (or none), resetting its state and counters. The call runs
+        ``requests`` requests as one batch: the first-block cache decides per request."""
+        self._requests = requests
         key = (name, repr(sorted((fields or {}).items())), num_inference_steps) if name else None
         if key != self._key:
-            for fn_ref, attribute, fn in self._wrapped:
+            for fn_ref, attribute, fn in reversed(self._wrapped):  # a function wrapped twice: outer one first
                 setattr(fn_ref, attribute, fn)
             self._wrapped = []
             for model in self.denoisers:
@@ -305,7 +324,7 @@ class StepCache:
 
     def _instrument(self, model: nn.Module) -> None:
         """Count every hooked module's calls and real computations; agree first-block decisions."""
-        from diffusers.hooks.first_block_cache import FBCHeadBlockHook
+        from diffusers.hooks.first_block_cache import FBCBlockHook, FBCHeadBlockHook
 
         units: Counter[str] = Counter()
         for module in model.modules():
@@ -316,14 +335,21 @@ class StepCache:
                 if getattr(hook, "fn_ref", None) is None or hook.fn_ref.original_forward is None:
                     continue
                 units[_library_class(module).__name__] += 1
-                for attribute, counter in (("forward", "calls"), ("original_forward", "computed")):
-                    fn = getattr(hook.fn_ref, attribute)
-                    self._wrapped.append((hook.fn_ref, attribute, fn))
-                    setattr(hook.fn_ref, attribute, self._counted(fn, counter))
+                self._wrap(hook.fn_ref, lambda fn: self._counted(fn, "calls"))
+                self._wrap(hook.fn_ref, lambda fn: self._counted(fn, "computed"), "original_forward")
                 if isinstance(hook, FBCHeadBlockHook):
                     hook._should_compute_remaining_blocks = self._agreed_decision(hook)
+                    self._wrap(hook.fn_ref, _keep_skipped_head_residuals(hook))
+                elif isinstance(hook, FBCBlockHook) and hook.is_tail:
+                    self._wrap(hook.fn_ref, _finish_skipped_rows(hook))
         assert self.stats is not None
         self.stats.unit = units.most_common(1)[0][0] if units else "module"
+
+    def _wrap(self, fn_ref, wrapper: Callable[[Callable], Callable], attribute: str = "forward") -> None:
+        """Replace a hook's function by ``wrapper(function)``, remembered so that :meth:`prepare` can undo it."""
+        fn = getattr(fn_ref, attribute)
+        self._wrapped.append((fn_ref, attribute, fn))
+        setattr(fn_ref, attribute, wrapper(fn))
 
     def _counted(self, fn: Callable, counter: str) -> Callable:
         def call(*args, **kwargs):
@@ -333,24 +359,118 @@ class StepCache:
         return call
 
     def _agreed_decision(self, hook) -> Callable[[torch.Tensor], bool]:
-        """FBC's decision (``mean|r - r_prev| / mean|r_prev| > threshold``) from sums over every rank of the
-        group: the whole sequence's statistic, the same number on each rank."""
+        """FBC's decision (``mean|r - r_prev| / mean|r_prev| > threshold``) per request, from sums over every rank
+        of the group: each request's whole-sequence statistic, the same numbers on each rank. Returns whether the
+        remaining blocks run; when the batch's requests disagree they run, and the rows of the requests that skip
+        are marked on the cache state for :func:`_keep_skipped_head_residuals` and :func:`_finish_skipped_rows`."""
         group = self.group
 
         @torch.compiler.disable
         def should_compute(residual: torch.Tensor) -> bool:
-            previous = hook.state_manager.get_state().head_block_residual
-            if (
-                previous is None
-            ):  # the first call of this branch: every rank of the group is at the same point
+            state = hook.state_manager.get_state()
+            state.hsdp_skipped = None
+            previous = state.head_block_residual
+            if previous is None:  # the first call of this branch: every rank of the group is at the same point
                 return True
-            local = torch.stack([(residual - previous).abs().sum(), previous.abs().sum()]).double()
+            layout = _branches_by_requests(residual.shape[0], self._requests)
+            per_row = torch.stack(
+                [
+                    (residual - previous).abs().flatten(1).sum(1, dtype=torch.float64),
+                    previous.abs().flatten(1).sum(1, dtype=torch.float64),
+                ],
+                dim=1,
+            )
+            local = per_row.view(*layout, 2).sum(dim=0)  # (requests, 2)
             sums = local.clone()
             if group is not None:
                 dist.all_reduce(sums, group=group)
-            decision = bool(sums[0] > hook.threshold * sums[1])
-            if bool(local[0] > hook.threshold * local[1]) != decision:
-                self.stats.overruled += 1
-            return decision
+            compute = sums[:, 0] > hook.threshold * sums[:, 1]
+            self.stats.overruled += int((compute != (local[:, 0] > hook.threshold * local[:, 1])).sum())
+            if bool(compute.all()) or not bool(compute.any()):
+                return bool(compute[0])
+            skipped = ~compute.repeat(layout[0])
+            state.hsdp_skipped = _SkippedRows(skipped, previous, state.tail_block_residuals)
+            return True
 
         return should_compute
+
+
+def _branches_by_requests(rows: int, requests: int) -> tuple[int, int]:
+    """(guidance branches, requests) of a denoiser batch of ``rows`` rows for ``requests`` requests: the
+    pipeline stacks one row per request (diffusers takes one generator per output, so a call with several
+    requests makes one output each) and repeats that block per guidance branch it batches (``torch.cat``)."""
+    if rows % requests:
+        raise RuntimeError(
+            f"first-block cache: the denoiser's batch of {rows} rows does not split into {requests} requests"
+        )
+    return rows // requests, requests
+
+
+@dataclasses.dataclass(frozen=True)
+class _SkippedRows:
+    """The rows whose requests skip at this step while the batch computes, and their cached residuals."""
+
+    rows: torch.Tensor
+    head_residual: torch.Tensor
+    tail_residuals: tuple
+
+
+def _rows_where(rows: torch.Tensor, skipped: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+    """``skipped``'s rows where ``rows`` is set, else ``computed``'s."""
+    return torch.where(rows.view(-1, *[1] * (computed.ndim - 1)), skipped, computed)
+
+
+def _keep_skipped_head_residuals(hook) -> Callable[[Callable], Callable]:
+    """Wrapper of the head block's hooked forward: the rows that skip keep the head residual they compare with
+    (alone, a skipped step stores nothing)."""
+
+    def wrapper(fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            output = fn(*args, **kwargs)
+            state = hook.state_manager.get_state()
+            skipped = getattr(state, "hsdp_skipped", None)
+            if skipped is not None:
+                state.head_block_residual = _rows_where(
+                    skipped.rows, skipped.head_residual, state.head_block_residual
+                )
+            return output
+
+        return call
+
+    return wrapper
+
+
+def _finish_skipped_rows(hook) -> Callable[[Callable], Callable]:
+    """Wrapper of the tail block's hooked forward: the rows that skip leave with the head block's output plus
+    their cached tail residuals (diffusers' skip, operand for operand) and keep those residuals."""
+
+    def wrapper(fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            output = fn(*args, **kwargs)
+            state = hook.state_manager.get_state()
+            skipped = getattr(state, "hsdp_skipped", None)
+            if skipped is None:
+                return output
+            state.hsdp_skipped = None
+            head = state.head_block_output
+            heads = (head[0], head[1]) if isinstance(head, list) else (head, None)
+            cached = skipped.tail_residuals
+            metadata = hook._metadata
+            if isinstance(output, tuple):
+                output = list(output)
+                indices = (metadata.return_hidden_states_index, metadata.return_encoder_hidden_states_index)
+                for index, residual, head_output in zip(indices, cached, heads, strict=True):
+                    if index is not None:
+                        output[index] = _rows_where(skipped.rows, residual + head_output, output[index])
+                output = tuple(output)
+            else:
+                output = _rows_where(skipped.rows, cached[0] + heads[0], output)
+            state.tail_block_residuals = tuple(
+                None if new is None else _rows_where(skipped.rows, old, new)
+                for old, new in zip(cached, state.tail_block_residuals, strict=True)
+            )
+            return output
+
+        return call
+
+    return wrapper

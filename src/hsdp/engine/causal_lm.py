@@ -12,11 +12,12 @@ import time
 
 import torch
 
+from hsdp.attention import set_attention_backend
 from hsdp.distributed import local_device
 from hsdp.distributed import world_size as current_world_size
+from hsdp.engine.components import LoadSpec, load_component
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams
-from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event
 from hsdp.mesh import ParallelMeshes
 
@@ -74,6 +75,8 @@ class CausalLMRunner:
 
         self.device = local_device()
         self.model = load_component(spec, meshes, lora=spec.lora)
+        if spec.attention_backend is not None:
+            set_attention_backend(self.model, spec.attention_backend)
         self.sharded = ["model"] if spec.config.use_hsdp else []
         self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
         self.synced = current_world_size() > 1

@@ -22,6 +22,22 @@ from hsdp.models.builtin import builtin_names
 __all__ = ["add_arguments", "add_engine_arguments", "run"]
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``--pipeline-kwargs``, ``--cache-config``); anything else is exit 2 with
+    the reason, as argparse reports a bad value."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid JSON ({exc}); give an object like '{{\"a\": 1}}'"
+        ) from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is JSON but not an object ({type(value).__name__}); give an object like '{{\"a\": 1}}'"
+        )
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help=f"a local model folder or a built-in name ({builtin_names()})"
@@ -46,11 +62,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     video.add_argument(
         "--pipeline-kwargs",
-        type=json.loads,
+        type=json_object,
         default=None,
         help="other __call__ arguments as JSON, e.g. '{\"strength\": 0.6}'",
     )
-    video.add_argument("--fps", type=int, default=8, help="frame rate of the written video")
+    video.add_argument(
+        "--audio-seconds",
+        type=float,
+        default=None,
+        help="audio pipelines: seconds of audio (the pipeline's audio_end_in_s / audio_length_in_s / ...)",
+    )
+    video.add_argument(
+        "--fps",
+        type=int,
+        default=None,
+        help="frame rate of the written video (default 8, or the pipeline's frame_rate, which --fps then sets)",
+    )
+    video.add_argument(
+        "--no-audio", action="store_true", help="write a video without the sound track its pipeline made (LTX-2)"
+    )
     video.add_argument(
         "--batch-size",
         type=int,
@@ -83,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """How the engine loads and holds the sharded weights (shared by ``hsdp generate`` and ``hsdp serve``)."""
     parser.add_argument("--dtype", default=None, help="convert the sharded components (bf16, fp16, fp32)")
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="attention kernel: a diffusers backend for a pipeline's denoisers (native, _native_math, flex, flash, "
+        "sage, xformers, ...), a transformers implementation for a causal LM (sdpa, eager, flex_attention, "
+        "flash_attention_2, ...); checked before loading",
+    )
     parser.add_argument(
         "--weight-dtype",
         choices=["int8", "fp8"],
@@ -118,7 +156,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache-config",
-        type=json.loads,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="fields of the cache's diffusers config class, e.g. '{\"threshold\": 0.1}' (first-block's default: 0.05)",
@@ -129,6 +167,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile each repeated denoiser block (regional; FSDP hooks stay outside the graph), once per "
         "input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
     )
+
+
+def video_fps(info, fps: int | None) -> int:
+    """The written video's frame rate: ``--fps``, else the rate the pipeline generates at (its ``frame_rate``
+    default: LTX-2's sound track is made for it), else 8."""
+    return fps or int(info.defaults.get("frame_rate") or 8)
+
+
+def _frame_rate(info, fps: int | None) -> dict:
+    """``--fps`` for a pipeline that generates for a frame rate (``frame_rate``): the video and its sound match."""
+    return {"frame_rate": float(fps)} if fps and "frame_rate" in info.call_params else {}
 
 
 def _comm_line(comm: dict) -> str:
@@ -146,7 +195,7 @@ def _output_paths(output: str | None, count: int, kind: str) -> list[Path | None
     if output is None:
         if kind == "text":
             return [None] * count
-        output = "output.mp4" if kind == "video" else "output.png"
+        output = {"video": "output.mp4", "audio": "output.wav"}.get(kind, "output.png")
     path = Path(output)
     return [path] if count == 1 else [numbered(path, i) for i in range(count)]
 
@@ -199,10 +248,11 @@ def run(args: argparse.Namespace) -> int:
             guidance_scale=args.guidance_scale,
             guidance_scale_2=args.guidance_scale_2,
             true_cfg_scale=args.true_cfg_scale,
+            audio_seconds=args.audio_seconds,
             negative_prompt=args.negative_prompt,
             image=args.image,
             mask_image=args.mask_image,
-            pipeline_kwargs=args.pipeline_kwargs or {},
+            pipeline_kwargs=_frame_rate(info, args.fps) | (args.pipeline_kwargs or {}),
             cache=args.cache,
             cache_config=args.cache_config,
             max_new_tokens=args.max_new_tokens,
@@ -210,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
         )
         build_requests(info, config, args.prompt, params)
-        problem = batch_size_problem(info.kind, args.batch_size)
+        problem = batch_size_problem(info.kind, args.batch_size, "--batch-size")
         if problem:
             raise ValueError(problem)
         if args.compile:
@@ -235,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory=args.device_memory,
             lora=next(iter(parse_adapters(args.lora).values())) if args.lora else None,
             compile=args.compile,
+            attention_backend=args.attention_backend,
         ) as engine:
             outputs = engine.generate(
                 args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size
@@ -250,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if path is None:
             print(output.text)
         else:
-            written += output.save(path, fps=args.fps)
+            written += output.save(path, fps=video_fps(info, args.fps), with_audio=not args.no_audio)
     print(_summary(engine, outputs, written), file=sys.stderr)
     if engine.last_comm and engine.last_comm[0]:
         print(_comm_line(engine.last_comm[0]), file=sys.stderr)

@@ -14,23 +14,25 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
+from hsdp.attention import set_attention_backend
 from hsdp.context_parallel import enable_ulysses
 from hsdp.distributed import local_device
 from hsdp.engine.cache import StepCache, agreement_group
 from hsdp.engine.compile import compile_blocks
+from hsdp.engine.components import LoadSpec, load_component
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
-from hsdp.engine.worker import LoadSpec, load_component
 from hsdp.launch import emit_event, heartbeat
 from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["DiffusionRunner", "call_kwargs"]
+__all__ = ["DiffusionRunner", "call_kwargs", "sample_rate"]
 
 
 def _heartbeat_hook(module: torch.nn.Module, args: tuple) -> None:
@@ -49,6 +51,13 @@ def _own_memory(module: torch.nn.Module) -> None:
             param.data = param.data.clone()
 
 
+def _numpy(values) -> np.ndarray:
+    """A waveform batch as float32 numpy (pipelines return tensors for audio whatever ``output_type`` says)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype=np.float32)
+
+
 def call_kwargs(info: ModelInfo, requests: list[Request], params: SamplingParams) -> dict:
     """The pipeline arguments for a group of requests run as one batch: the set fields it accepts, the per-request
     inputs (one each, as lists when the group has several), and any extra kwargs. Besides these, a call passes the
@@ -59,8 +68,23 @@ def call_kwargs(info: ModelInfo, requests: list[Request], params: SamplingParams
         values = [getattr(r, name) for r in requests]
         if any(v is not None for v in values):
             kwargs[name] = values[0] if len(values) == 1 else values
+    if params.audio_seconds is not None and info.audio_length_param is not None:
+        kwargs[info.audio_length_param] = params.audio_seconds
     kwargs.update(params.pipeline_kwargs)
     return {k: v for k, v in kwargs.items() if k in info.call_params}
+
+
+def sample_rate(pipe) -> int | None:
+    """Samples per second of the audio a pipeline makes: its own ``sample_rate`` (ACE-Step, LongCat), else the
+    config of the component that writes the waveform (the vocoder, else the audio or plain VAE)."""
+    if isinstance(getattr(pipe, "sample_rate", None), int):
+        return pipe.sample_rate
+    for name in ("vocoder", "audio_vae", "vae"):
+        config = getattr(getattr(pipe, name, None), "config", None) or {}
+        for key in ("output_sampling_rate", "sampling_rate", "sample_rate"):
+            if config.get(key):
+                return int(config[key])
+    return None
 
 
 class DiffusionRunner:
@@ -85,14 +109,16 @@ class DiffusionRunner:
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 _own_memory(module.to(self.device))
+        self.cfg_wrappers: list[CFGParallelTransformer] = []
         for component in self.modules():
             for module in component.modules():
                 module.register_forward_pre_hook(_heartbeat_hook)
         self._first_denoiser_call: float | None = None
-        self.cfg_wrappers: list[CFGParallelTransformer] = []
         self.denoisers = [getattr(self.pipe, name) for name in self.info.denoisers]
         for name, model in zip(self.info.denoisers, self.denoisers, strict=True):
             model.register_forward_pre_hook(self._mark_denoising_start)
+            if spec.attention_backend is not None:  # before the sequence split, which wraps its processors
+                set_attention_backend(model, spec.attention_backend)
             if config.sequence_parallel_size > 1:
                 enable_ulysses(model, config, meshes)
             if spec.compile:
@@ -110,7 +136,12 @@ class DiffusionRunner:
         )
 
     def modules(self) -> list[torch.nn.Module]:
-        return [m for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)]
+        """The pipeline's models, each as loaded: a denoiser that CFG parallel wraps is listed itself, so its
+        layers keep their own names (LoRA slots are filled and switched by them)."""
+        wrapped = {id(w): w.transformer for w in self.cfg_wrappers}
+        return [
+            wrapped.get(id(m), m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)
+        ]
 
     def watched_modules(self) -> list[torch.nn.Module]:
         """The modules a cancellation is checked before: the denoisers, once per denoising forward."""
@@ -146,19 +177,30 @@ class DiffusionRunner:
                         emit_event({"request_id": request.request_id, "step": step + 1, "total": total})
             return {}
 
-        extra = (
-            {"callback_on_step_end": on_step_end} if "callback_on_step_end" in self.info.call_params else {}
-        )
+        if "callback_on_step_end" in self.info.call_params:
+            extra = {"callback_on_step_end": on_step_end}
+        elif "callback" in self.info.call_params:  # the older per-step callback (Stable Audio, AudioLDM 2)
+            extra = {"callback": lambda step, timestep, latents: on_step_end(pipe, step, timestep, {}),
+                     "callback_steps": 1}  # fmt: skip
+        else:
+            extra = {}
         # The initial noise comes from CPU generators, so it is the same on every device type and layout, and a
         # request's noise is the same alone or in a batch (the pipeline draws each sample from its generator).
         generators = [torch.Generator(device="cpu").manual_seed(r.seed) for r in requests]
+        kwargs = self.call_kwargs(requests, params)
         cache = None if params.cache == "none" else params.cache
-        self.step_cache.prepare(cache, params.cache_config, pipe, params.num_inference_steps)
+        self.step_cache.prepare(
+            cache,
+            params.cache_config,
+            pipe,
+            params.num_inference_steps,
+            requests=len(requests),
+        )
         result = pipe(
             prompt=[r.prompt for r in requests] if len(requests) > 1 else requests[0].prompt,
             generator=generators if len(requests) > 1 else generators[0],
             output_type="np" if decode or self.decode_everywhere else "latent",
-            **self.call_kwargs(requests, params),
+            **kwargs,
             **extra,
         )
         finished = time.perf_counter()
@@ -174,8 +216,24 @@ class DiffusionRunner:
             common["cache"] = self.step_cache.stats.to_dict()
         if not decode:
             return [dict(common) for _ in requests]
+        sound = getattr(result, "audios", None)
+        if sound is None:
+            sound = getattr(result, "audio", None)
+        if sound is not None:
+            common["sample_rate"] = sample_rate(pipe)
+            sound = _numpy(sound)
         if hasattr(result, "frames"):
-            return [{"frames": result.frames[i], **common} for i in range(len(requests))]
+            # A video pipeline that makes the sound too (LTX-2) gives one waveform per video.
+            return [
+                {"frames": result.frames[i], **({"audio": sound[i]} if sound is not None else {}), **common}
+                for i in range(len(requests))
+            ]
+        if sound is not None:
+            # One waveform per request, or several (num_waveforms_per_prompt): (n, channels, samples).
+            per_request = len(sound) // len(requests)
+            return [
+                {"audios": sound[i * per_request : (i + 1) * per_request], **common} for i in range(len(requests))
+            ]
         per_request = len(result.images) // len(requests)
         return [
             {"images": result.images[i * per_request : (i + 1) * per_request], **common}

@@ -28,9 +28,18 @@ import torch.distributed as dist
 
 from hsdp import distributed
 from hsdp.config import ParallelConfig
-from hsdp.engine import adapters, worker
+from hsdp.engine import adapters, components, worker
+from hsdp.engine.checks import (
+    LoraArg,
+    check_lora,
+    layout_problems,
+    load_options,
+    lora_target,
+    memory_plan,
+    weight_dtype_problems,
+)
 from hsdp.engine.control import CancelBoard
-from hsdp.engine.model_info import ModelInfo, inspect_model
+from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import GenerationOutput
 from hsdp.engine.params import (
     SamplingParams,
@@ -42,166 +51,11 @@ from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.models.builtin import resolve_model
 
 if TYPE_CHECKING:
-    from hsdp.engine.device_memory import DeviceMemoryPlan
+    pass
 
 logger = logging.getLogger("hsdp")
 
 __all__ = ["Engine"]
-
-
-def layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
-    """Layout x model problems, found before any process starts."""
-    problems = []
-    if config.frozen_whole:
-        problems.append(
-            "frozen_whole (--frozen-whole) is a training setting (frozen weights whole beside sharded trained ones); "
-            "inference trains nothing, so it would keep the whole model on every rank: drop it, or run without "
-            "--use-hsdp to hold the model whole"
-        )
-    if info.kind == "causal_lm" and config.compute_parallel_size > 1:
-        problems.append(
-            "causal LMs run with HSDP (--use-hsdp, --hsdp-shard-size, --hsdp-replicate-size, --request-parallel) "
-            "only; drop --ulysses-degree/--ring-degree/--cfg-parallel-size"
-        )
-    if info.kind == "diffusion" and config.ring_degree > 1 and distributed.device_type() == "cpu":
-        problems.append(
-            "--ring-degree: diffusers' ring attention has no CPU kernel; use --ulysses-degree on CPU"
-        )
-    if info.kind == "diffusion":
-        problems += _diffusion_layout_problems(info, config)
-    if (
-        info.kind == "diffusion"
-        and config.ulysses_degree > 1
-        and info.num_heads
-        and info.num_heads % config.ulysses_degree
-    ):
-        problems.append(
-            f"--ulysses-degree {config.ulysses_degree} must divide the transformer's {info.num_heads} attention heads"
-        )
-    devices = distributed.available_devices()
-    # Spawned ranks all live on this host; under torchrun only this node's ranks do.
-    local_ranks = config.world_size
-    if distributed.launched_by_torchrun():
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-    if devices is not None and local_ranks > devices:
-        problems.append(
-            f"the layout ({config.describe()}) needs {local_ranks} ranks on this host, one per device, but it has "
-            f"{devices} {distributed.device_type()} device(s); reduce --hsdp-shard-size/--hsdp-replicate-size/"
-            "--ulysses-degree/--cfg-parallel-size"
-        )
-    return problems
-
-
-def _diffusion_layout_problems(info: ModelInfo, config: ParallelConfig) -> list[str]:
-    """Parallel features the pipeline cannot use, read from diffusers' own code and metadata."""
-    problems = []
-    name = f"{info.family} ({info.class_name})" if info.family != info.class_name else info.class_name
-    if config.cfg_parallel_size == 2 and not info.separate_uncond_pass:
-        problems.append(
-            f"--cfg-parallel-size 2: {name} does not run guidance as a separate unconditional pass (it batches "
-            "both branches into one denoiser call, or has no classifier-free guidance), so there is nothing to "
-            "split off; use --cfg-parallel-size 1"
-        )
-    if config.sequence_parallel_size > 1 and not info.ulysses:
-        problems.append(
-            f"--ulysses-degree/--ring-degree: the denoiser of {name} has no diffusers context-parallel plan "
-            "(_cp_plan), so its attention cannot be split across ranks; use --ulysses-degree 1 and "
-            "--ring-degree 1 (HSDP and --request-parallel still apply)"
-        )
-    return problems
-
-
-def _weight_dtype_problems(weight_dtype: str | None, config: ParallelConfig) -> list[str]:
-    """``--weight-dtype`` x device and layout problems, found before any process starts."""
-    from hsdp.quantize import weight_dtype_problem
-
-    if weight_dtype is None:
-        return []
-    problem = weight_dtype_problem(weight_dtype, distributed.device_type())
-    if problem:
-        return [problem]
-    if not config.use_hsdp or config.hsdp_shard_size < 2 or config.tensor_parallel_size > 1:
-        return [
-            f"--weight-dtype {weight_dtype} stores FSDP shards in 8 bits: add --use-hsdp with --hsdp-shard-size 2 "
-            f"or more (and no --tensor-parallel-size); the layout is {config.describe()}"
-        ]
-    return []
-
-
-def _memory_plan(
-    info: ModelInfo,
-    config: ParallelConfig,
-    device_memory: int | str | None,
-    dtype: str | None,
-    weight_dtype: str | None,
-    forward_prefetch: bool = True,
-) -> DeviceMemoryPlan | None:
-    """``--device-memory``: plan residency from the budget before any process starts (and log the choice); with
-    ``forward_prefetch=False`` (``--no-prefetch``) the plan prefetches nothing either."""
-    if device_memory is None:
-        return None
-    from hsdp.engine.device_memory import engine_profiles, plan_device_memory
-    from hsdp.planning import Workload, parse_size
-
-    if not config.use_hsdp or config.hsdp_shard_size < 2:
-        raise ValueError(
-            "--device-memory plans which sharded blocks stay gathered between forwards: add --use-hsdp with "
-            f"--hsdp-shard-size 2 or more (the layout is {config.describe()})"
-        )
-    budget = parse_size(device_memory, "--device-memory")
-    # One request at the planner's default length (1,024 tokens). Pipelines that batch both guidance branches
-    # into one denoiser call hold twice the activations; those that run them as separate passes do not.
-    work = Workload(guidance=info.kind == "diffusion" and not info.separate_uncond_pass)
-    profiles = engine_profiles(info.path, dtype, info.shardable)
-    plan = plan_device_memory(profiles, config, budget, work, weight_dtype, prefetch=forward_prefetch)
-    logger.info("%s (planned for %d tokens per request)", plan.describe(), work.seq_len)
-    return plan
-
-
-def _load_options(info: ModelInfo, plan: DeviceMemoryPlan | None) -> dict[str, dict] | None:
-    """The runner's component name -> sharding options of the plan (a causal LM's one component is ``model``)."""
-    if plan is None:
-        return None
-    options = plan.load_options()
-    return {"model": options[plan.component]} if info.kind == "causal_lm" else options
-
-
-def lora_target(info: ModelInfo) -> Path:
-    """The folder of the model a ``--lora`` adapter applies to: a causal LM's own, or a pipeline's one denoiser."""
-    return info.path / info.denoisers[0] if info.kind == "diffusion" else info.path
-
-
-LoraArg = str | os.PathLike | Mapping[str, str | os.PathLike] | None
-
-
-def _check_lora(
-    info: ModelInfo, config: ParallelConfig, weight_dtype: str | None, lora: LoraArg
-) -> dict[str, adapters.AdapterSpec]:
-    """``--lora``: peft LoRA adapter folders (one path, or names -> paths; an empty mapping for slots filled at
-    run time) that fit the model and layout, checked before any process starts (reads the adapters' configs and
-    safetensors headers and the model's config only)."""
-    if lora is None:
-        return {}
-    named = dict(lora) if isinstance(lora, Mapping) else {Path(lora).resolve().name: lora}
-    shown = " ".join(str(p) for p in named.values())
-    if info.kind == "diffusion" and len(info.denoisers) != 1:
-        raise ValueError(
-            f"--lora {shown}: {info.class_name} has {len(info.denoisers)} denoisers ({', '.join(info.denoisers)}), "
-            "and a peft adapter folder adapts one model; fuse the adapters into the pipeline (diffusers' "
-            "load_lora_weights, fuse_lora, save_pretrained) and pass that folder without --lora"
-        )
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"--lora with --tensor-parallel-size {config.tensor_parallel_size}: the TP plans shard nn.Linear "
-            "layers, which LoRA wraps; use --tensor-parallel-size 1 (HSDP shards the base and the adapters)"
-        )
-    if weight_dtype is not None:
-        raise ValueError(
-            f"--lora with --weight-dtype {weight_dtype}: the 8-bit path would quantize the adapters' own Linear "
-            "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
-            "then save_pretrained) and pass that folder without --lora"
-        )
-    return {name: adapters.describe_adapter(name, path, lora_target(info), "--lora") for name, path in named.items()}
 
 
 class _TorchrunRanks:
@@ -265,9 +119,11 @@ class Engine:
         lora: LoraArg = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        adapter_slots: adapters.SlotSpec | None = None,
         cache: str | None = None,
         cache_config: dict | None = None,
         compile: bool = False,
+        attention_backend: str | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -285,35 +141,45 @@ class Engine:
         per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
         (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
         otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
-        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`).
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). ``adapter_slots``
+        gives the slots as another engine made them (:attr:`adapter_slots`; a restarted server keeps its start-up
+        slots), instead of ``max_loras`` / ``max_lora_rank``.
         ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
         None (:mod:`hsdp.engine.cache`; skip decisions agreed across ranks). ``compile``: regional
-        ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
+        ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`). ``attention_backend``:
+        the denoisers' diffusers attention backend, or the causal LM's transformers attention implementation
+        (:mod:`hsdp.attention`)."""
+        from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems
 
         self.config = (parallel_config or ParallelConfig()).resolved()
         self.info = inspect_model(resolve_model(model))
         self.cache, self.cache_config, self.compiled = cache, cache_config, compile
-        problems = layout_problems(self.info, self.config) + _weight_dtype_problems(weight_dtype, self.config)
+        problems = layout_problems(self.info, self.config) + weight_dtype_problems(weight_dtype, self.config)
         problems += cache_problems(cache, cache_config, self.info, self.config)
         if compile:
             problems += compile_problems(distributed.device_type(), cache)
+        if attention_backend is not None:
+            problems += attention_backend_problems(
+                attention_backend, self.info.kind, distributed.device_type(), self.config.sequence_parallel_size > 1
+            )
         if problems:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
             )
-        specs = _check_lora(self.info, self.config, weight_dtype, {} if lora is None and max_loras else lora)
-        self.adapters: adapters.AdapterCache | None = None
-        if specs or max_loras:
+        slotted = lora is None and (max_loras or adapter_slots)
+        specs = check_lora(self.info, self.config, weight_dtype, {} if slotted else lora)
+        slots = adapter_slots
+        if slots is None and (specs or max_loras):
             slots = adapters.slot_spec(
                 specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank
             )
-            self.adapters = adapters.AdapterCache(slots, specs.values())
+        self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
         self.lora = specs[self.default_adapter].path if self.default_adapter else None
-        self.memory_plan = _memory_plan(
+        self.memory_plan = memory_plan(
             self.info, self.config, device_memory, dtype, weight_dtype, forward_prefetch
         )
         self.progress = progress
@@ -339,7 +205,7 @@ class Engine:
             )
         started = time.perf_counter()
         self._group = self._ranks(workers, start_timeout_s)
-        spec = worker.LoadSpec(
+        spec = components.LoadSpec(
             self.info.path,
             self.info.kind,
             self.config,
@@ -347,9 +213,10 @@ class Engine:
             forward_prefetch,
             cancel_address=self._board.address if self._board else None,
             weight_dtype=weight_dtype,
-            load_options=_load_options(self.info, self.memory_plan),
+            load_options=load_options(self.info, self.memory_plan),
             lora=self.adapters.slots if self.adapters else None,
             compile=compile,
+            attention_backend=attention_backend,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
@@ -433,7 +300,8 @@ class Engine:
         ``batch_size`` > 1 (diffusion) runs up to that many of a rank's requests as one batch through the
         pipeline, each with its own seed and noise: one forward per step for all of them. Requests that differ in
         which inputs they give (negative prompt, image, mask) run in separate batches and rounds
-        (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards.
+        (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards;
+        requests giving an input the pipeline takes one of per call (Wan image-to-video's image) run one at a time.
         ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
         ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
         ``on_start(call_id)`` is called once the call has its id, before the ranks start: :meth:`cancel` with
@@ -463,6 +331,7 @@ class Engine:
                     self._call_id,
                     batch_size,
                     active,
+                    self.info.single_inputs,
                     timeout_s=self.call_timeout_s,
                     on_event=_event_listener(on_progress, on_token),
                 )
@@ -547,6 +416,11 @@ class Engine:
         if self.adapters is None:
             raise adapters.UnknownAdapter(name, [])
         self.adapters.remove(name)
+
+    @property
+    def adapter_slots(self) -> adapters.SlotSpec | None:
+        """The adapter slots on the ranks (None without any)."""
+        return self.adapters.slots if self.adapters else None
 
     @property
     def adapter_stats(self) -> dict | None:

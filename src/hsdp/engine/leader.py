@@ -11,6 +11,12 @@ died (gloo reports the closed connection at once) or hangs makes ``run`` raise :
 within that bound. The group is then broken for good: its peers are gone and torchrun owns the processes, so the
 recovery is torchrun's (``--max-restarts``): the caller exits and the agents restart every rank. Rank 0's own
 events (denoising steps, tokens) reach the caller as they happen; other ranks' events are not forwarded.
+
+A call that raises an ordinary exception (the pipeline refusing a request, alike on every rank) is not such a
+failure: every rank came back, so, as :class:`hsdp.launch.WorkerGroup` does on one host, a barrier over the
+device group proves the model's collectives are still in step and ``run`` raises
+:class:`hsdp.launch.WorkerRaised`: that call fails, the group serves on. Only a communication error, or a barrier
+that does not pass, breaks it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import logging
 import os
 import pickle
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hsdp import distributed
-from hsdp.launch import WorkerDiedError, WorkerError, WorkerTimeout, event_sink
+from hsdp.launch import WorkerDiedError, WorkerError, WorkerRaised, WorkerTimeout, error_report, event_sink
 
 logger = logging.getLogger("hsdp")
 
@@ -81,12 +86,23 @@ def _gather(group: dist.ProcessGroup, payload: bytes, timeout_s: float) -> list[
 
 
 def _call(fn: Callable[..., Any], args: tuple, on_event: Callable[[Any], None] | None) -> bytes:
-    """``fn(*args)`` on this rank, as a pickled ``("ok", result)`` or ``("err", traceback)``."""
+    """``fn(*args)`` on this rank, as a pickled ``("ok", result)`` or ``("err", report)`` (the traceback, the
+    exception line, and whether it is ordinary: :func:`hsdp.launch.error_report`)."""
     try:
         with event_sink(on_event or (lambda payload: None)):
             return pickle.dumps(("ok", fn(*args)))
-    except BaseException:  # DCP's CheckpointException derives from BaseException
-        return pickle.dumps(("err", traceback.format_exc()))
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        return pickle.dumps(("err", error_report(exc)))
+
+
+GROUP_CHECK_S = 10.0
+"""How long the barrier after an ordinary exception may take before the group counts as broken."""
+
+
+def _group_check() -> None:
+    """After ranks raised: a barrier over the device group (the model's collectives), bounded in time, proving
+    that no rank was left inside a collective the others skipped."""
+    _wait(dist.barrier(async_op=True), GROUP_CHECK_S)
 
 
 def _max_restarts() -> int:
@@ -123,7 +139,8 @@ class LeaderRanks:
         timeout_s: float | None = None,
         on_event: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
-        """``fn(*args)`` on every rank in lockstep; the results by rank. A failed, dead or silent rank raises
+        """``fn(*args)`` on every rank in lockstep; the results by rank. An ordinary exception that leaves the
+        ranks in step raises :class:`~hsdp.launch.WorkerRaised`; a failed, dead or silent rank raises
         :class:`~hsdp.launch.WorkerError` (and breaks the group)."""
         if self.broken or self.closed:
             raise WorkerError(
@@ -139,12 +156,29 @@ class LeaderRanks:
             self.broken = True
             cls = WorkerTimeout if "timed out" in str(exc).lower() else WorkerDiedError
             raise cls(f"{what}: a torchrun rank stopped answering ({str(exc).splitlines()[0]})") from exc
-        errors = [(rank, detail) for rank, (status, detail) in enumerate(replies) if status == "err"]
+        errors = {rank: report for rank, (status, report) in enumerate(replies) if status == "err"}
         if errors:
-            self.broken = True  # the ranks may now disagree on where they are in the model's collectives
-            rank, detail = errors[0]
-            raise WorkerError(f"{what} failed on rank {rank}:\n{detail}", rank=rank)
+            self._raise_for(errors, what)
         return [result for _, result in replies]
+
+    def _raise_for(self, errors: dict[int, dict], what: str) -> None:
+        """Ranks raised (every rank came back). Ordinary exceptions and a barrier that passes leave the group
+        intact: :class:`~hsdp.launch.WorkerRaised`. Otherwise the ranks may disagree on where they are in the
+        model's collectives: the group is broken."""
+        first = min(errors)
+        report = errors[first]
+        message = f"{what} failed on rank {first}:\n{report['traceback']}"
+        if all(e["ordinary"] for e in errors.values()) and self._still_connected():
+            raise WorkerRaised(message, first, report["error"])
+        self.broken = True
+        raise WorkerError(message, rank=first)
+
+    def _still_connected(self) -> bool:
+        try:
+            self.run(_group_check, timeout_s=2 * GROUP_CHECK_S)
+        except WorkerError:  # a failed check breaks the group itself
+            return False
+        return True
 
     def close(self) -> None:
         """Let the other ranks return from :func:`follow` (idempotent; nothing to tell a broken group)."""

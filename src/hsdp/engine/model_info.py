@@ -25,7 +25,7 @@ from typing import Literal
 from hsdp.families import family_for
 from hsdp.generation_defaults import DEFAULTS_FILE
 
-__all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION"]
+__all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION", "AUDIO_LENGTH_PARAMS"]
 
 """Optional generation defaults next to ``model_index.json`` (height, width, steps, ...)."""
 
@@ -43,8 +43,19 @@ _DEFAULT_KEYS = (
     "guidance_scale",
     "true_cfg_scale",
     "max_sequence_length",
+    "frame_rate",
 )
 _UNCOND_PASS = re.compile(r"""cache_context\(\s*["']uncond["']""")
+_OUTPUT_CLASS = re.compile(r"return\s+(\w+Output)\(")
+AUDIO_LENGTH_PARAMS = ("audio_end_in_s", "audio_length_in_s", "audio_duration_s", "audio_duration", "duration")
+"""The names diffusers' audio pipelines give the length of the audio to make, in seconds (Stable Audio,
+AudioLDM 2, LongCat, ACE-Step, Stable Audio 3): ``--audio-seconds`` / ``audio_seconds`` sets whichever the
+pipeline's ``__call__`` takes."""
+_CONFIG_GATE = re.compile(r"self\.config\.(\w+) is None and (\w+) is not None")
+"""A pipeline's input check refusing an argument while a config value is unset (Wan's ``guidance_scale_2`` needs
+``boundary_ratio``, which only Wan 2.2's two-expert folders set)."""
+_SINGLE_INPUT = re.compile(r"not isinstance\((\w+), torch\.Tensor\) and not isinstance\(\1, PIL\.Image\.Image\)")
+"""A pipeline's input check taking one tensor or image for an input, never a list (Wan image-to-video)."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,23 @@ class ModelInfo:
     """Generation defaults (diffusion: height, width, num_frames, num_inference_steps, guidance_scale, ...)."""
     family: str = ""
     """The family's name (:mod:`hsdp.families`), or the pipeline class when no family claims it."""
-    output: Literal["video", "image", "text"] = "text"
+    output: Literal["video", "image", "audio", "text"] = "text"
+    audio_track: bool = False
+    """A video pipeline that makes the video's sound too (LTX-2's ``audio`` beside ``frames``)."""
+    audio_length_param: str | None = None
+    """The ``__call__`` argument that sets the audio's length in seconds (:data:`AUDIO_LENGTH_PARAMS`)."""
+    max_audio_seconds: float | None = None
+    """The longest audio the pipeline makes, where its family knows the limit (:mod:`hsdp.families`)."""
     call_params: frozenset[str] = frozenset()
-    """Arguments the pipeline's ``__call__`` accepts: only these are passed."""
+    """Arguments the pipeline's ``__call__`` accepts with this folder's config: only these are passed."""
+    config_gated: dict[str, str] = field(default_factory=dict)
+    """Arguments of ``__call__`` that this folder's pipeline config leaves off (not in :attr:`call_params`):
+    argument -> the config value it needs (``guidance_scale_2`` -> ``boundary_ratio`` on Wan 2.1)."""
     required_params: frozenset[str] = frozenset()
     """Arguments ``__call__`` has no default for (e.g. ``image`` for image-to-video)."""
+    single_inputs: frozenset[str] = frozenset()
+    """Inputs the pipeline's own check takes one of per call (a tensor or an image, not one per prompt: Wan
+    image-to-video's ``image``): requests that give one never run batched."""
     components: tuple[str, ...] = ()
     denoisers: tuple[str, ...] = ()
     """Diffusers models that run every denoising step (transformer, transformer_2, unet, prior, ...)."""
@@ -132,6 +155,41 @@ def _has_shard_plan(cls: type) -> bool:
     return bool(getattr(cls, "_hsdp_shard_conditions", None) or getattr(cls, "_no_split_modules", None))
 
 
+def _configs(folder: Path, components) -> dict[str, dict]:
+    return {
+        name: _read_json(folder / name / "config.json")
+        for name in components
+        if (folder / name / "config.json").exists()
+    }
+
+
+def _output_kind(pipeline_cls: type, call_params: frozenset[str]) -> tuple[str, bool]:
+    """``(video | image | audio, whether a video has sound)`` from the fields of the output class the pipeline's
+    ``__call__`` returns (``frames``, ``images``, ``audios``; LTX-2's ``audio`` beside its ``frames``), read from
+    its source; a pipeline whose source is not readable is a video pipeline when it takes ``num_frames``."""
+    import dataclasses
+    import sys
+
+    try:
+        returned = set(_OUTPUT_CLASS.findall(inspect.getsource(pipeline_cls.__call__)))
+    except (OSError, TypeError):
+        returned = set()
+    namespace = vars(sys.modules[pipeline_cls.__module__])
+    names = {
+        f.name
+        for cls in (namespace.get(name) for name in returned)
+        if dataclasses.is_dataclass(cls)
+        for f in dataclasses.fields(cls)
+    }
+    if "frames" in names:
+        return "video", bool(names & {"audio", "audios"})
+    if names & {"audio", "audios"}:
+        return "audio", False
+    if names:
+        return "image", False
+    return ("video" if "num_frames" in call_params else "image"), False
+
+
 def _stored_bytes(folder: Path) -> int:
     from hsdp.loading import CheckpointError, read_checkpoint_index
 
@@ -166,6 +224,18 @@ def _spatial_patch(denoiser: dict) -> int:
     return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
 
 
+def _config_gated(pipeline_cls: type, source: str, index: dict) -> dict[str, str]:
+    """The ``__call__`` arguments the pipeline's own input check refuses with this folder's config (a value
+    ``model_index.json`` leaves unset, or its ``__init__`` default when absent): argument -> config key."""
+    init = inspect.signature(pipeline_cls.__init__).parameters
+    gated = {}
+    for key, argument in _CONFIG_GATE.findall(source):
+        default = init[key].default if key in init else None
+        if index.get(key, None if default is inspect.Parameter.empty else default) is None:
+            gated[argument] = key
+    return gated
+
+
 def _diffusion_info(folder: Path) -> ModelInfo:
     import diffusers
 
@@ -185,14 +255,20 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         raise ValueError(f"{folder} holds a {class_name} with no denoiser (transformer or UNet) to shard")
     sizes = {name: _stored_bytes(folder / name) for name in modules}
     largest = max(sizes[name] for name in denoisers)
+    # Every denoiser is sharded: one without a plan of its own shards by its repeated blocks
+    # (hsdp.shard_rules); other components only with a plan and when large.
     shardable = tuple(
         name
         for name, cls in modules.items()
-        if _has_shard_plan(cls)
-        and (name in denoisers or sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
+        if name in denoisers or (_has_shard_plan(cls) and sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
     )
+    try:
+        source = inspect.getsource(pipeline_cls)
+    except (OSError, TypeError):
+        source = ""
+    gated = _config_gated(pipeline_cls, source, index)
     signature = inspect.signature(pipeline_cls.__call__).parameters
-    call_params = frozenset(signature) - {"self"}
+    call_params = frozenset(signature) - {"self"} - set(gated)
     required = frozenset(
         n
         for n, p in signature.items()
@@ -205,19 +281,21 @@ def _diffusion_info(folder: Path) -> ModelInfo:
     defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():
         defaults.update(_read_json(folder / DEFAULTS_FILE))
-    try:
-        source = inspect.getsource(pipeline_cls)
-    except (OSError, TypeError):
-        source = ""
+    output, audio_track = _output_kind(pipeline_cls, call_params)
     return ModelInfo(
         path=folder,
         kind="diffusion",
         class_name=class_name,
         defaults=defaults,
         family=family.name if family.name != "generic" else class_name,
-        output="video" if "num_frames" in call_params else "image",
+        output=output,
+        audio_track=audio_track,
+        audio_length_param=next((n for n in AUDIO_LENGTH_PARAMS if n in call_params), None),
+        max_audio_seconds=family.max_audio_seconds(_configs(folder, modules)) if family.max_audio_seconds else None,
         call_params=call_params,
+        config_gated=gated,
         required_params=required,
+        single_inputs=frozenset(_SINGLE_INPUT.findall(source)) & call_params,
         components=tuple(specs),
         denoisers=denoisers,
         shardable=shardable,

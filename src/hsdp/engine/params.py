@@ -44,7 +44,8 @@ PIPELINE_ARGS = (
 """Fields passed to the pipeline's ``__call__`` under their own name, when it accepts them."""
 
 RESERVED_ARGS = frozenset(
-    {"prompt", "negative_prompt", "image", "mask_image", "generator", "output_type", "return_dict"}
+    {"prompt", "negative_prompt", "image", "mask_image", "generator", "output_type", "return_dict", "callback"}
+    | {"callback_steps"}
     | {"callback_on_step_end", "callback_on_step_end_tensor_inputs", *PIPELINE_ARGS}
 )
 """``__call__`` arguments the engine sets itself; ``pipeline_kwargs`` may not name them."""
@@ -77,6 +78,9 @@ class SamplingParams:
     """For the unconditional branch: one for all prompts, or one per prompt."""
     max_sequence_length: int | None = None
     """Text-encoder tokens (prompts are padded or truncated to it)."""
+    audio_seconds: float | None = None
+    """Audio pipelines: the length of the audio to make, passed as the pipeline's own argument for it
+    (``audio_end_in_s``, ``audio_length_in_s``, ...: :data:`hsdp.engine.model_info.AUDIO_LENGTH_PARAMS`)."""
     image: Any = None
     """Input image of image-to-video / editing pipelines: a PIL image, a path or bytes; or one per prompt."""
     mask_image: Any = None
@@ -114,13 +118,14 @@ class Request:
     ranks beside it (see :func:`lockstep_rounds`); its output is dropped and it reports no progress."""
 
 
-def batch_size_problem(kind: str, batch_size: int) -> str | None:
-    """Why ``batch_size`` cannot be used for a model of ``kind`` (None when it can)."""
+def batch_size_problem(kind: str, batch_size: int, flag: str = "batch_size") -> str | None:
+    """Why ``batch_size`` cannot be used for a model of ``kind`` (None when it can); ``flag`` names it as the
+    caller takes it (``--batch-size``, ``--max-batch-size`` or the API's ``batch_size``)."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        return f"batch_size={batch_size} must be an integer >= 1 (--batch-size / --max-batch-size)"
+        return f"{flag} {batch_size}: must be an integer >= 1"
     if batch_size > 1 and kind != "diffusion":
         return (
-            f"batch_size={batch_size}: causal LMs generate one request at a time per rank (per-request sampling "
+            f"{flag} {batch_size}: causal LMs generate one request at a time per rank (per-request sampling "
             "seeds); use --request-parallel to run several side by side"
         )
     return None
@@ -138,7 +143,9 @@ def input_signature(request: Request) -> tuple:
     )
 
 
-def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> list[list[list[Request]]]:
+def lockstep_rounds(
+    requests: list[Request], slots: int, batch_size: int, single_inputs: frozenset[str] = frozenset()
+) -> list[list[list[Request]]]:
     """The groups each rank runs, round by round: ``rounds[k][d]`` is the batch that the rank with data-parallel
     index ``d`` generates in round ``k`` (one group per round when ``slots`` is 1).
 
@@ -149,14 +156,17 @@ def lockstep_rounds(requests: list[Request], slots: int, batch_size: int) -> lis
     round leaves short runs *fillers* (copies of the round's first request, output dropped). Padding costs the
     filler's compute, but every real output is that of one process running the request alone, and no input is
     changed or refused (encoding an empty negative prompt instead of none would change the images). Every rank
-    computes the same rounds from the same requests, so they agree without a collective.
+    computes the same rounds from the same requests, so they agree without a collective. Requests that give one
+    of ``single_inputs`` (inputs the pipeline takes one of per call: :attr:`ModelInfo.single_inputs`) run one
+    per rank per round whatever ``batch_size`` says.
     """
     by_signature: dict[tuple, list[Request]] = {}
     for request in requests:
         by_signature.setdefault(input_signature(request), []).append(request)
     rounds = []
-    per_round = slots * batch_size
-    for members in by_signature.values():
+    for signature, members in by_signature.items():
+        given = {name for name, value in zip(PER_REQUEST_INPUTS, signature, strict=True) if value is not None}
+        per_round = slots * (1 if given & single_inputs else batch_size)
         for start in range(0, len(members), per_round):
             chunk = members[start : start + per_round]
             size = -(-len(chunk) // slots)
@@ -190,19 +200,43 @@ def cli_flag(name: str) -> str:
 Naming = Callable[[str], str]
 
 
+def _not_taken(info: ModelInfo, name: str, name_of: Naming) -> str:
+    """Why the pipeline refuses the argument ``name``: it has no such argument, or this folder's config turns it
+    off (``guidance_scale_2`` without ``boundary_ratio``: Wan 2.1, not Wan 2.2's two experts)."""
+    key = info.config_gated.get(name)
+    if key is None:
+        return f"{name}: {info.class_name} takes no {name} (drop {name_of(name)})"
+    return (
+        f"{name}: this {info.class_name} takes no {name}: its model_index.json leaves {key} unset, which "
+        f"{name} needs (drop {name_of(name)})"
+    )
+
+
 def _argument_problems(info: ModelInfo, p: SamplingParams, name_of: Naming) -> list[str]:
     """Arguments set that the pipeline does not take, and required ones that are missing."""
     problems = []
     for name in (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image"):
         if getattr(p, name) is not None and name not in info.call_params:
             problems.append(
-                f"{name}: {info.class_name} takes no {name} (drop {name_of(name)}); it takes "
+                f"{_not_taken(info, name, name_of)}; it takes "
                 f"{', '.join(sorted(a for a in info.call_params if a in (*PIPELINE_ARGS, *PER_REQUEST_INPUTS)))}"
             )
     for name in sorted(info.required_params - {"prompt"}):
         if name in PER_REQUEST_INPUTS and getattr(p, name) is None:
             problems.append(
                 f"{name}: {info.class_name} needs an input {name.replace('_', ' ')} ({name_of(name)})"
+            )
+    if p.audio_seconds is not None:
+        if info.audio_length_param is None:
+            problems.append(
+                f"audio_seconds: {info.class_name} takes no audio length (drop {name_of('audio_seconds')})"
+            )
+        elif not isinstance(p.audio_seconds, (int, float)) or p.audio_seconds <= 0:
+            problems.append(f"audio_seconds={p.audio_seconds} must be > 0 ({name_of('audio_seconds')})")
+        elif info.max_audio_seconds is not None and p.audio_seconds > info.max_audio_seconds:
+            problems.append(
+                f"audio_seconds={p.audio_seconds} exceeds the {info.max_audio_seconds:g} s that {info.class_name} "
+                f"makes at most ({name_of('audio_seconds')})"
             )
     unknown = sorted(set(p.pipeline_kwargs) - info.call_params)
     if unknown:
@@ -291,6 +325,7 @@ def _fill_defaults(info: ModelInfo, params: SamplingParams) -> SamplingParams:
 
 
 def _images(values: list, field_name: str, problems: list[str]) -> list:
+    """The input images, read; ``field_name`` names the input in messages as the caller takes it."""
     images = []
     for i, value in enumerate(values):
         try:
@@ -301,8 +336,17 @@ def _images(values: list, field_name: str, problems: list[str]) -> list:
     return images
 
 
+DIFFUSION_ONLY = (*PIPELINE_ARGS, "negative_prompt", "image", "mask_image", "audio_seconds", "cache_config")
+"""Fields that only a diffusion pipeline takes: set for a causal LM, they are refused, never ignored."""
+
+
 def _lm_problems(p: SamplingParams, name_of: Naming) -> list[str]:
-    problems = []
+    diffusion = [name for name in DIFFUSION_ONLY if getattr(p, name) is not None]
+    diffusion += ["pipeline_kwargs"] * bool(p.pipeline_kwargs) + ["cache"] * (p.cache not in (None, "none"))
+    problems = [
+        f"{name}: a causal LM takes no {name} (it is for diffusion pipelines); drop {name_of(name)}"
+        for name in diffusion
+    ]
     if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
         problems.append(f"max_new_tokens={p.max_new_tokens} must be >= 1 ({name_of('max_new_tokens')})")
     if p.temperature < 0:
@@ -336,7 +380,13 @@ def build_requests(
             f"request-parallel HSDP runs {slots} requests side by side (one per rank, in lockstep), but "
             f"{len(prompts)} prompt(s) were given; pass a multiple of {slots} prompts, or drop --request-parallel"
         )
-    if info.kind == "diffusion":
+    not_mappings = [
+        f"{name}={value!r} must be a dict (a JSON object for {name_of(name)})"
+        for name in ("pipeline_kwargs", "cache_config")
+        if (value := getattr(params, name)) is not None and not isinstance(value, dict)
+    ]
+    problems += not_mappings
+    if info.kind == "diffusion" and not not_mappings:
         params = _fill_defaults(info, params)
         problems += _diffusion_problems(info, config, params, name_of)
     else:
@@ -344,7 +394,7 @@ def build_requests(
     n = len(prompts)
     per_request = {name: _as_list(getattr(params, name), n, name, problems) for name in PER_REQUEST_INPUTS}
     for name in ("image", "mask_image"):
-        per_request[name] = _images(per_request[name], name, problems)
+        per_request[name] = _images(per_request[name], name_of(name), problems)
     seed = params.seed if params.seed is not None else random.randrange(2**31)
     seeds = [seed + i for i in range(n)] if isinstance(seed, int) else _as_list(seed, n, "seed", problems)
     if problems:

@@ -11,28 +11,25 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from hsdp.config import ParallelConfig
 from hsdp.distributed import rank
 from hsdp.engine import adapters
+from hsdp.engine.components import LoadSpec
 from hsdp.engine.control import CancelWatch, RequestCancelled
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, lockstep_rounds, request_slots
 from hsdp.launch import worker_state
 from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
 from hsdp.measure.comm import CommAccounting
-from hsdp.mesh import ParallelMeshes, build_meshes
+from hsdp.mesh import build_meshes
 
 logger = logging.getLogger("hsdp")
 
 __all__ = [
-    "LoadSpec",
     "RankResult",
     "load",
-    "load_component",
     "load_adapter",
     "generate",
     "memory_report",
@@ -41,27 +38,6 @@ __all__ = [
 ]
 
 _KEY = "hsdp.engine.runner"
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    path: Path
-    kind: str
-    """``diffusion`` or ``causal_lm`` (from :func:`hsdp.engine.model_info.inspect_model`)."""
-    config: ParallelConfig
-    dtype: str | None = None
-    forward_prefetch: bool = True
-    cancel_address: tuple[str, int] | None = None
-    """The caller's :class:`hsdp.engine.control.CancelBoard`, when requests can be cancelled."""
-    weight_dtype: str | None = None
-    """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
-    load_options: dict[str, dict] | None = None
-    """Component -> sharding options replacing the defaults (``--device-memory``'s residency and prefetch)."""
-    compile: bool = False
-    """``--compile``: regional compilation of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
-    lora: adapters.SlotSpec | None = None
-    """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
-    denoiser before sharding; the caller fills them (:func:`load_adapter`) and picks one per call."""
 
 
 @dataclass
@@ -104,43 +80,6 @@ def load(spec: LoadSpec) -> dict:
     return report
 
 
-def load_component(
-    spec: LoadSpec,
-    meshes: ParallelMeshes,
-    component: str | None = None,
-    *,
-    lora: adapters.SlotSpec | None = None,
-) -> torch.nn.Module:
-    """Load the model of ``spec`` (a causal LM), or its pipeline's ``component`` folder, as a runner holds it.
-
-    With HSDP it is sharded over ``meshes`` with explicit forward prefetch (``spec.forward_prefetch``), the
-    8-bit ``spec.weight_dtype`` and the component's ``spec.load_options`` (a causal LM's are under ``model``);
-    without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: adapter
-    slots injected on meta before sharding, all off (:meth:`hsdp.engine.adapters.SlotSpec.inject`)."""
-    from hsdp.engine.parallel import overlap_options
-    from hsdp.loading import load_pretrained
-
-    config = spec.config
-    shard = {}
-    if config.use_hsdp:
-        shard = {
-            "meshes": meshes,
-            **overlap_options(config, forward_prefetch=spec.forward_prefetch),
-            **(spec.load_options or {}).get(component or "model", {}),
-        }
-    model = load_pretrained(
-        spec.path / component if component else spec.path,
-        config if config.use_hsdp else ParallelConfig(),
-        dtype=spec.dtype or "auto",
-        weight_dtype=spec.weight_dtype,
-        prepare=lora.inject if lora is not None else None,
-        **shard,
-    )
-    if lora is not None:
-        logger.info("%d LoRA slots of rank %d on %s", lora.count, lora.rank, component or "the model")
-    return model
-
-
 def load_adapter(slot: int, adapter: adapters.AdapterSpec) -> int:
     """Fill adapter ``slot`` of the loaded model with ``adapter`` (this rank's slices; no communication)."""
     count = adapters.fill(_loaded()[0].modules(), slot, adapter)
@@ -178,6 +117,7 @@ def generate(
     call_id: int = 0,
     batch_size: int = 1,
     adapter: adapters.ActiveAdapter | None = None,
+    single_inputs: frozenset[str] = frozenset(),
 ) -> RankResult:
     """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
 
@@ -186,6 +126,7 @@ def generate(
     :func:`hsdp.engine.params.lockstep_rounds` (requests ``d, d + N, d + 2N, ...`` when their inputs are alike).
     A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
     ``cancelled``. ``adapter``: the LoRA slot and scalings the call uses (None: the base alone).
+    ``single_inputs``: inputs the pipeline takes one of per call (requests giving one are not batched).
     """
     runner, config, meshes, watch = _loaded()
     adapters.activate(runner.modules(), adapter)
@@ -196,7 +137,7 @@ def generate(
     outputs = []
     accounting = CommAccounting(runner.modules()) if measure_comm else contextlib.nullcontext()
     with torch.no_grad(), accounting:
-        for groups in lockstep_rounds(requests, slots, batch_size):
+        for groups in lockstep_rounds(requests, slots, batch_size, single_inputs):
             group = groups[slot]
             decode = reports and not all(r.filler for r in group)
             payloads = _generate_group(runner, watch, call_id, group, params, decode, progress and rank() == 0)

@@ -40,6 +40,10 @@ class Family:
     transformer's own ``patch_size``; sizes must be multiples of VAE factor x patch x packing."""
     denoisers: str = r"$^"
     """Regular expression matched (in full) against the denoiser's model class name (LoRA export)."""
+    max_audio_seconds: Callable[[dict[str, dict]], float] | None = None
+    """``(component configs by name) -> seconds``: the longest audio the pipeline makes, when its ``__call__``
+    computes that limit in code (Stable Audio: the DiT's ``sample_size`` latents), so that a longer request is
+    refused before loading."""
     comfyui_lora: Callable[[dict[str, torch.Tensor], float], dict[str, torch.Tensor]] | None = None
     """``(diffusers-keyed adapter tensors, alpha / r) -> the diffusion_model.-keyed ComfyUI LoRA``: the inverse of
     diffusers' converter for the family (:mod:`hsdp.lora_formats`)."""
@@ -69,4 +73,4 @@ def family_of_model(model_class: str) -> Family:
 
 
 # Family files register themselves on import (after register_family exists).
-from hsdp.families import chroma, flux, qwenimage, wan  # noqa: E402,F401
+from hsdp.families import chroma, flux, qwenimage, stable_audio, wan  # noqa: E402,F401

@@ -119,4 +119,4 @@ def _replace(folder: Path, staging: Path, name: str) -> None:
 
 # Built-ins defined in their own modules register themselves on import (in hsdp.models.registry, which they
 # import instead of this module, so importing one of them first makes no import circle).
-from hsdp.models import tiny_flux, tiny_sdxl, tiny_wan, tiny_wan_i2v  # noqa: E402,F401
+from hsdp.models import tiny_flux, tiny_sdxl, tiny_stable_audio, tiny_wan, tiny_wan_i2v  # noqa: E402,F401

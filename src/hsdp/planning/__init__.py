@@ -4,6 +4,7 @@
 * :mod:`~hsdp.planning.estimate`: per-rank memory, bytes moved and a roofline step time of one layout.
 * :mod:`~hsdp.planning.search`: the candidate layouts, budgeted residency and the recommendation.
 * :mod:`~hsdp.planning.simulate`: the real sharding code on a fake world of any size, to check the estimate.
+* :mod:`~hsdp.planning.training`: the layout ``hsdp train`` takes when its command names none.
 * :mod:`~hsdp.planning.cli`: the ``hsdp plan`` command.
 """
 

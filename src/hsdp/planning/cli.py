@@ -47,16 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-guidance", dest="guidance", action="store_false", help="diffusion without CFG branches"
     )
+    parser.add_argument("--lora-r", type=int, default=0, help="with --train: LoRA rank (default 0: full fine-tuning)")
+    parser.add_argument(
+        "--lora-target-modules", nargs="+", default=(), help="LoRA targets (default: hsdp train's)"
+    )
     diffusion = parser.add_argument_group(
         "diffusion training (--train on a pipeline: the denoiser as hsdp train trains it)"
     )
     diffusion.add_argument("--height", type=int, default=None, help="pixel height of a training item")
     diffusion.add_argument("--width", type=int, default=None, help="pixel width of a training item")
     diffusion.add_argument("--frames", type=int, default=1, help="frames per training item (default 1: images)")
-    diffusion.add_argument("--lora-r", type=int, default=0, help="LoRA rank (default 0: full fine-tuning)")
-    diffusion.add_argument(
-        "--lora-target-modules", nargs="+", default=(), help="LoRA targets (default: hsdp train's)"
-    )
     diffusion.add_argument("--train-component", default=None, help="the denoiser trained (default: the first)")
     diffusion.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each block's activations in backward"
@@ -173,11 +173,14 @@ def run(args: argparse.Namespace) -> int:
             profiles, work = _diffusion_training(args)
         elif args.activation_checkpointing:
             raise PlanError("--activation-checkpointing is planned for diffusion training (--train on a pipeline)")
+        elif args.lora_r and not args.training:
+            raise PlanError(f"--lora-r {args.lora_r} plans LoRA training: add --train")
         else:
             work = Workload(
                 training=args.training, batch=args.batch, seq_len=args.seq_len, guidance=args.guidance
             )
-            profiles = profile_model(args.model, DTYPES[args.dtype] if args.dtype else None, sharded)
+            dtype = DTYPES[args.dtype] if args.dtype else None
+            profiles = _lm_lora(args, dtype) if args.lora_r else profile_model(args.model, dtype, sharded)
         result = plan(profiles, args.devices, work, hw, args.param_dtype, args.weight_dtype)
     except PlanError as exc:
         print(f"hsdp plan: {exc}", file=sys.stderr)
@@ -193,12 +196,17 @@ def run(args: argparse.Namespace) -> int:
         mode = "training" if work.training else "inference"
         if work.activation_bytes is not None:
             mode += f" ({_diffusion_label(args)}; the encoders are freed before the first step)"
+        elif args.lora_r:
+            mode += f" (LoRA r={args.lora_r}: the base frozen in its stored dtype, adapters, their gradients and AdamW in fp32)"
         print(
             f"{mode} on {args.devices} devices of {format_size(memory)} ({format_size(hw.device_memory)} usable, "
             f"--reserve {args.reserve}), batch {work.batch} x {work.seq_len} tokens\n"
         )
         print(_table(result))
-        print()
+        print(
+            "(per rank: tensor bytes, what max_memory_allocated counts on an accelerator and what hsdp train logs "
+            "there; on a CPU hsdp train logs the resident set, which adds the runtime's own memory)\n"
+        )
     if result.recommended is None:
         print(f"hsdp plan: {result.reason}", file=sys.stderr)
         return 1
@@ -207,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         config = result.recommended.layout.config
         if not work.training and config.request_parallel and config.hsdp_shard_size == 1:
             print("one request runs on one device (the model fits whole there; replicas would repeat its work)")
-        extra = _diffusion_train_flags(args) if work.activation_bytes is not None else []
+        extra = _diffusion_train_flags(args) if work.activation_bytes is not None else _lora_flags(args)
         print(f"run it: {command_line(args.model, result.recommended, work.training, extra)}")
         throughput = throughput_command_line(args.model, result.recommended, work.training)
         if throughput:
@@ -236,6 +244,17 @@ def _diffusion_training(args: argparse.Namespace) -> tuple[list, Workload]:
     return [found.profile], found.work
 
 
+def _lm_lora(args: argparse.Namespace, dtype) -> list:
+    from hsdp.planning.training import lm_lora_profiles
+
+    return lm_lora_profiles(args.model, args.lora_r, tuple(args.lora_target_modules), dtype)
+
+
+def _lora_flags(args: argparse.Namespace) -> list[str]:
+    parts = ["--lora-r", str(args.lora_r)] if args.lora_r else []
+    return parts + (["--lora-target-modules", *args.lora_target_modules] if args.lora_target_modules else [])
+
+
 def _diffusion_label(args: argparse.Namespace) -> str:
     kind = f"LoRA r={args.lora_r}" if args.lora_r else "full fine-tuning"
     checkpointed = ", activation checkpointing" if args.activation_checkpointing else ""
@@ -247,10 +266,7 @@ def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
     parts = ["--resolution", str(round((args.height * args.width) ** 0.5))]
     if args.frames > 1:
         parts += ["--frames", str(args.frames)]
-    if args.lora_r:
-        parts += ["--lora-r", str(args.lora_r)]
-    if args.lora_target_modules:
-        parts += ["--lora-target-modules", *args.lora_target_modules]
+    parts += _lora_flags(args)
     if args.train_component:
         parts += ["--train-component", args.train_component]
     if args.activation_checkpointing:

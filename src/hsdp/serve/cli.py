@@ -1,7 +1,8 @@
 """``hsdp serve MODEL``: load the model sharded across local ranks, then serve it over HTTP (uvicorn).
 
-The model is loaded before the port is bound, so a bad model, layout or flag ends the command with a message
-and exit code 2 instead of a server that cannot answer.
+The flags and the model folder are checked and the port is bound before the model loads, so a bad model, layout
+or flag, or a port in use, ends the command at once with a message and exit code 2; the server listens once the
+model is loaded.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -126,6 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         cache=args.cache,
         cache_config=args.cache_config,
         compile=args.compile,
+        attention_backend=args.attention_backend,
         step_timeout_s=args.step_timeout,
         max_attempts=args.max_attempts,
         max_batch_size=args.max_batch_size,
@@ -154,24 +157,51 @@ def run(args: argparse.Namespace) -> int:
         leader.close()
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a busy port or an address this host lacks ends the
+    command at once, and no other process takes the port while the model loads. ``SO_REUSEADDR`` as uvicorn
+    sets it (a port whose last connections linger in TIME_WAIT is free)."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port {port} must be 0..65535")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--host {host}: not an address of this machine ({exc})") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"--port {port} on {host}: cannot listen there ({exc}); stop what uses it or pick another --port"
+        ) from exc
+    return sock
+
+
 def _serve(args: argparse.Namespace, leader) -> int:
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     from hsdp.launch import WorkerError
     from hsdp.serve.app import create_app
     from hsdp.serve.service import Server
 
     settings = settings_from_args(args)
-    if not 0 <= args.port < 65536:
-        print(f"hsdp serve: --port {args.port} must be 0..65535", file=sys.stderr)
-        return 2
     try:
-        server = Server(settings, workers=leader)
-        server.start()
+        server = Server(settings, workers=leader)  # checks what needs no loading
+        sock = _bind(args.host, args.port)
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        server.start()
+    except (ValueError, FileNotFoundError) as exc:
+        sock.close()
+        print(f"hsdp serve: {exc}", file=sys.stderr)
+        return 2
     except WorkerError as exc:
+        sock.close()
         print(f"hsdp serve: the workers failed while loading the model: {exc}", file=sys.stderr)
         return 1
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
@@ -183,17 +213,17 @@ def _serve(args: argparse.Namespace, leader) -> int:
         settings.name,
         settings.parallel_config.describe(),
         args.host,
-        args.port,
+        sock.getsockname()[1],
         settings.output_dir,
     )
+    http = uvicorn.Server(
+        uvicorn.Config(create_app(server), log_level=args.log_level, timeout_graceful_shutdown=30)
+    )
     try:
-        uvicorn.run(
-            create_app(server),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=30,
-        )
+        http.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again, as uvicorn.run expects
+        pass
     finally:
+        sock.close()
         server.stop()
-    return 0
+    return 0 if http.started else STARTUP_FAILURE

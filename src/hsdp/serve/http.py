@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hsdp.serve.schemas import ApiError
+from hsdp.serve.schemas import UNKNOWN_FIELD, ApiError, unknown_fields_problem
 
 __all__ = ["GuardMiddleware", "install_error_handlers", "describe_validation_errors", "OPEN_PATHS"]
 
@@ -100,6 +100,11 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     parts, first = [], None
     for error in errors:
         loc = [str(p) for p in error.get("loc", ()) if p not in ("body",)]
+        if error.get("type") == UNKNOWN_FIELD:  # raised by the body itself: its fields are in ctx
+            prefix, ctx = "".join(f"{p}." for p in loc), error["ctx"]
+            first = first or prefix + next(iter(ctx["closest"]))
+            parts.append(unknown_fields_problem(ctx["closest"], ctx["hint"], prefix))
+            continue
         field = ".".join(loc) or "body"
         first = first or field
         parts.append(f"{field}: {error.get('msg', 'invalid')}")

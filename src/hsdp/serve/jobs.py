@@ -8,6 +8,9 @@ negative prompt or an input image is given at all changes the number of sharded 
 encoding, true CFG's second pass, the image encoder), so it is part of the batch key: ranks that share a
 collective always run the same forwards.
 
+The LoRA adapters loaded at run time are recorded in ``<output_dir>/adapters.json`` (name -> folder), so that a
+restarted server serves them again and the queued jobs that name them run.
+
 Asynchronous video jobs are *persistent*: their record is written to ``<output_dir>/jobs/<id>.json`` at every
 state change (atomically: temp file, then rename) and their video to ``<output_dir>/videos/<id>.mp4`` before
 the record says ``completed``; an input image is written once beside its record (``<id>.image``). A restarted
@@ -241,6 +244,25 @@ class JobStore:
         self._queue.extend(queued)
         requeued = len(queued)
         return loaded, requeued
+
+    @property
+    def _adapters_file(self) -> Path:
+        return self.jobs_dir.parent / "adapters.json"
+
+    def save_adapters(self, adapters: dict[str, Path]) -> None:
+        """Record the adapters loaded at run time (name -> folder), which queued jobs may name after a restart."""
+        _write_json_atomic(self._adapters_file, {name: str(path) for name, path in adapters.items()})
+
+    def load_adapters(self) -> dict[str, Path]:
+        """The adapters :meth:`save_adapters` recorded (none when there is no readable record)."""
+        try:
+            record = json.loads(self._adapters_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            logger.warning("skipping the unreadable adapter record %s: %s", self._adapters_file, exc)
+            return {}
+        return {str(name): Path(path) for name, path in record.items()}
 
     def _sweep(self) -> None:
         """Staging leftovers of a crashed server (``.<id>.mp4`` videos, ``<id>.<pid>.tmp`` records); only the

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ __all__ = [
     "reference_upload",
     "chat_generation",
     "chat_media_body",
+    "chat_audio_body",
 ]
 
 MIME_TYPES = {
@@ -35,6 +38,10 @@ MIME_TYPES = {
     "jpg": "image/jpeg",
     "webp": "image/webp",
     "mp4": "video/mp4",
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "pcm": "audio/pcm",
 }
 
 
@@ -100,10 +107,13 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     if not isinstance(nested, dict):
         raise ApiError(400, "extra_body must be a JSON object of generation parameters", param="extra_body")
     merged = {**extras, **nested}
-    if "true_cfg_scale" not in merged and "cfg_scale" in merged:  # vLLM-Omni's alias
-        merged["true_cfg_scale"] = merged["cfg_scale"]
-    if merged.get("seed") is None and body.seed is not None:  # the standard chat field, as a fallback
-        merged["seed"] = body.seed
+    if "cfg_scale" in merged:  # vLLM-Omni's alias
+        merged.setdefault("true_cfg_scale", merged.pop("cfg_scale"))
+    for name in ("seed", "model"):  # the standard chat fields, as a fallback (``model`` may name an adapter)
+        if merged.get(name) is None and getattr(body, name) is not None:
+            merged[name] = getattr(body, name)
+    if "lora" not in merged and body.lora is not None:
+        merged["lora"] = body.lora.model_dump()
     prompt = " ".join(m.text(" ") for m in body.messages if m.role == "user").strip()
     if not prompt:
         raise ApiError(
@@ -117,13 +127,25 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     return params, _first_image(body)
 
 
-def chat_media_body(model: str, prompt: str, urls: list[str]) -> dict:
-    """vLLM-Omni's diffusion chat answer: one ``image_url`` part per output, all in ``choices[0]``."""
-    prompt_tokens = len(prompt.split())
-    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(urls),
-        "total_tokens": prompt_tokens + len(urls),
+def chat_media_body(model: str, prompt: str, urls: list[str], part: str = "image_url") -> dict:
+    """vLLM-Omni's diffusion chat answer: one ``image_url`` (``audio_url`` for sound) part per output, all in
+    ``choices[0]``."""
+    parts = [{"type": part, part: {"url": url}} for url in urls]
+    return chat_completion(model, parts, "stop", _media_usage(prompt, len(urls)))
+
+
+def chat_audio_body(model: str, prompt: str, data: bytes) -> dict:
+    """OpenAI's answer to ``modalities: ["audio"]``: no text content, the file in ``message.audio.data``."""
+    body = chat_completion(model, None, "stop", _media_usage(prompt, 1))
+    body["choices"][0]["message"]["audio"] = {
+        "id": f"audio_{uuid.uuid4().hex}",
+        "data": base64.b64encode(data).decode(),
+        "expires_at": int(time.time()) + 3600,
+        "transcript": "",
     }
-    return chat_completion(model, parts, "stop", usage)
+    return body
+
+
+def _media_usage(prompt: str, outputs: int) -> dict:
+    prompt_tokens = len(prompt.split())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": outputs, "total_tokens": prompt_tokens + outputs}

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hsdp.engine import Engine, GenerationOutput, SamplingParams
-from hsdp.engine.outputs import encode_image, save_frames
+from hsdp.engine.outputs import encode_audio, encode_image, save_frames
 from hsdp.launch import WorkerDiedError, WorkerError, WorkerRaised, WorkerTimeout
 from hsdp.serve.jobs import Job, JobStore
 
@@ -400,7 +400,7 @@ class EngineRunner:
             name = f"{job.id}.mp4"
             staging = self.store.videos_dir / f".{name}"
             try:
-                save_frames(output.frames, staging, fps=job.meta["fps"])
+                save_frames(output.frames, staging, fps=job.meta["fps"], audio=_sound_track(output))
                 os.replace(staging, self.store.videos_dir / name)
             finally:
                 staging.unlink(missing_ok=True)  # a failed write (a full disk) leaves no partial file
@@ -409,10 +409,12 @@ class EngineRunner:
         if job.kind == "video_sync":
             staging = self.store.videos_dir / f".{job.id}.mp4"
             try:
-                save_frames(output.frames, staging, fps=job.meta["fps"])
+                save_frames(output.frames, staging, fps=job.meta["fps"], audio=_sound_track(output))
                 job.result = staging.read_bytes()
             finally:
                 staging.unlink(missing_ok=True)
+        elif job.kind == "audio":
+            job.result = encode_audio(output.audios[0], output.sample_rate, "." + job.meta.get("format", "wav"))
         elif job.kind == "image":
             # An image pipeline's first image, or a video pipeline's only frame (image endpoints ask for one).
             image = output.images[0] if output.images is not None else output.frames[0]
@@ -427,3 +429,8 @@ class EngineRunner:
                 return
             job.result = output
         self.store.finish(job, "completed")
+
+
+def _sound_track(output: GenerationOutput) -> tuple | None:
+    """The ``(waveform, sample_rate)`` a video pipeline made beside the frames (LTX-2), for the mp4."""
+    return (output.audio, output.sample_rate) if output.audio is not None else None

@@ -7,10 +7,14 @@ Field bounds here are absolute (they appear in ``/openapi.json``); the server's 
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from hsdp.serve.settings import ServeLimits
 
@@ -22,11 +26,15 @@ __all__ = [
     "ImageRequest",
     "ImageEditRequest",
     "ChatImageParams",
+    "SpeechRequest",
+    "AUDIO_MEDIA_TYPES",
     "CompletionRequest",
     "ChatMessage",
     "ChatCompletionRequest",
     "check_limits",
     "parse_size",
+    "closest_fields",
+    "unknown_fields_problem",
     "DEFAULT_MODEL_ALIAS",
 ]
 
@@ -60,8 +68,45 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+UNKNOWN_FIELD = "unknown_field"
+"""The pydantic error type of a field a body does not declare; its ``ctx`` holds each such field's closest known
+name (:func:`closest_fields`) and the hint (:func:`unknown_fields_problem` words it)."""
+EXTRA_ARGS_HINT = "other arguments of the pipeline's __call__ go in extra_args"
+
+
+def closest_fields(names: Iterable[str], known: Iterable[str]) -> dict[str, str | None]:
+    """Each unknown name's closest known one (difflib), or None."""
+    known = sorted(known)
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1)), None) for name in names}
+
+
+def unknown_fields_problem(closest: dict[str, str | None], hint: str = "", prefix: str = "") -> str:
+    """``num_inference_step: unknown field; did you mean num_inference_steps?``, as OpenAI refuses unknown
+    arguments (a typo is never silently ignored); ``prefix`` is the enclosing field's path (``lora.``)."""
+    parts = [f"{prefix}{name}: unknown field" + (f"; did you mean {c}?" if c else "") for name, c in closest.items()]
+    return "; ".join(parts) + (f" ({hint})" if hint else "")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
+    """A request body whose fields are all declared: an unknown one is a 400 naming it and the closest known
+    one; pipeline-specific arguments have their own field (``extra_args``)."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":
+            unknown = [str(k) for k in data if k not in cls.model_fields]
+            if unknown:
+                closest = closest_fields(unknown, cls.model_fields)
+                hint = EXTRA_ARGS_HINT if "extra_args" in cls.model_fields else ""
+                raise PydanticCustomError(
+                    UNKNOWN_FIELD,
+                    "{problem}",
+                    {"closest": closest, "hint": hint, "problem": unknown_fields_problem(closest, hint)},
+                )
+        return data
 
 
 class LoraRequest(_Strict):
@@ -110,8 +155,27 @@ class DiffusionFields(_Strict):
     true_cfg_scale: float | None = Field(
         None, ge=0.0, le=100.0, allow_inf_nan=False, description="FLUX / Qwen-Image true CFG"
     )
+    audio_seconds: float | None = Field(
+        None, gt=0.0, le=3600.0, allow_inf_nan=False, description="Audio pipelines: seconds of audio"
+    )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
     lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
+    extra_args: dict[str, Any] | None = Field(
+        None,
+        description="Other arguments of the pipeline's __call__ by name, e.g. {\"strength\": 0.6} (checked "
+        "against its signature); a JSON string in multipart forms",
+    )
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _form_json(cls, value: Any) -> Any:
+        """Multipart forms carry ``extra_args`` as JSON text."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"not valid JSON ({exc}); give a JSON object") from exc
+        return value
 
 
 class VideoRequest(DiffusionFields):
@@ -203,6 +267,14 @@ class ImageEditRequest(ImageRequest):
     )
 
 
+class ChatAudioOutput(_Strict):
+    """OpenAI's chat ``audio`` parameter: the format of ``message.audio.data`` (the voice is accepted and
+    ignored, as on ``/v1/audio/speech``)."""
+
+    format: Literal["wav", "flac", "mp3", "pcm16"] = "wav"
+    voice: str | dict | None = None
+
+
 class ChatImageParams(DiffusionFields):
     """Generation parameters of a chat completion on a diffusion model, as vLLM-Omni reads them from
     ``extra_body`` (nested in the JSON, or flattened to the top level by the ``openai`` client)."""
@@ -211,6 +283,29 @@ class ChatImageParams(DiffusionFields):
     num_frames: int | None = Field(None, ge=1, le=4096, description="Video pipelines")
     fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Video pipelines: frames per second of the mp4")
     output_format: OutputFormat = "png"
+    modalities: list[Literal["text", "image", "video", "audio"]] | None = Field(
+        None, description="OpenAI: ['audio'] answers in message.audio (audio pipelines)"
+    )
+    audio: ChatAudioOutput | None = Field(None, description="OpenAI: the answer's audio format (audio pipelines)")
+
+
+AudioFormat = Literal["wav", "flac", "mp3", "pcm"]
+AUDIO_MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg", "pcm": "audio/pcm"}
+
+
+class SpeechRequest(DiffusionFields):
+    """OpenAI ``POST /v1/audio/speech`` (what the ``openai`` client's ``audio.speech.create`` sends) on an audio
+    pipeline: ``input`` is the prompt; the generation fields come beside it (``extra_body``)."""
+
+    prompt: str | None = Field(None, max_length=MAX_TEXT, description="Ignored: the prompt is input")
+    input: str = Field(..., min_length=1, max_length=MAX_TEXT, description="What to make, as text")
+    voice: str | dict | None = Field(
+        None, description="Accepted and ignored: a text-to-audio pipeline has no voices (the client needs one)"
+    )
+    instructions: str | None = Field(None, max_length=MAX_TEXT, description="Accepted and ignored")
+    response_format: AudioFormat = Field("mp3", description="OpenAI's default mp3; pcm: 16-bit little-endian")
+    speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False, description="Only 1.0 is served")
+    stream_format: Literal["audio"] | None = Field(None, description="Only the whole file ('audio') is served")
 
 
 class ImageData(BaseModel):
@@ -240,6 +335,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first")
     n: int = Field(1, ge=1, le=1, description="One choice per prompt")
     user: str | None = Field(None, max_length=512)
+    lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
 
 
 class CompletionRequest(_SamplingFields):
@@ -281,8 +377,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """OpenAI ``POST /v1/chat/completions``. Unknown fields are kept (not validated here): on a diffusion model
-    they are the generation parameters (:class:`ChatImageParams`), also when nested under ``extra_body``."""
+    """OpenAI ``POST /v1/chat/completions``. Other fields are kept here and checked by the route: on a diffusion
+    model they are the generation parameters (:class:`ChatImageParams`), also when nested under ``extra_body``;
+    on a causal LM each is a 400 (:meth:`unknown_problem`)."""
 
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
@@ -294,6 +391,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def token_budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 16
+
+    def unknown_problem(self) -> str | None:
+        """The fields a text chat does not take (all it kept), named with the closest known ones."""
+        extra = list(self.model_extra or {})
+        return unknown_fields_problem(closest_fields(extra, type(self).model_fields)) if extra else None
 
 
 class ErrorDetail(BaseModel):
@@ -321,6 +423,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "hsdp"
     kind: Literal["diffusion", "causal_lm"]
+    outputs: list[str] = Field(default_factory=list, description="What the model makes: video, image, audio, text")
+    routes: list[str] = Field(default_factory=list, description="The generation routes that serve it")
     root: str | None = None
     """With ``--lora``: the adapter folder (vLLM's card for a LoRA module)."""
     parent: str | None = None

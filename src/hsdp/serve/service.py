@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.adapters import parse_adapters
+from hsdp.engine.adapters import SlotSpec, parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
-from hsdp.engine.params import PER_REQUEST_INPUTS, build_requests
+from hsdp.engine.model_info import inspect_model
+from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
+from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job, JobStore, QueueFull
 from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
@@ -37,6 +39,7 @@ from hsdp.serve.schemas import (
     LoraRequest,
     VideoJob,
     check_limits,
+    closest_fields,
     parse_size,
 )
 from hsdp.serve.settings import ServeSettings
@@ -51,6 +54,15 @@ __all__ = ["Server"]
 
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
 """Per-job values (the Job holds them), not part of the parameters a batch shares."""
+ROUTES = {
+    "video": ("/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/chat/completions"),
+    "image": ("/v1/images/generations", "/v1/chat/completions"),
+    "audio": ("/v1/audio/speech", "/v1/chat/completions"),
+    "text": ("/v1/completions", "/v1/chat/completions"),
+}
+"""The generation routes that serve each kind of output (image routes on a video pipeline make one frame)."""
+JOB_KINDS = {"video": {"video", "video_sync", "image"}, "image": {"image"}, "audio": {"audio"}}
+"""The jobs a diffusion pipeline can run, by the kind of output it makes."""
 _PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ADAPTER_COUNTS = ("loads", "switches", "evictions")
@@ -78,11 +90,18 @@ def _await_torchrun_restart(stopped: threading.Event) -> None:
 
 
 class Server:
-    """One model behind one queue. ``start`` loads the model (errors surface before the port is bound).
+    """One model behind one queue. Building it checks what needs no loading (the settings, the model folder);
+    ``start`` loads the model (errors surface before the server listens).
     ``workers``: under torchrun, rank 0's :class:`hsdp.engine.leader.LeaderRanks` over every rank of the job."""
 
     def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
+        kind = inspect_model(resolve_model(settings.model)).kind  # from the folder's files: nothing loads yet
+        if kind == "causal_lm" and settings.max_batch_size > 1:
+            problems.append(
+                f"--max-batch-size {settings.max_batch_size}: causal LMs run one request at a time per rank "
+                "(per-request seeds); use --request-parallel to run several side by side"
+            )
         if problems:
             raise ValueError("invalid server settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.settings = settings
@@ -96,9 +115,13 @@ class Server:
         self.runner.job_timeout_s = settings.job_timeout_s
         self.tokenizer = None
         self.max_positions: int | None = None
-        self.adapter_paths: dict[str, Path] = parse_adapters(settings.lora)
-        """Adapter name -> folder: ``--lora`` and those loaded since (a restarted engine gets them all)."""
+        self.startup_adapters: dict[str, Path] = parse_adapters(settings.lora)
+        self.adapter_paths: dict[str, Path] = dict(self.startup_adapters)
+        """Adapter name -> folder: ``--lora`` and those loaded since, which a restarted engine serves again (those
+        that still load) and a restarted server too (:meth:`_recall_adapters`)."""
         self._adapters_lock = threading.Lock()
+        self._slots: SlotSpec | None = None
+        """The adapter slots the first engine made; every restart makes the same."""
         self.base_loads = 0
         """Engines started: the base is loaded once per engine, never to switch adapters."""
         self._earlier_adapter_counts: Counter = Counter()
@@ -110,6 +133,15 @@ class Server:
         if self.leader is not None and self.leader.broken:
             _await_torchrun_restart(self._stopped)
         previous = self.runner.engine.adapter_stats if self.runner.engine is not None else None
+        first = self.base_loads == 0
+        if first:  # the slots from the flags: --lora's adapters, --max-loras, --max-lora-rank
+            slots = {
+                "lora": dict(self.startup_adapters) or None,
+                "max_loras": s.adapter_slots,
+                "max_lora_rank": s.max_lora_rank,
+            }
+        else:  # the same slots, not re-derived from the adapters served now
+            slots = {"adapter_slots": self._slots}
         engine = Engine(
             s.model,
             s.parallel_config,
@@ -120,18 +152,61 @@ class Server:
             cache=s.cache,
             cache_config=s.cache_config,
             compile=s.compile,
-            lora=dict(self.adapter_paths) or None,
-            max_loras=s.adapter_slots,
-            max_lora_rank=s.max_lora_rank,
+            attention_backend=s.attention_backend,
+            **slots,
             call_timeout_s=s.job_timeout_s,
             start_timeout_s=s.engine_start_timeout_s,
             # torchrun's ranks have no cancel board (a cancelled running job's output is dropped instead).
             cancellable=self.leader is None,
             workers=self.leader,
         )
+        if first:
+            self._slots = engine.adapter_slots
+        self._serve_adapters(engine, skip=self.startup_adapters if first else {})
         self.base_loads += 1
         self._earlier_adapter_counts.update({k: (previous or {}).get(k, 0) for k in _ADAPTER_COUNTS})
         return engine
+
+    def _serve_adapters(self, engine: Engine, skip: dict[str, Path]) -> None:
+        """Add the adapters served (but those in ``skip``, which the engine has) to a new engine. One that no
+        longer loads (its folder gone or changed) is dropped with the reason logged: the engine starts on what
+        still loads, and requests naming it get a 404."""
+        with self._adapters_lock:
+            dropped = []
+            for name, folder in self.adapter_paths.items():
+                if name in skip:
+                    continue
+                try:
+                    engine.add_adapter(name, folder, "adapter")
+                except ValueError as exc:
+                    logger.warning("no longer serving the LoRA adapter %s: %s", name, exc)
+                    dropped.append(name)
+            for name in dropped:
+                del self.adapter_paths[name]
+            if dropped:
+                self._record_adapters()
+
+    def _recall_adapters(self) -> None:
+        """The adapters loaded at run time before this server (re)started, from the output dir; one that a
+        ``--lora`` now names, or that is no longer under ``--lora-root``, is dropped with the reason logged."""
+        root = self.settings.lora_root
+        for name, folder in self.store.load_adapters().items():
+            if name in self.adapter_paths:
+                reason = f"--lora now names {name!r}"
+            elif root is None or not folder.resolve().is_relative_to(Path(root).resolve()):
+                reason = f"its folder {folder} is not under --lora-root {root}"
+            else:
+                self.adapter_paths[name] = folder
+                continue
+            logger.warning("no longer serving the LoRA adapter %s loaded before the restart: %s", name, reason)
+
+    def _record_adapters(self) -> None:
+        """Write the adapters loaded at run time to the output dir (a failure to is logged: they stay served)."""
+        runtime = {n: p for n, p in self.adapter_paths.items() if n not in self.startup_adapters}
+        try:
+            self.store.save_adapters(runtime)
+        except OSError as exc:
+            logger.warning("could not record the adapters loaded at run time (%s); a restart forgets them", exc)
 
     def adapter_counts(self) -> dict[str, int]:
         """Adapter slot loads, switches and evictions since the server started (over engine restarts)."""
@@ -141,6 +216,7 @@ class Server:
 
     def start(self) -> None:
         self.store.lock()  # first: a second server on this --output-dir is refused before anything loads
+        self._recall_adapters()
         loaded, requeued = self.store.load()
         if loaded:
             logger.info(
@@ -150,12 +226,6 @@ class Server:
                 requeued,
             )
         self.runner.start()
-        if self.kind == "causal_lm" and self.settings.max_batch_size > 1:
-            self.runner.stop()
-            raise ValueError(
-                f"--max-batch-size {self.settings.max_batch_size}: causal LMs run one request at a time per rank "
-                "(per-request seeds); use --request-parallel to run several side by side"
-            )
         if self.kind == "causal_lm":
             from transformers import AutoTokenizer
 
@@ -199,14 +269,29 @@ class Server:
         if requested is not None and requested not in self._model_names() and requested not in self.adapter_paths:
             raise self._not_served(requested, "model")
         if self.kind != needs:
-            hint = (
-                "POST /v1/completions or /v1/chat/completions"
-                if self.kind == "causal_lm"
-                else f"POST {'/v1/videos or ' if self.info.output == 'video' else ''}/v1/images/generations"
-            )
             raise ApiError(
                 400,
-                f"this server runs {self.name!r}, a {self.kind.replace('_', ' ')} model; use {hint}",
+                f"this server runs {self.name!r}, a {self.kind.replace('_', ' ')} model; use {self.routes_hint()}",
+                code="wrong_model_kind",
+            )
+
+    @property
+    def outputs(self) -> str:
+        """What the served model makes: ``video``, ``image``, ``audio`` (diffusion) or ``text``."""
+        return self.info.output if self.kind == "diffusion" else "text"
+
+    def routes_hint(self) -> str:
+        routes = ROUTES[self.outputs]
+        return f"POST {', '.join(routes[:-1])} or {routes[-1]}"
+
+    def check_job_kind(self, kind: str) -> None:
+        """400 when the pipeline cannot make what a route asks for (images from an audio pipeline, ...)."""
+        if kind not in JOB_KINDS[self.info.output]:
+            made = f"an {self.info.output}" if self.info.output in ("image", "audio") else f"a {self.info.output}"
+            raise ApiError(
+                400,
+                f"this server runs {self.name!r}, {made} pipeline ({self.info.class_name}); use "
+                f"{self.routes_hint()}",
                 code="wrong_model_kind",
             )
 
@@ -264,6 +349,7 @@ class Server:
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=flag, code="invalid_lora") from exc
             self.adapter_paths[name] = folder
+            self._record_adapters()
         logger.info("serving the LoRA adapter %s from %s", name, folder)
 
     def unload_adapter(self, name: str) -> None:
@@ -272,6 +358,7 @@ class Server:
             if name not in self.adapter_paths:
                 raise self._not_served(name, "lora_name")
             del self.adapter_paths[name]
+            self._record_adapters()
             engine = self.runner.engine
             if engine is not None and not engine.closed and name in engine.adapter_stats["adapters"]:
                 engine.remove_adapter(name)
@@ -327,14 +414,7 @@ class Server:
     # -- diffusion -------------------------------------------------------------------------------------------
     def check_video_model(self) -> None:
         """The ``/v1/videos`` routes need a pipeline that makes video."""
-        if self.info.output != "video":
-            edits = ", /v1/images/edits" if self.info.takes_image else ""
-            raise ApiError(
-                400,
-                f"this server runs {self.name!r}, an image pipeline ({self.info.class_name}); use POST "
-                f"/v1/images/generations{edits} or /v1/chat/completions",
-                code="wrong_model_kind",
-            )
+        self.check_job_kind("video")
 
     def _decode(self, upload: Upload) -> Image:
         """The upload as the PIL image the pipeline gets; 400 naming the client's field when it is not one."""
@@ -373,6 +453,20 @@ class Server:
                 param=mask.field,
             )
 
+    def _check_extra_args(self, extra: dict) -> None:
+        """``extra_args`` names arguments of the pipeline's ``__call__`` that no field covers (the engine sets
+        the rest: prompts, images, the fields above)."""
+        takes = self.info.call_params - RESERVED_ARGS
+        unknown = [name for name in extra if name not in takes]
+        if unknown:
+            named = [n + (f" (did you mean {c}?)" if c else "") for n, c in closest_fields(unknown, takes).items()]
+            raise ApiError(
+                400,
+                f"extra_args: {self.info.class_name}.__call__ takes no {', '.join(named)}; it takes "
+                f"{', '.join(sorted(takes))}",
+                param="extra_args",
+            )
+
     def _size(self, request: DiffusionFields, image: Image | None) -> tuple[int | None, int | None]:
         """``size``/``width``/``height``; ``size='auto'`` with an input image is its size, rounded down to the
         model's spatial multiple (the pipeline refuses other sizes)."""
@@ -400,11 +494,15 @@ class Server:
         Only what the client set is passed (plus ``num_frames`` where the endpoint fixes it), so a field the
         pipeline does not take is a 400 naming it. ``image_field`` names the endpoint's image field in the error
         when the pipeline needs an image and none came."""
+        self.check_job_kind(kind)
         self._check_inputs(image, mask, image_field)
         kwargs = {k: v for k, v in (pipeline_kwargs or {}).items() if v is not None}
         for name in kwargs:
             if name not in self.info.call_params:
                 raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
+        extra = request.extra_args or {}
+        self._check_extra_args(extra)
+        kwargs = {**extra, **kwargs}
         decoded = {u.engine_field: self._decode(u) for u in (image, mask) if u is not None}
         width, height = self._size(request, decoded.get("image"))
         check_limits(request, self.settings.limits, width, height)
@@ -417,6 +515,7 @@ class Server:
                 guidance_scale=request.guidance_scale,
                 guidance_scale_2=request.guidance_scale_2,
                 true_cfg_scale=request.true_cfg_scale,
+                audio_seconds=request.audio_seconds,
                 negative_prompt=request.negative_prompt,
                 pipeline_kwargs=kwargs,
                 **decoded,
@@ -493,7 +592,7 @@ class Server:
             )
         )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
-        adapter = self.adapter_choice(request.model, None)
+        adapter = self.adapter_choice(request.model, request.lora)
         jobs = []
         for i, prompt in enumerate(prompts):
             prompt_tokens = len(self.tokenizer(prompt)["input_ids"])

@@ -72,6 +72,8 @@ class ServeSettings:
     """Its config fields (``--cache-config``)."""
     compile: bool = False
     """Regional compilation of the denoiser's blocks (``--compile``), each shape compiled once for all requests."""
+    attention_backend: str | None = None
+    """The attention kernel (``--attention-backend``, :mod:`hsdp.attention`)."""
     max_queue: int = 64
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0
@@ -101,6 +103,13 @@ class ServeSettings:
         problems = []
         if self.max_queue < 1:
             problems.append(f"--max-queue {self.max_queue} must be >= 1")
+        output_dir = Path(self.output_dir)
+        blocking = next((p for p in (output_dir, *output_dir.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            problems.append(
+                f"--output-dir {output_dir}: {blocking} is a file; give a folder (created when missing) for the "
+                "job records and videos"
+            )
         if self.job_timeout_s <= 0:
             problems.append(f"--job-timeout {self.job_timeout_s} must be > 0 seconds")
         if self.step_timeout_s <= 0:

@@ -76,7 +76,7 @@ def completion_body(model: str, choices: list[TextChoice]) -> dict:
     }
 
 
-def chat_completion(model: str, content: str | list[dict], finish_reason: str, usage: dict) -> dict:
+def chat_completion(model: str, content: str | list[dict] | None, finish_reason: str, usage: dict) -> dict:
     """OpenAI's ``chat.completion`` object with one assistant message (text, or content parts)."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",

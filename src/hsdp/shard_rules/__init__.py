@@ -8,7 +8,10 @@ Where a plan comes from, first match wins:
    model does not carry, such as a tensor-parallel plan;
 3. Hugging Face's ``_no_split_modules``: the class names ``transformers`` / ``diffusers`` keep whole on one
    device, matched by exact class, so an unmodified model shards by its blocks;
-4. for a model with none of these, a size-based plan (torch's ``size_based_auto_wrap_policy``): bottom-up, a
+4. diffusers' ``_repeated_blocks`` (its list for regional compilation), else the classes of the model's block
+   lists (an ``nn.ModuleList`` of two or more modules of one class, such as Stable Audio's
+   ``transformer_blocks``): the blocks a model repeats are the units that gather one block at a time;
+5. for a model with none of these, a size-based plan (torch's ``size_based_auto_wrap_policy``): bottom-up, a
    module becomes a unit once the parameters under it not already in a unit reach ``min_num_params``
    (``_hsdp_min_num_params`` on the model, default 100M as torch's FSDP docs use). Logged as a warning, since
    units that follow the model's blocks are better (they gather exactly one block at a time).
@@ -44,6 +47,7 @@ __all__ = [
     "resolve_plan",
     "classes_condition",
     "size_condition",
+    "repeated_block_lists",
 ]
 
 
@@ -162,6 +166,11 @@ def _resolve_units(model: nn.Module) -> ShardPlan:
         return ShardPlan(
             conditions=(classes_condition(no_split),), ignored=ignored, source=f"_no_split_modules={no_split}"
         )
+    repeated = list(getattr(model, "_repeated_blocks", None) or []) or repeated_block_lists(model)
+    if repeated:
+        return ShardPlan(
+            conditions=(classes_condition(repeated),), ignored=ignored, source=f"repeated blocks {repeated}"
+        )
     min_num_params = int(getattr(model, "_hsdp_min_num_params", None) or DEFAULT_MIN_NUM_PARAMS)
     logger.warning(
         "%s has neither _hsdp_shard_conditions nor _no_split_modules: FSDP units by size (min_num_params=%d; "
@@ -174,6 +183,20 @@ def _resolve_units(model: nn.Module) -> ShardPlan:
         ignored=ignored,
         source=f"size-based (min_num_params={min_num_params}; set _hsdp_min_num_params or _no_split_modules)",
     )
+
+
+def repeated_block_lists(model: nn.Module) -> list[str]:
+    """Class names of the entries of ``model``'s block lists: ``nn.ModuleList`` s holding two or more modules,
+    all of one class that the model's library defines (torch's own containers and layers, such as a list of
+    ``nn.Sequential`` or ``nn.Linear``, are no blocks); sorted, none when the model has no such list."""
+    found = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            classes = {type(child) for child in module}
+            block = next(iter(classes))
+            if len(classes) == 1 and not block.__module__.startswith("torch."):
+                found.add(block.__name__)
+    return sorted(found)
 
 
 def size_condition(model: nn.Module, min_num_params: int) -> ShardCondition:

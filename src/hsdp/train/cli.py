@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 from pathlib import Path
 
@@ -18,11 +18,13 @@ from hsdp.launch import WorkerError
 from hsdp.lora_formats import FORMATS
 from hsdp.measure.comm import CommReport
 from hsdp.train.config import TrainConfig, TrainConfigError
-from hsdp.train.report import REPORTERS
+from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
 from hsdp.train.schedule import SCHEDULERS
 
 __all__ = ["add_arguments", "run", "config_from_args"]
+
+logger = logging.getLogger("hsdp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile each repeated block (regional; forward and backward fused, FSDP hooks outside), once "
         "per input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="the trained model's attention kernel: a diffusers backend (native, _native_math, flex, flash, sage, "
+        "...) or a transformers implementation (sdpa, eager, flex_attention, flash_attention_2, ...)",
+    )
     parser.add_argument("--freeze", nargs="+", default=[], metavar="REGEX", help="freeze matching parameters")
     parser.add_argument(
         "--frozen-whole",
@@ -133,13 +142,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--export-merged", default=None, metavar="DIR", help="with LoRA: write the merged model folder"
     )
-    parser.add_argument("--export-dtype", default=None, help="dtype of the export (default fp32)")
+    parser.add_argument(
+        "--export-dtype", default=None, help="dtype of the exported model or LoRA tensors (default fp32, as trained)"
+    )
     parser.add_argument(
         "--export-format",
-        choices=FORMATS,
-        default="peft",
-        help="with LoRA: peft adapter folder (default), diffusers (pytorch_lora_weights.safetensors for "
-        "pipe.load_lora_weights) or comfyui (diffusion_model. keys)",
+        default=None,
+        metavar="|".join(FORMATS),
+        help="with LoRA: peft (adapter folder; the default for a causal LM), diffusers (pytorch_lora_weights."
+        "safetensors for pipe.load_lora_weights; the default for a pipeline) or comfyui (diffusion_model. keys); "
+        "several comma-separated (diffusers,comfyui) go into --export's subfolders of those names",
     )
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument(
@@ -187,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         mixed_precision=args.mixed_precision,
         activation_checkpointing=args.activation_checkpointing,
         compile=args.compile,
+        attention_backend=args.attention_backend,
         freeze=tuple(args.freeze),
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -216,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         report_to=args.report_to,
         logging_dir=args.logging_dir,
         comm_stats=args.comm_stats,
+        summary_json=args.summary_json,
         resolution=args.resolution,
         frames=args.frames,
         timestep_sampling=args.timestep_sampling,
@@ -226,18 +240,67 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def _stopped(args: argparse.Namespace) -> str:
+    """What a stopped run leaves: its last complete checkpoint and the figures of the steps it made."""
+    last = latest_checkpoint(args.output_dir) if args.output_dir else None
+    hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
+    if args.summary_json and Path(args.summary_json).is_file():
+        hint += f"\nthe steps made so far: {args.summary_json}"
+    return hint
+
+
+def _names_no_layout(args: argparse.Namespace) -> bool:
+    """Sharded, and none of the flags that say how FSDP2 holds the model over the mesh."""
+    chosen = (args.sharding_strategy, args.reshard_after_forward)
+    return args.use_hsdp and chosen == (None, None) and not (args.frozen_whole or args.cpu_offload)
+
+
+def _planned(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` on the planner's layout for its mesh (:func:`hsdp.planning.training.planned_layout`), said in the
+    run's first log line. Not under torchrun: every node would have to read the same memory to plan alike."""
+    from hsdp.distributed import launched_by_torchrun
+    from hsdp.planning import PlanError
+    from hsdp.planning.training import planned_layout
+
+    if launched_by_torchrun() or cfg.problems():  # preflight names the problems
+        return cfg
+    try:
+        planned = planned_layout(cfg)
+    except (PlanError, ValueError, FileNotFoundError) as exc:  # a refusal: the trainer's own checks say it better
+        logger.info("layout: as the flags give it (the planner could not plan this run: %s)", exc)
+        return cfg
+    except Exception as exc:  # a model the planner cannot trace still trains on the layout its flags give
+        logger.warning("layout: as the flags give it (planning failed: %s: %s)", type(exc).__name__, exc)
+        return cfg
+    if planned is None:
+        return cfg
+    logger.info(
+        "layout: %s, %s (%s; name --strategy or --frozen-whole to choose another)",
+        planned.chosen.layout.label,
+        planned.cfg.parallel.sharding_strategy.value,
+        planned.reason,
+    )
+    return planned.cfg
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.summary_json and Path(args.summary_json).is_dir():
+        print(f"hsdp train: --summary-json {args.summary_json} is a folder; it names the file to write", file=sys.stderr)
+        return 2
     try:
         cfg = config_from_args(args)
+        if _names_no_layout(args):
+            cfg = _planned(cfg)
         result = run_training(cfg)
     except (TrainConfigError, ValueError) as exc:
         print(f"hsdp train: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
-        last = latest_checkpoint(args.output_dir) if args.output_dir else None
-        hint = f"last complete checkpoint: {last} (rerun with --resume)" if last else "no complete checkpoint"
-        print(f"hsdp train: training failed: {exc}\n{hint}", file=sys.stderr)
+        print(f"hsdp train: training failed: {exc}\n{_stopped(args)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"hsdp train: interrupted\n{_stopped(args)}", file=sys.stderr)
+        return 130
     if rank() != 0:  # under torchrun every process returns here; one summary is enough
         return 0
     steps = result.steps
@@ -247,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         median = sorted(s.tokens_per_s for s in steps)[len(steps) // 2]
         print(
             f"trained to step {last_step.step}: loss {steps[0].loss:.4f} -> {last_step.loss:.4f}, "
-            f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB"
+            f"median {median:.1f} {result.unit}/s, peak memory per rank {peaks} MiB ({result.memory_kind})"
         )
     if steps and steps[-1].eval_loss is not None:
         perplexity = steps[-1].eval_perplexity  # None for diffusion
@@ -261,5 +324,5 @@ def run(args: argparse.Namespace) -> int:
     if result.export_merged:
         print(f"exported merged model: {result.export_merged}")
     if args.summary_json:
-        Path(args.summary_json).write_text(json.dumps([vars(s) for s in steps], indent=1))
+        write_summary(args.summary_json, steps)
     return 0

@@ -25,7 +25,15 @@ from hsdp.train.schedule import schedule_problems
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["TrainConfig", "TrainConfigError", "preflight", "model_fingerprint", "Preflight", "RESUME_AUTO"]
+__all__ = [
+    "TrainConfig",
+    "TrainConfigError",
+    "preflight",
+    "model_fingerprint",
+    "Preflight",
+    "RESUME_AUTO",
+    "check_export_formats",
+]
 
 RESUME_AUTO = "auto"
 """``--resume auto``: the newest complete checkpoint in ``--output-dir`` if there is one, else step 0 (one command
@@ -86,6 +94,9 @@ class TrainConfig:
     compile: bool = False
     """``torch.compile`` each repeated block of the trained model (regional, as ``hsdp generate --compile``): its
     forward and backward run as fused kernels, FSDP2's hooks stay outside; each input shape compiles once."""
+    attention_backend: str | None = None
+    """The trained model's attention kernel (``--attention-backend``, as ``hsdp generate`` takes it): a diffusers
+    backend for a denoiser, a transformers implementation for a causal LM (:mod:`hsdp.attention`)."""
     freeze: tuple[str, ...] = ()
     """Regular expressions; matching parameters are frozen (LoRA-style partial fine-tuning)."""
     lora_r: int = 0
@@ -132,15 +143,20 @@ class TrainConfig:
     """Write a consolidated safetensors model folder here at the end (with LoRA: a peft adapter folder)."""
     export_dtype: str | None = None
     """dtype of the export (default: fp32, as trained)."""
-    export_format: str = "peft"
+    export_format: str | None = None
     """With LoRA: ``peft`` (adapter folder), ``diffusers`` (``pytorch_lora_weights.safetensors``, what
-    ``pipe.load_lora_weights`` reads) or ``comfyui`` (``diffusion_model.`` keys); see :mod:`hsdp.lora_formats`."""
+    ``pipe.load_lora_weights`` reads) or ``comfyui`` (``diffusion_model.`` keys), or several comma-separated (each
+    into ``<export>/<format>``); default: ``diffusers`` for a diffusers pipeline, ``peft`` for a causal LM. See
+    :mod:`hsdp.lora_formats`."""
     log_every: int = 1
     report_to: str = "none"
     """``none``, ``tensorboard`` or ``wandb``: where rank 0 reports loss, lr, grad norm, tokens/s, eval figures."""
     logging_dir: str | None = None
     """TensorBoard / wandb folder (default ``<output_dir>/runs``)."""
     progress: bool = True
+    summary_json: str | None = None
+    """Rank 0 rewrites this JSON file (one object per step: loss, lr, grad norm, throughput, peak memory) after every
+    step, so a run that is interrupted or fails keeps the figures of the steps it made."""
     comm_stats: bool = False
     """Count the collectives of the last step and compare with the minimum (the counter slows that step)."""
     # Diffusion pipelines (hsdp.train.diffusion): ignored for causal LMs.
@@ -162,6 +178,25 @@ class TrainConfig:
     @property
     def use_lora(self) -> bool:
         return self.lora_r > 0 or self.lora_adapter is not None
+
+    def export_formats(self, diffusers: bool) -> tuple[str, ...]:
+        """``--export-format``'s formats, or the model's default: the diffusers LoRA for a pipeline (what
+        ``pipe.load_lora_weights`` reads), a peft adapter folder for a causal LM."""
+        if self.export_format:
+            return tuple(f.strip() for f in self.export_format.split(","))
+        return ("diffusers",) if diffusers else ("peft",)
+
+    def export_folders(self, diffusers: bool) -> dict[str, Path]:
+        """Where each LoRA format goes: ``--export`` itself for one format, ``<export>/<format>`` for several."""
+        formats = self.export_formats(diffusers)
+        root = Path(self.export or ".")
+        return {formats[0]: root} if len(formats) == 1 else {f: root / f for f in formats}
+
+    def run_name(self) -> str:
+        """What names this run in its exports' manifests (:mod:`hsdp.exports`): a re-run of the same run (a restart,
+        ``--resume auto`` after the last step) may replace its own export, nothing else."""
+        out = str(Path(self.output_dir).resolve()) if self.output_dir else "none"
+        return f"--model {self.model} --data {Path(self.data).resolve()} --output-dir {out}"
 
     def resume_settings(self) -> dict[str, Any]:
         """What a checkpoint stores of this run and a resumed run must repeat, by flag: every setting that changes
@@ -251,12 +286,14 @@ class TrainConfig:
             out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
         out.extend(self._lora_problems())
         out.extend(self._export_format_problems())
+        out.extend(self._export_folder_problems())
         out.extend(self._diffusion_problems())
         out.extend(schedule_problems(self.lr_scheduler, self.warmup_steps, self.steps))
         out.extend(self._eval_problems())
         out.extend(report_problems(self.report_to, self.output_dir, self.logging_dir))
         if (self.save_every or self.resume) and not self.output_dir:
             out.append("--save-every / --resume need --output-dir (where checkpoints live)")
+        out.extend(self._folder_problems())
         for pattern in self.freeze:
             try:
                 re.compile(pattern)
@@ -274,6 +311,20 @@ class TrainConfig:
                 f"({parallel.describe()}); use --batch-size {dp * max(1, self.batch_size // dp)}"
             )
         return out
+
+    def _folder_problems(self) -> list[str]:
+        """Folders the run writes into that are files: found now, not when training first writes there."""
+        folders = {
+            "--output-dir": self.output_dir,
+            "--export": self.export,
+            "--export-merged": self.export_merged,
+            "--logging-dir": self.logging_dir,
+        }
+        return [
+            f"{flag} {path} is a file; it names a folder (pass a folder path, or remove the file)"
+            for flag, path in folders.items()
+            if path and Path(path).is_file()
+        ]
 
     def _diffusion_problems(self) -> list[str]:
         out = []
@@ -316,14 +367,57 @@ class TrainConfig:
     def _export_format_problems(self) -> list[str]:
         from hsdp.lora_formats import FORMATS
 
-        if self.export_format not in FORMATS:
-            return [f"--export-format={self.export_format!r}: use one of {', '.join(FORMATS)}"]
-        if self.export_format != "peft" and not self.use_lora:
+        if self.export_format is None:
+            return []
+        formats = self.export_formats(diffusers=True)
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown:
+            return [
+                f"--export-format={self.export_format!r}: {', '.join(map(repr, unknown))} is not a format; use one "
+                f"or several (comma-separated) of {', '.join(FORMATS)}"
+            ]
+        if len(set(formats)) < len(formats):
+            return [f"--export-format={self.export_format!r} names a format twice"]
+        if not self.use_lora:
             return [
                 f"--export-format {self.export_format} writes a LoRA; without --lora-r (or --lora-adapter) --export "
                 "writes the whole model as a safetensors folder: drop --export-format"
             ]
         return []
+
+    def _export_folder_problems(self) -> list[str]:
+        """Export folders that would take or lose what is not theirs: one inside ``--output-dir`` (or holding it),
+        the two exports in one folder, or a folder holding anything but an earlier export of this run."""
+        from hsdp.exports import export_problem
+
+        exports = [(flag, Path(f)) for flag, f in (("--export", self.export), ("--export-merged", self.export_merged)) if f]
+        out = []
+        places = [(flag, f.resolve()) for flag, f in exports]
+        if self.output_dir:
+            places.append(("--output-dir", Path(self.output_dir).resolve()))
+        for i, (flag, here) in enumerate(places):
+            for other_flag, there in places[i + 1 :]:
+                if here == there or there in here.parents or here in there.parents:
+                    out.append(
+                        f"{flag} {here} and {other_flag} {there} overlap (one is, or holds, the other): the export "
+                        "would take or replace the other's files; choose separate folders"
+                    )
+        if out:
+            return out
+        run = self.run_name()
+        for flag, folder in exports:
+            folders = [folder]
+            if flag == "--export" and self.use_lora and len(self.export_formats(diffusers=True)) > 1:
+                folders = list(self.export_folders(diffusers=True).values())
+                names = {f.name for f in folders}
+                foreign = sorted(p.name for p in folder.iterdir() if p.name not in names) if folder.is_dir() else []
+                if foreign:
+                    out.append(
+                        f"--export {folder} holds {', '.join(foreign)}, and several formats go into its subfolders "
+                        f"{', '.join(sorted(names))} only; choose another folder (nothing was overwritten)"
+                    )
+            out += [p for p in (export_problem(f, run, flag) for f in folders) if p]
+        return out
 
     def _lora_problems(self) -> list[str]:
         out = []
@@ -514,6 +608,20 @@ def _is_diffusers_folder(model_dir: Path) -> bool:
         return False
 
 
+def check_export_formats(cfg: TrainConfig, denoiser_dir: Path) -> None:
+    """Refuse a LoRA format the trained denoiser's family cannot be written in (FLUX's fused ComfyUI layout, a UNet
+    without a ComfyUI key map) before any rank starts, not after training."""
+    from hsdp.lora_formats import format_problem
+
+    if not (cfg.export and cfg.use_lora):
+        return
+    model_class = json.loads((denoiser_dir / "config.json").read_text()).get("_class_name", "")
+    for fmt in cfg.export_formats(diffusers=True):
+        problem = format_problem(fmt, model_class)
+        if problem:
+            raise TrainConfigError(problem)
+
+
 def _check_tensor_parallel(cfg: TrainConfig, model_dir: Path) -> None:
     """Refuse tensor parallel for a model without a usable plan here, before any rank starts (issue 13)."""
     tp = cfg.parallel.tensor_parallel_size
@@ -541,6 +649,20 @@ def _check_lora(cfg: TrainConfig, model_dir: Path) -> None:
         raise TrainConfigError(str(exc)) from exc
 
 
+def check_attention_backend(cfg: TrainConfig, kind: str) -> None:
+    """``--attention-backend`` against what the model's library and this machine run (:mod:`hsdp.attention`)."""
+    if cfg.attention_backend is None:
+        return
+    from hsdp.attention import attention_backend_problems
+    from hsdp.distributed import device_type
+
+    problems = attention_backend_problems(
+        cfg.attention_backend, kind, device_type(), cfg.parallel.sequence_parallel_size > 1
+    )
+    if problems:
+        raise TrainConfigError("; ".join(problems))
+
+
 def preflight(cfg: TrainConfig) -> Preflight:
     """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
     from hsdp.models.builtin import resolve_model
@@ -552,18 +674,20 @@ def preflight(cfg: TrainConfig) -> Preflight:
         model_dir = resolve_model(cfg.model)
     except FileNotFoundError as exc:
         raise TrainConfigError(f"--model: {exc}") from exc
+    if Path(cfg.data).is_dir():
+        raise TrainConfigError(
+            f"--data {cfg.data} is a folder (a media folder of images or videos with captions?), and --model "
+            f"{cfg.model} is a causal LM, which trains on one .txt, .jsonl, .json or .parquet file: this is a media "
+            "folder; pass --model with a diffusers pipeline (a folder with model_index.json, or tiny-wan, tiny-flux, "
+            "tiny-sdxl) to fine-tune it on the folder"
+        )
     if not Path(cfg.data).is_file():
         raise TrainConfigError(f"--data {cfg.data}: no such file")
     if cfg.eval_data and not Path(cfg.eval_data).is_file():
         raise TrainConfigError(f"--eval-data {cfg.eval_data}: no such file")
     if cfg.validation_prompts:
         raise TrainConfigError("--validation-prompt: validation samples are for diffusion pipelines")
-    for flag, folder in (("--export", cfg.export), ("--export-merged", cfg.export_merged)):
-        if folder and Path(folder).exists() and any(Path(folder).iterdir()):
-            raise TrainConfigError(
-                f"{flag} {folder} exists and is not empty; remove it or choose another folder"
-            )
-    if cfg.export_format != "peft" and not _is_diffusers_folder(model_dir):
+    if cfg.export_format and cfg.export_formats(diffusers=False) != ("peft",) and not _is_diffusers_folder(model_dir):
         raise TrainConfigError(
             f"--export-format {cfg.export_format} writes a diffusers pipeline LoRA, but --model {cfg.model} is not a "
             "diffusers model; use --export-format peft"
@@ -573,6 +697,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
             f"--ulysses-degree={cfg.parallel.ulysses_degree}: sequence-parallel training splits a diffusers "
             "denoiser's sequence (its _cp_plan); a causal LM trains with --hsdp-shard-size or --tensor-parallel-size"
         )
+    check_attention_backend(cfg, "causal_lm")
     fingerprint = model_fingerprint(model_dir)
     _check_tensor_parallel(cfg, model_dir)
     if cfg.use_lora:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["REPORTERS", "Reporter", "report_problems", "make_reporter", "step_metrics"]
+__all__ = ["REPORTERS", "Reporter", "report_problems", "make_reporter", "step_metrics", "write_summary"]
 
 REPORTERS = ("none", "tensorboard", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -56,6 +57,16 @@ def step_metrics(step) -> dict[str, float]:
     if step.eval_perplexity is not None:
         out["eval/perplexity"] = step.eval_perplexity
     return out
+
+
+def write_summary(path: str | Path, steps: list) -> None:
+    """``--summary-json``: every :class:`~hsdp.train.trainer.StepResult` so far, written to a temporary sibling and
+    renamed, so a reader (or a run killed mid-write) never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps([dataclasses.asdict(s) for s in steps], indent=1))
+    os.replace(tmp, path)
 
 
 class _TensorBoard:

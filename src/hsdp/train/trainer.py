@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hsdp import lora
+from hsdp.attention import set_attention_backend
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.config import DTYPES
 from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
@@ -49,7 +50,7 @@ from hsdp.train.data import (
     tokenize_file,
 )
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
-from hsdp.train.report import make_reporter, step_metrics
+from hsdp.train.report import make_reporter, step_metrics, write_summary
 from hsdp.train.schedule import build_scheduler
 
 logger = logging.getLogger("hsdp")
@@ -82,6 +83,9 @@ class TrainResult:
     export_merged: str | None = None
     unit: str = "tokens"
     """What ``StepResult.tokens_per_s`` counts (``samples`` for diffusion)."""
+    memory_kind: str = ""
+    """What ``StepResult.peak_memory`` counts (:attr:`hsdp.measure.MemoryReading.kind`: the allocator's tensor peak
+    on an accelerator, what ``hsdp plan`` estimates; the resident set on a CPU, which adds the runtime's memory)."""
     comm: dict | None = None
     """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
 
@@ -162,6 +166,8 @@ class Trainer:
             prepare=lora.injector(self.lora) if self.lora else None,
         )
         self.model.train()
+        if cfg.attention_backend is not None:  # before the sequence split, which wraps the attention processors
+            set_attention_backend(self.model, cfg.attention_backend)
         if self.sequence_parallel > 1:
             self._enable_sequence_parallel()
         if self.lora:
@@ -444,7 +450,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        result = TrainResult(unit=self.unit)
+        result = TrainResult(unit=self.unit, memory_kind=peak_memory(self.device).kind)
         reporter = make_reporter(cfg) if self.rank == 0 else None
         bar = tqdm(
             total=cfg.steps,
@@ -463,11 +469,13 @@ class Trainer:
                 else:
                     step = self._guarded_step()
                 result.steps.append(step)
+                if self.rank == 0 and cfg.summary_json:  # after every step: an interrupted run keeps its figures
+                    write_summary(cfg.summary_json, result.steps)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB) %s",
+                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s",
                         step.step,
                         cfg.steps,
                         step.loss,
@@ -475,6 +483,7 @@ class Trainer:
                         "" if step.grad_norm is None else f" grad-norm {step.grad_norm:.4f}",
                         self.unit,
                         step.tokens_per_s,
+                        result.memory_kind,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
                     )
                 if self.eval_data is not None and (
@@ -512,18 +521,27 @@ class Trainer:
         cfg = self.cfg
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         if cfg.export and self.lora:
-            result.export = str(save_lora(self.model, self.lora, cfg.export, format=cfg.export_format))
+            result.export = str(self._export_lora())
         elif cfg.export:
             result.export = str(
-                export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir)
+                export_safetensors(self.model, cfg.export, dtype=dtype, source_dir=self.model_dir, run=cfg.run_name())
             )
         if cfg.export_merged:
             merged = lora.merged_state(self.model, dtype)
             result.export_merged = str(
                 export_safetensors(
-                    self.model, cfg.export_merged, dtype=dtype, source_dir=self.model_dir, state_dict=merged
+                    self.model, cfg.export_merged, dtype=dtype, source_dir=self.model_dir, state_dict=merged,
+                    run=cfg.run_name(),
                 )
-            )
+            )  # fmt: skip
+
+    def _export_lora(self, component: str = "transformer", diffusers: bool = False) -> Path:
+        """The adapters in each ``--export-format`` (several: one subfolder each), cast to ``--export-dtype``."""
+        cfg = self.cfg
+        dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+        for fmt, folder in cfg.export_folders(diffusers).items():
+            save_lora(self.model, self.lora, folder, format=fmt, component=component, dtype=dtype, run=cfg.run_name())
+        return Path(cfg.export)
 
     def _guarded_step(self) -> StepResult:
         try:

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hsdp.serve.jobs import Job
-from hsdp.serve.media import chat_generation, chat_media_body, data_url
+from hsdp.serve.media import chat_audio_body, chat_generation, chat_media_body, data_url
 from hsdp.serve.routes.common import ServerDep, run_jobs
-from hsdp.serve.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from hsdp.serve.schemas import ApiError, ChatCompletionRequest, ChatImageParams, CompletionRequest
 from hsdp.serve.service import Server
 from hsdp.serve.text import (
     SseChunks,
@@ -41,7 +41,8 @@ def _text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Jo
 
 
 def _answered_by(server: Server, jobs: list[Job]) -> str:
-    """The ``model`` of the response: the adapter the request named (vLLM's convention), else the base."""
+    """The ``model`` of the response: the adapter that served it (named by ``model``, vLLM's convention, or by
+    the ``lora`` field, vLLM-Omni's), else the base."""
     return jobs[0].meta.get("adapter", server.name) if jobs else server.name
 
 
@@ -100,6 +101,8 @@ async def _chat_media(server: Server, body: ChatCompletionRequest, request: Requ
     if body.stream:
         raise ApiError(400, "stream: image and video generation answers in one response", param="stream")
     params, image = chat_generation(body)
+    if server.info.output == "audio":
+        return await _chat_audio(server, params, request)
     video = server.info.output == "video"
     jobs = server.diffusion_jobs(
         params,
@@ -113,7 +116,18 @@ async def _chat_media(server: Server, body: ChatCompletionRequest, request: Requ
     )
     fmt = "mp4" if video else params.output_format
     urls = [data_url(j.result, fmt) for j in await run_jobs(server, jobs, request)]
-    return JSONResponse(chat_media_body(server.name, params.prompt, urls))
+    return JSONResponse(chat_media_body(_answered_by(server, jobs), params.prompt, urls))
+
+
+async def _chat_audio(server: Server, params: ChatImageParams, request: Request) -> JSONResponse:
+    """Chat on an audio pipeline: OpenAI's ``message.audio`` when ``modalities`` asks for audio, else vLLM-Omni's
+    ``audio_url`` content part (a data URL)."""
+    fmt = (params.audio.format if params.audio else "wav").removesuffix("16")  # OpenAI's pcm16 is our pcm
+    [job] = await run_jobs(server, server.diffusion_jobs(params, "audio", output_format=fmt), request)
+    model = job.meta.get("model", server.name)
+    if "audio" in (params.modalities or []):
+        return JSONResponse(chat_audio_body(model, params.prompt, job.result))
+    return JSONResponse(chat_media_body(model, params.prompt, [data_url(job.result, fmt)], "audio_url"))
 
 
 @router.post("/v1/completions", response_class=Response, responses=_TEXT_OR_SSE)
@@ -128,4 +142,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     if server.kind == "diffusion":
         return await _chat_media(server, body, request)
     server.check_model(body.model, "causal_lm")
+    if problem := body.unknown_problem():
+        raise ApiError(400, problem, param=next(iter(body.model_extra)), code="invalid_request")
     return await _text_response(server, body, request, chat=True)

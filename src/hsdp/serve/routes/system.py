@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from hsdp.serve.metrics import CONTENT_TYPE, render_metrics
 from hsdp.serve.routes.common import ServerDep
 from hsdp.serve.schemas import Health, ModelCard, ModelList
+from hsdp.serve.service import ROUTES
 
 __all__ = ["router"]
 
@@ -27,9 +28,10 @@ async def health(server: ServerDep) -> JSONResponse:
 async def models(server: ServerDep) -> ModelList:
     """The base, then each LoRA adapter as vLLM lists one: its folder as ``root``, the base as ``parent``."""
     created = int(server.info.path.stat().st_mtime)
-    base = ModelCard(id=server.name, created=created, kind=server.kind)
+    makes = {"kind": server.kind, "outputs": [server.outputs], "routes": list(ROUTES[server.outputs])}
+    base = ModelCard(id=server.name, created=created, **makes)
     adapters = [
-        ModelCard(id=name, created=created, kind=server.kind, root=str(path), parent=server.name)
+        ModelCard(id=name, created=created, root=str(path), parent=server.name, **makes)
         for name, path in sorted(server.adapter_paths.items())
     ]
     return ModelList(data=[base, *adapters])

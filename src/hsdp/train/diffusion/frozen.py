@@ -104,10 +104,10 @@ def frozen_layout(parallel: ParallelConfig) -> ParallelConfig:
 def frozen_pipeline(model_dir: Path, parallel: ParallelConfig | None = None):
     """The pipeline of ``model_dir`` without its denoisers (they are trained, not encoded with), in fp32 on this
     rank's device. With HSDP, :func:`frozen_sharded` components load sharded over the training mesh through the
-    engine's own loader (:func:`hsdp.engine.worker.load_component`: the same plan, prefetch and entry points, so a
+    engine's own loader (:func:`hsdp.engine.components.load_component`: the same plan, prefetch and entry points, so a
     sharded VAE's ``encode`` gathers like ``forward``); encoding with them is then collective."""
 
-    from hsdp.engine.worker import LoadSpec, load_component
+    from hsdp.engine.components import LoadSpec, load_component
     from hsdp.mesh import build_meshes
 
     components = {}

@@ -1,7 +1,8 @@
 """Latents and caption embeddings encoded once and kept on disk (``--cache-latents``).
 
 One safetensors file per item at ``<root>/<fingerprint hash>/<F>x<H>x<W>/<key>.safetensors``: a different model
-(fingerprint) or size bucket never reads another's tensors. Files are written to a temporary name and renamed, so a
+(fingerprint), size bucket or content (:attr:`~hsdp.train.diffusion.media.MediaItem.cache_key`: the caption and the
+file's size and modification time) never reads another's tensors. Files are written to a temporary name and renamed, so a
 reader sees a whole file or none; a file that is still damaged (a copy cut short, a full disk) is treated as
 missing, with a warning, and written again. The root must be one folder all ranks see (like ``--output-dir``).
 """
@@ -149,7 +150,7 @@ def fill_cache(
     timeout instead of hanging when a rank is gone.
     """
     pairs = zip(dataset.items, dataset.buckets, strict=True)
-    missing = agreed_indices([i for i, (item, bucket) in enumerate(pairs) if not cache.has(item.key, bucket)], group)
+    missing = agreed_indices([i for i, (item, bucket) in enumerate(pairs) if not cache.has(item.cache_key, bucket)], group)
     groups: dict[Bucket, list[int]] = {}
     for index in missing:
         groups.setdefault(dataset.buckets[index], []).append(index)
@@ -166,7 +167,7 @@ def fill_cache(
                 raise RuntimeError(f"encode returned {len(results)} results for {len(batch)} items")
             for position, (index, tensors) in enumerate(zip(batch, results, strict=True)):
                 if call * batch_size + position < len(share):  # not a padding duplicate
-                    cache.put(dataset.items[index].key, dataset.buckets[index], tensors)
+                    cache.put(dataset.items[index].cache_key, dataset.buckets[index], tensors)
                     written.append(index)
     (barrier or (lambda: _barrier(group)))()
     return written

@@ -25,7 +25,9 @@ run reads what an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,16 @@ class MediaItem:
     caption: str
     key: str
     """The file name relative to the dataset folder (``#n`` added for the n-th repeat of a metadata file_name):
-    stable across runs, the latent cache's key."""
+    stable across runs."""
+    content: str = ""
+    """What the item's encodings depend on besides its bucket: a digest of its caption and its file's size and
+    modification time (set by :meth:`MediaDataset.from_source`)."""
+
+    @property
+    def cache_key(self) -> str:
+        """The latent cache's key: the name and the content, so an edited caption or a replaced file is encoded
+        again instead of reusing another content's encodings under the same name."""
+        return f"{self.key}@{self.content}" if self.content else self.key
 
 
 @dataclass(frozen=True)
@@ -85,25 +96,35 @@ class MediaSpec:
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def _records(root: Path, flag: str) -> list[tuple[Path, str, str]]:
-    """(file, caption, key) of a folder with captions, a folder with metadata, or a metadata file."""
+def _records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
+    """(file, caption, key) of a folder with captions, a folder with metadata, or a metadata file; and the files of
+    a captioned folder that are left out, with why."""
     if root.is_file():
         if root.suffix.lower() not in (".jsonl", ".csv"):
             raise DatasetError(
                 f"{flag} {root}: pass a folder of media with same-name .txt captions, or a metadata.jsonl / "
                 "metadata.csv with file_name and text columns"
             )
-        return _metadata_records(root, flag)
+        return _metadata_records(root, flag), []
     present = [root / name for name in METADATA_NAMES if (root / name).is_file()]
     if len(present) > 1:
         raise DatasetError(f"{flag} {root}: holds both {' and '.join(p.name for p in present)}; keep one")
     if present:
-        return _metadata_records(present[0], flag)
+        return _metadata_records(present[0], flag), []
     return _captioned_records(root, flag)
 
 
-def _captioned_records(root: Path, flag: str) -> list[tuple[Path, str, str]]:
-    media = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES and p.is_file())
+def _captioned_records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    media = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
+    captions = {p.with_suffix(".txt") for p in media}
+    kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
+    skipped = [
+        (p, "a caption with no image or video of the same name" if p.suffix == ".txt" else f"not an image or video ({kinds})")
+        for p in files
+        if p not in captions and p.suffix.lower() not in IMAGE_SUFFIXES | VIDEO_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)  # .DS_Store, .git: not data
+    ]
     out = []
     for path in media:
         caption = path.with_suffix(".txt")
@@ -113,7 +134,7 @@ def _captioned_records(root: Path, flag: str) -> list[tuple[Path, str, str]]:
                 "it uncaptioned) or list the file in metadata.jsonl with its text"
             )
         out.append((path, caption.read_text(encoding="utf-8").strip(), path.relative_to(root).as_posix()))
-    return out
+    return out, skipped
 
 
 def _metadata_records(meta: Path, flag: str) -> list[tuple[Path, str, str]]:
@@ -221,6 +242,14 @@ def _decode(path: Path, frames: int) -> np.ndarray:
     return np.stack([f[..., None].repeat(3, -1) if f.ndim == 2 else f[..., :3] for f in decoded])
 
 
+def _content(path: Path, caption: str) -> str:
+    """A digest of the caption and the file's size and modification time (not its bytes: reading every file of a
+    large dataset at each start would cost more than encoding a few again)."""
+    stat = path.stat()
+    text = json.dumps([caption, stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 # ------------------------------------------------------------------------------------------------- sizes
 
 
@@ -268,9 +297,13 @@ def frame_count(available: int, spec: MediaSpec, limit: int | None, path: Path) 
 class MediaDataset:
     """Captioned images and clips with their size buckets; pixels are decoded on demand (:meth:`pixels`)."""
 
-    def __init__(self, items: list[MediaItem], buckets: list[Bucket]):
+    def __init__(self, items: list[MediaItem], buckets: list[Bucket], skipped: list[tuple[Path, str]] | None = None):
         self.items = items
         self.buckets = buckets
+        self.skipped = skipped or []
+        """Files of the source folder that are not items, with why (a PDF, a caption without its image)."""
+        self.enlarged: list[tuple[int, int, int]] = []
+        """(index, height, width) of items smaller than their bucket on a side, which are upscaled to it."""
         self._plans: dict[tuple[int, int, int], list[list[int]]] = {}
 
     @classmethod
@@ -294,17 +327,39 @@ class MediaDataset:
                 f"({spec.spatial_multiple}); use a multiple of {spec.spatial_multiple}, e.g. "
                 f"{max(spec.spatial_multiple, 256 // spec.spatial_multiple * spec.spatial_multiple)}"
             )
-        records = _records(root, flag)
+        records, skipped = _records(root, flag)
         if not records:
             kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
             raise DatasetError(f"{flag} {source}: no images or videos found ({kinds})")
-        items, buckets = [], []
+        items, buckets, enlarged = [], [], []
         for path, caption, key in records:
             available, height, width = _probe(path, frames)
             count = frame_count(available, spec, frames, path)
             buckets.append(bucket_for(height, width, count, spec, resolution))
-            items.append(MediaItem(path, caption, key))
-        return cls(items, buckets)
+            items.append(MediaItem(path, caption, key, _content(path, caption)))
+            if height < buckets[-1].height or width < buckets[-1].width:
+                enlarged.append((len(items) - 1, height, width))
+        dataset = cls(items, buckets, skipped)
+        dataset.enlarged = enlarged
+        return dataset
+
+    def summary(self, source: str | Path) -> str:
+        """What the run trains on, for the log at start: the item count, the size buckets with their items, and
+        every file left out or upscaled, with why."""
+        clips = sum(b.frames > 1 for b in self.buckets)
+        lines = [f"--data {source}: {len(self)} items ({len(self) - clips} images, {clips} clips) in "
+                 f"{len(self._groups)} size buckets (frames x height x width: items)"]  # fmt: skip
+        for members in self._groups:
+            bucket = self.buckets[members[0]]
+            lines.append(f"  {bucket.frames} x {bucket.height} x {bucket.width}: {len(members)}")
+        lines += [f"  skipped {path}: {why}" for path, why in self.skipped]
+        for index, height, width in self.enlarged:
+            bucket = self.buckets[index]
+            lines.append(
+                f"  upscaled {self.items[index].path}: {height} x {width} is below its bucket {bucket.height} x "
+                f"{bucket.width} on a side (bucket sides are multiples of what the pipeline takes)"
+            )
+        return "\n".join(lines)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -29,19 +29,26 @@ import gc
 import inspect
 import json
 import logging
-import shutil
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from hsdp.checkpoint import export_safetensors
+from hsdp.checkpoint import export_pipeline
 from hsdp.config import DTYPES
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead
-from hsdp.lora_formats import save_lora
-from hsdp.train.config import Preflight, TrainConfig, TrainConfigError, model_fingerprint, resume_target
+from hsdp.train.config import (
+    Preflight,
+    TrainConfig,
+    TrainConfigError,
+    check_attention_backend,
+    check_export_formats,
+    model_fingerprint,
+    resume_target,
+)
 from hsdp.train.data import DatasetError
 from hsdp.train.diffusion import evaluation, validation
 from hsdp.train.diffusion.frozen import (
@@ -128,6 +135,8 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
         raise TrainConfigError(f"{', '.join(lm_only)}: not available for diffusion training yet")
     component = check_trainable(cfg, model_dir)
     _check_sequence_parallel(cfg, model_dir, component)
+    check_attention_backend(cfg, "diffusion")
+    check_export_formats(cfg, model_dir / component)
     fingerprint = model_fingerprint(model_dir / component)
     return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))
 
@@ -179,9 +188,11 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     component = trained_component(cfg, model_dir)
     spec = media_spec(meta_pipeline(model_dir), model_dir, component)
     try:
-        MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
+        dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+    if os.environ.get("RANK", "0") == "0":  # once, also under torchrun (every process checks before joining)
+        logger.info("%s", dataset.summary(cfg.data))
     if cfg.eval_data:
         evaluation.open_eval_media(cfg, spec)
 
@@ -304,7 +315,7 @@ class DiffusionTrainer(Trainer):
         )
         cache = LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
         fill_cache(dataset, cache, encode, self.rank, self.world_size)
-        items = [cache.get(item.key, bucket) for item, bucket in zip(dataset.items, dataset.buckets, strict=True)]
+        items = [cache.get(item.cache_key, bucket) for item, bucket in zip(dataset.items, dataset.buckets, strict=True)]
         # An item damaged since it was written (get warns) is encoded again here rather than failing the run; every
         # rank encodes the same ones (sharded encoders are collective), whichever rank found them damaged.
         for index in agreed_indices([i for i, tensors in enumerate(items) if tensors is None]):
@@ -374,14 +385,9 @@ class DiffusionTrainer(Trainer):
         if not cfg.export:
             return
         if self.lora:
-            result.export = str(
-                save_lora(self.model, self.lora, cfg.export, format=cfg.export_format, component=self.component)
-            )
+            result.export = str(self._export_lora(self.component, diffusers=True))
             return
         # Full fine-tuning: the pipeline folder with the trained denoiser (save_pretrained layout).
-        out = Path(cfg.export)
-        if self.rank == 0:
-            shutil.copytree(self.model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(self.component, ".complete"))
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
-        export_safetensors(self.model, out / self.component, dtype=dtype, source_dir=self._weights_dir())
+        out = export_pipeline(self.model, self.model_dir, self.component, cfg.export, dtype=dtype, run=cfg.run_name())
         result.export = str(out)

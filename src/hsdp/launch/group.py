@@ -1,32 +1,6 @@
-"""Spawn and drive a group of worker ranks from one caller process.
-
-A :class:`WorkerGroup` starts ``world_size`` processes, each joins one process group (device
-and backend chosen by :func:`hsdp.distributed.init_distributed`, rendezvous through a ``TCPStore`` the caller
-owns, so no port is guessed), then runs the functions the caller sends, in lockstep on every rank. It is used
-by the inference engine, the trainer and the multi-rank tests alike.
-
-Failure handling is the point of this module:
-
-* a function that raises an ordinary exception (``ValueError``, a shape error: not a communication failure) on
-  some ranks while every rank comes back, and the ranks still complete a collective afterwards, comes back as
-  :class:`WorkerRaised` with the exception and the traceback; the group stays usable (nothing to restart);
-* any other exception comes back as :class:`WorkerError` with the failing rank's traceback;
-* a rank that dies (killed, segfault, OOM) is noticed within ``poll_s`` and reported as :class:`WorkerDiedError`;
-* a call that takes longer than ``timeout_s`` raises :class:`WorkerTimeout`;
-* in these three cases the group is marked broken and torn down, so a new group can start at once;
-* workers exit when the caller goes away (they watch the caller's pid), so they never outlive it.
-
-Ranks start from a multiprocessing *forkserver* (``HSDP_START_METHOD``, default ``forkserver`` where the platform
-has it, else ``spawn``): a helper process, started once per caller, imports torch and the libraries the caller
-has already imported (transformers, diffusers, ...; see :func:`preload_modules`), then forks each rank, so a rank
-does not pay those imports again (about 3 s of CPU per rank on a 2-core host). The forkserver only imports, it
-never touches a device, so forked ranks initialize CUDA and NCCL themselves as spawned ones do (torch's own
-``torch.multiprocessing`` accepts ``spawn`` and ``forkserver`` for CUDA, not ``fork``). What a fork would inherit
-from the forkserver rather than from the caller at the time of the start -- environment, working directory,
-standard output and error -- is passed with each rank and applied first. Environment variables that a library
-reads once at import (``HF_HUB_OFFLINE``, say) are those of the caller's first launch: set them before it, or use
-``HSDP_START_METHOD=spawn`` (every rank a fresh interpreter, as torchrun's ranks are).
-"""
+"""The caller side of :mod:`hsdp.launch`: :class:`WorkerGroup` starts the ranks (from a forkserver that preloaded
+the libraries, or spawned), sends them functions, and turns what comes back (results, events, heartbeats, errors,
+deaths, silence) into results or :class:`WorkerError` s."""
 
 from __future__ import annotations
 
@@ -34,19 +8,17 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import select
 import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable
-from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+from hsdp.distributed import pid_running
+from hsdp.launch.rank import _ALIVE, _CallerStream, _worker_main
 
 logger = logging.getLogger("hsdp")
 
@@ -56,21 +28,14 @@ __all__ = [
     "WorkerRaised",
     "WorkerDiedError",
     "WorkerTimeout",
-    "worker_state",
-    "emit_event",
-    "event_sink",
-    "heartbeat",
     "preload_modules",
     "START_METHOD_ENV",
 ]
 
-_STATE: dict[str, Any] = {}
-_EVENT_SINK: list[Callable[[Any], None]] = []
-_HEARTBEAT: list[Callable[[], None]] = []
-HEARTBEAT_INTERVAL_S = 0.5
-_ALIVE = "alive"
 START_METHOD_ENV = "HSDP_START_METHOD"
 """Environment variable choosing how ranks start: ``forkserver`` (default where available) or ``spawn``."""
+
+
 PRELOAD_PACKAGES = (
     "torch",
     "transformers",
@@ -81,36 +46,6 @@ PRELOAD_PACKAGES = (
     "huggingface_hub",
 )
 """Packages whose modules the forkserver imports when the caller has imported them (what the ranks will need)."""
-
-
-def heartbeat() -> None:
-    """Tell the caller this rank is computing (at most every ``HEARTBEAT_INTERVAL_S``): long phases without
-    progress events (prompt encoding, a VAE decode) are then not mistaken for a hang. A no-op outside a
-    :class:`WorkerGroup` call; cheap enough for a forward hook on every module."""
-    if _HEARTBEAT:
-        _HEARTBEAT[-1]()
-
-
-def emit_event(payload: Any) -> None:
-    """Hand ``payload`` to the caller's ``on_event`` callback while the current call still runs (progress of a
-    long call); a no-op where nobody listens."""
-    if _EVENT_SINK:
-        _EVENT_SINK[-1](payload)
-
-
-@contextlib.contextmanager
-def event_sink(sink: Callable[[Any], None]):
-    """Route :func:`emit_event` to ``sink`` for the duration of the block (ranks run in the caller's process)."""
-    _EVENT_SINK.append(sink)
-    try:
-        yield
-    finally:
-        _EVENT_SINK.pop()
-
-
-def worker_state() -> dict[str, Any]:
-    """Per-process storage that survives between calls (the loaded model, the optimizer, ...)."""
-    return _STATE
 
 
 class WorkerError(RuntimeError):
@@ -138,101 +73,9 @@ class WorkerTimeout(WorkerError):
     """A call did not finish within its time limit."""
 
 
-_COMMUNICATION_WORDS = ("gloo", "nccl", "collective", "process group", "timed out", "connection")
-
-
-def _error_report(exc: BaseException) -> dict:
-    """What the caller needs to judge a rank's exception: the traceback, the exception line, and whether it is
-    ordinary (raised by the function's own logic) rather than a communication failure that may leave the
-    process group unusable."""
-    import torch.distributed as torch_dist
-
-    text = f"{type(exc).__name__}: {exc}"
-    communication = isinstance(exc, torch_dist.DistError) or any(
-        w in text.lower() for w in _COMMUNICATION_WORDS
-    )
-    return {
-        "traceback": traceback.format_exc(),
-        "error": text,
-        "ordinary": isinstance(exc, Exception) and not communication,
-    }
-
-
-def _rank_heartbeat(conn: Connection) -> Callable[[], None]:
-    last = [0.0]
-
-    def beat() -> None:
-        now = time.monotonic()
-        if now - last[0] >= HEARTBEAT_INTERVAL_S:
-            last[0] = now
-            conn.send((_ALIVE, None))
-
-    return beat
-
-
-def _quiet_progress_bars() -> None:
-    """tqdm (diffusers' and transformers' progress bars) makes a multiprocessing lock, a POSIX semaphore that
-    a killed worker leaves behind (the resource tracker warns and unlinks it only when the caller exits); a
-    worker's bars need only a thread lock."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
-    tqdm.set_lock(threading.RLock())
-
-
 def _group_check() -> None:
     """After ranks raised: a collective over every rank, proving the process group still works."""
     dist.barrier()
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited process its parent has not reaped yet still has its pid
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _watch_caller(caller_pid: int) -> None:
-    """Exit this rank once the caller is gone. Under a forkserver the parent is the forkserver, not the caller:
-    watch the caller's pid itself (a pidfd, readable once it exits, where the kernel has them; else a poll)."""
-    try:
-        pidfd = os.pidfd_open(caller_pid)
-    except (AttributeError, OSError):  # not Linux >= 5.3, or the caller already exited
-        while _is_running(caller_pid):
-            time.sleep(1.0)
-    else:
-        select.select([pidfd], [], [])
-    os._exit(1)
-
-
-class _CallerStream:
-    """One of the caller's standard streams (its file descriptor at the rank's start), handed to the rank.
-
-    Pickled with the rank's arguments as a descriptor the start method passes along (like a ``Pipe`` end), so a
-    rank forked from a forkserver writes where the caller's stdout/stderr point now, not where they pointed
-    when the forkserver started."""
-
-    def __init__(self, fd: int, dup_fd: Any = None):
-        self.fd = fd
-        self._dup_fd = dup_fd
-
-    def __reduce__(self):
-        return _CallerStream, (self.fd, reduction.DupFd(self.fd))
-
-    def adopt(self) -> None:
-        """In the rank: make the caller's stream this process's ``self.fd``."""
-        received = self._dup_fd.detach()
-        if received != self.fd:
-            os.dup2(received, self.fd)
-            os.close(received)
 
 
 def _caller_streams() -> list[_CallerStream]:
@@ -245,69 +88,6 @@ def _caller_streams() -> list[_CallerStream]:
             continue
         streams.append(_CallerStream(fd))
     return streams
-
-
-def _worker_main(
-    rank: int,
-    world_size: int,
-    host: str,
-    port: int,
-    conn: Connection,
-    env: dict[str, str],
-    caller_pid: int,
-    collective_timeout_s: float,
-    cwd: str,
-    streams: list[_CallerStream],
-) -> None:
-    # A rank forked from a forkserver has the forkserver's environment, directory and streams: take the caller's.
-    for stream in streams:
-        stream.adopt()
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.chdir(cwd)
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        # torch is already imported here (unpickling this function imports it), so the variable alone is too
-        # late; oversubscribed OpenMP threads spin and make small ops 100x slower on a busy host.
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    threading.Thread(target=_watch_caller, args=(caller_pid,), daemon=True).start()
-    _quiet_progress_bars()
-    from hsdp.distributed import destroy_distributed, init_distributed, skip_collection_at_exit
-    from hsdp.logging_utils import configure_logging
-
-    configure_logging(rank)
-    try:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
-        init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
-        conn.send(("ready", None))
-    except Exception as exc:
-        conn.send(("err", _error_report(exc)))
-        return
-    try:
-        while True:
-            try:
-                message = conn.recv()
-            except EOFError:
-                break
-            if message is None:
-                break
-            fn, args, kwargs = message
-            _HEARTBEAT.append(_rank_heartbeat(conn))
-            try:
-                with event_sink(lambda payload: conn.send(("event", payload))):
-                    result = fn(*args, **kwargs)
-                conn.send(("ok", result))
-            except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-                conn.send(("err", _error_report(exc)))
-            finally:
-                _HEARTBEAT.pop()
-    finally:
-        _STATE.clear()
-        destroy_distributed()
-        conn.close()
-        skip_collection_at_exit()
 
 
 PRELOAD_LIST_CHARS = 96 * 1024
@@ -355,12 +135,6 @@ def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, paylo
         logger.exception("on_event callback failed")
 
 
-def _td(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
-
 def _alive(proc: mp.process.BaseProcess) -> bool:
     """Whether a started rank still runs. A forked rank's exit status comes through its forkserver: if that
     process was killed, ``is_alive`` reads an exit code of 255 for every rank although they run on (their parent
@@ -369,20 +143,7 @@ def _alive(proc: mp.process.BaseProcess) -> bool:
         return False
     if proc.is_alive():
         return True
-    return proc.exitcode == 255 and _pid_running(proc.pid)
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process now holds the pid
-        return False
-    with contextlib.suppress(OSError, IndexError):  # a zombie has exited: only its parent's wait is missing
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] != "Z"
-    return True
+    return proc.exitcode == 255 and pid_running(proc.pid)
 
 
 def _kill(proc: mp.process.BaseProcess, timeout_s: float = 5.0) -> None:
@@ -394,7 +155,7 @@ def _kill(proc: mp.process.BaseProcess, timeout_s: float = 5.0) -> None:
         os.kill(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     proc.join(timeout=timeout_s)
-    while _pid_running(proc.pid) and time.monotonic() < deadline:
+    while pid_running(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 

@@ -1,0 +1,119 @@
+"""The layout ``hsdp train`` takes when its command names none: the planner's recommendation on the run's own mesh.
+
+A training command fixes the mesh (``--use-hsdp --hsdp-shard-size N --hsdp-replicate-size R``); what stays open is
+how FSDP2 holds the model over it: FULL_SHARD or SHARD_GRAD_OP, and for LoRA whether the frozen base is kept whole
+(``--frozen-whole``, never gathered). :func:`planned_layout` profiles the model as the trainer builds it (the LM,
+or the pipeline's denoiser with its traced activations), estimates every candidate of :func:`hsdp.planning.plan`
+with that mesh, and picks the fastest that fits this machine, as ``hsdp plan --train`` recommends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hsdp.planning.estimate import Estimate, Hardware, Workload
+from hsdp.planning.profile import (
+    ModelProfile,
+    PlanError,
+    build_meta_model,
+    format_size,
+    profile_model,
+    profile_module,
+)
+from hsdp.planning.search import plan
+
+if TYPE_CHECKING:
+    from hsdp.train.config import TrainConfig
+
+__all__ = ["lm_lora_profiles", "planned_layout", "PlannedLayout"]
+
+RESERVE = 0.10
+"""Kept free for the runtime, as ``hsdp plan``'s default ``--reserve``."""
+
+
+def lm_lora_profiles(model: str, lora_r: int, targets: tuple[str, ...], dtype: torch.dtype | None) -> list[ModelProfile]:
+    """The causal LM as ``hsdp train --lora-r`` builds it: the base in its stored dtype (or ``dtype``), frozen, with
+    the trainer's own LoRA config injected (fp32 adapters, the only trained parameters)."""
+    from hsdp import lora
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.config import TrainConfig
+
+    folder = resolve_model(model)
+    cfg = TrainConfig(model=model, data="", lora_r=lora_r, lora_target_modules=tuple(targets))
+    built, config = build_meta_model(folder, dtype)
+    try:
+        lora.injector(cfg.lora_config(str(folder), task_type="CAUSAL_LM"))(built)
+    except ValueError as exc:
+        raise PlanError(f"--lora-target-modules: {exc}") from exc
+    return [profile_module(built, folder.name, config)]
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    cfg: TrainConfig
+    """The run with the chosen layout."""
+    chosen: Estimate
+    reason: str
+
+
+def _profiles(cfg: TrainConfig, rows_per_rank: int) -> tuple[list[ModelProfile], Workload]:
+    from hsdp.models.builtin import resolve_model
+
+    if (resolve_model(cfg.model) / "model_index.json").is_file():
+        from hsdp.planning.diffusion import diffusion_training
+
+        found = diffusion_training(
+            cfg.model, height=cfg.resolution, width=cfg.resolution, frames=cfg.frames or 1, batch=rows_per_rank,
+            lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules, component=cfg.train_component,
+            param_dtype=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing,
+        )  # fmt: skip
+        return [found.profile], found.work
+    work = Workload(training=True, batch=rows_per_rank, seq_len=cfg.seq_len, guidance=False)
+    if cfg.lora_r:
+        return lm_lora_profiles(cfg.model, cfg.lora_r, cfg.lora_target_modules, None), work
+    return profile_model(cfg.model, torch.float32), work  # full fine-tuning holds fp32 masters
+
+
+def planned_layout(cfg: TrainConfig, device_memory: int | None = None) -> PlannedLayout | None:
+    """``cfg`` with the planner's strategy and ``frozen_whole`` on its own mesh, and why; None when there is nothing
+    to choose (one process, tensor or sequence parallel, an adapter folder to continue) or nothing fits (the run
+    then says so itself). ``device_memory``: per device (default: this machine's, :func:`device_capacity`)."""
+    from hsdp.measure.memory import device_capacity
+
+    parallel = cfg.effective_parallel()
+    if not parallel.use_hsdp or parallel.tensor_parallel_size > 1 or parallel.sequence_parallel_size > 1:
+        return None
+    if cfg.lora_adapter:  # its rank is in the folder; the planner is not asked
+        return None
+    devices = parallel.world_size
+    memory = device_memory if device_memory is not None else device_capacity(devices)[0]
+    hw = Hardware(int(memory * (1 - RESERVE)))
+    profiles, work = _profiles(cfg, max(1, cfg.batch_size // parallel.data_parallel_size))
+    same_mesh = [
+        e
+        for e in plan(profiles, devices, work, hw, cfg.mixed_precision).estimates
+        if e.fits
+        and not e.layout.config.cpu_offload
+        and (e.layout.config.hsdp_shard_size, e.layout.config.hsdp_replicate_size)
+        == (parallel.hsdp_shard_size, parallel.hsdp_replicate_size)
+    ]
+    if not same_mesh:
+        return None
+    best = min(same_mesh, key=lambda e: (-e.samples_per_s, e.total))  # plan()'s training key
+    chosen = dataclasses.replace(
+        cfg.parallel,
+        sharding_strategy=best.layout.config.sharding_strategy,
+        frozen_whole=best.layout.config.frozen_whole,
+        reshard_after_forward=None,
+        _resolved=False,
+    ).resolved()
+    reason = (
+        f"the planner's pick for this model on {devices} ranks of {format_size(memory)} (hsdp plan --train): highest "
+        f"estimated throughput of the {len(same_mesh)} layouts of this mesh that fit, {format_size(best.total)} per "
+        "rank"
+    )
+    return PlannedLayout(cfg.replace(parallel=chosen), best, reason)

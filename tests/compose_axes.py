@@ -1,0 +1,263 @@
+"""The feature axes of hsdp, named once as data, and the pairwise cases the combination tier runs (issue 27).
+
+Every value of every axis meets every value of every other axis in at least one case (a pairwise covering array
+from ``covertable``), except where a rule says the pair cannot be run:
+
+- ``refused``: the product refuses the pair before loading, with a message naming both flags; each such pair is
+  a case of its own whose expected outcome is that refusal (:data:`REFUSED`).
+- ``inapplicable``: no command or request expresses the pair (a synchronous request is not stored, so there is
+  nothing to find after a restart); nothing to run (:data:`INAPPLICABLE`).
+- ``cost`` rules exclude a *triple* (never a pair), to keep costly settings on few hosts: each pair they touch
+  stays reachable through other cases, which :func:`uncovered_pairs` checks.
+
+``python -m tests.compose_axes`` prints the cases; ``python -m tests.compose_axes --docs`` writes the tables of
+docs/compose.md (``tests/test_compose.py`` checks they are in sync).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+AXES: dict[str, dict[str, str]] = {
+    "layout": {
+        "one-process": "no parallel flags (one rank)",
+        "hsdp2": "`--use-hsdp --hsdp-shard-size 2`",
+        "ulysses2": "`--use-hsdp --ulysses-degree 2`",
+        "cfg2": "`--use-hsdp --cfg-parallel-size 2`",
+        "request-parallel2": "`--use-hsdp --hsdp-shard-size 2 --request-parallel`",
+        "torchrun-2-nodes": "two `torchrun --nnodes 2 --nproc-per-node 1` agents, `--use-hsdp --hsdp-shard-size 2`",
+    },
+    "cache": {
+        "none": "no `--cache`",
+        "first-block": '`--cache first-block --cache-config \'{"threshold": 0.2}\'`',
+        "taylorseer": "`--cache taylorseer` (hooks the attention layers inside each block)",
+    },
+    "batching": {
+        "alone": "one request",
+        "beside": "a second request (other prompt and seed) in the same batch: `--batch-size 2` / `--max-batch-size 2`",
+    },
+    "adapter": {
+        "none": "the base",
+        "one": "`--lora x=DIR`, request `model: x`",
+        "rotation": "`--lora x=DIR --lora y=DIR`, requests for x then y",
+        "scale": '`lora: {"name": "x", "scale": 0.5}` (`adapter_scale=0.5`)',
+        "runtime": "`POST /v1/load_lora_adapter` (`Engine.add_adapter`), then `model: late`",
+    },
+    "compile": {"off": "no `--compile`", "on": "`--compile` (regional torch.compile)"},
+    "route": {
+        "generate": "`hsdp generate` / `Engine.generate`",
+        "images": "`POST /v1/images/generations`",
+        "chat": "`POST /v1/chat/completions`",
+        "videos": "`POST /v1/videos`, polled, `GET .../content`",
+    },
+    "lifecycle": {
+        "plain": "nothing happens",
+        "killed": "a worker rank is SIGKILLed while the job runs",
+        "restarted": "the server stops with the job queued and starts again on the same `--output-dir`",
+    },
+}
+"""Axis -> value -> how a user asks for it. The model is ``tiny-wan`` (the one built-in pipeline every route,
+cache and layout applies to)."""
+
+SERVER_ROUTES = ("images", "chat", "videos")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination excluded from the covering array: each axis named in ``when`` takes one of its values."""
+
+    when: dict[str, tuple[str, ...]]
+    kind: str
+    """``refused``, ``inapplicable`` or ``cost`` (see the module's docstring)."""
+    why: str
+    says: tuple[str, ...] = field(default=())
+    """``refused``: what the refusal's message must contain (both flags)."""
+
+    def matches(self, row: dict[str, str]) -> bool:
+        return all(axis in row and row[axis] in values for axis, values in self.when.items())
+
+    def decided(self, row: dict[str, str]) -> bool:
+        return all(axis in row for axis in self.when)
+
+
+REFUSED = (
+    Rule(
+        {"compile": ("on",), "cache": ("taylorseer",)},
+        "refused",
+        "TaylorSeer hooks the attention layers inside each compiled block; its per-step state would recompile "
+        "the block every step",
+        says=("--compile with --cache taylorseer", "first-block or magcache"),
+    ),
+)
+INAPPLICABLE = (
+    Rule(
+        {"route": ("generate",), "lifecycle": ("killed", "restarted")},
+        "inapplicable",
+        "`hsdp generate` / `Engine` has no supervisor and no queue: a killed worker is a `WorkerDiedError` and the "
+        "engine closes (tests/test_engine_failures.py)",
+    ),
+    Rule(
+        {"route": ("images", "chat"), "lifecycle": ("restarted",)},
+        "inapplicable",
+        "image and chat requests are answered on their connection and not stored: a stopped server has no such "
+        "job to run again",
+    ),
+)
+COST = (
+    Rule(
+        {"layout": ("torchrun-2-nodes",), "route": SERVER_ROUTES, "cache": ("first-block", "taylorseer")},
+        "cost",
+        "server-wide settings vary on the single-host servers only (each torchrun server is two agents started "
+        "anew); the torchrun layout meets every cache through Engine.generate",
+    ),
+    Rule(
+        {"layout": ("torchrun-2-nodes",), "route": SERVER_ROUTES, "compile": ("on",)},
+        "cost",
+        "as above, for --compile",
+    ),
+    Rule(
+        {
+            "compile": ("on",),
+            "lifecycle": ("killed", "restarted"),
+            "layout": tuple(v for v in AXES["layout"] if v != "one-process"),
+        },
+        "cost",
+        "a killed worker's new group, and a restarted server, compile the blocks again (minutes on a CPU): "
+        "--compile meets those lifecycles at one process only",
+    ),
+    Rule(
+        {"layout": ("request-parallel2",), "route": ("generate",), "batching": ("alone",)},
+        "cost",
+        "Engine.generate under --request-parallel takes a multiple of its 2 request slots (one prompt is refused "
+        "naming --request-parallel); the server pads a lone request, which the server routes cover",
+    ),
+)
+RULES = REFUSED + INAPPLICABLE + COST
+
+
+@dataclass(frozen=True)
+class Case:
+    values: dict[str, str]
+    refused: Rule | None = None
+    """Set for a refusal case: the rule whose refusal is the expected outcome."""
+
+    @property
+    def id(self) -> str:
+        return "-".join(self.values[axis] for axis in AXES)
+
+    def __getattr__(self, axis: str) -> str:
+        try:
+            return self.values[axis]
+        except KeyError:
+            raise AttributeError(axis) from None
+
+
+def _constraint(rule: Rule) -> dict:
+    """``rule`` as a covertable constraint: a row must not match it."""
+    matches = [{"operator": "in", "left": axis, "values": list(values)} for axis, values in rule.when.items()]
+    return {"operator": "not", "condition": {"operator": "and", "conditions": matches}}
+
+
+def _pairwise() -> list[dict[str, str]]:
+    from covertable import make
+
+    rows = make({axis: list(values) for axis, values in AXES.items()}, constraints=[_constraint(r) for r in RULES])
+    return [{axis: row[axis] for axis in AXES} for row in rows]
+
+
+def _refusal_cases() -> list[Case]:
+    """One case per refused pair: the pair, every other axis at its first (plainest) value."""
+    plain = {axis: next(iter(values)) for axis, values in AXES.items()}
+    return [
+        Case({**plain, **{axis: values[0] for axis, values in rule.when.items()}}, refused=rule)
+        for rule in REFUSED
+    ]
+
+
+def cases() -> list[Case]:
+    """The pairwise cases (deterministic: covertable's hash sorter, no salt), then one case per refused pair."""
+    return [Case(values) for values in _pairwise()] + _refusal_cases()
+
+
+def _pair_rule(pair: dict[str, str]) -> Rule | None:
+    return next((r for r in REFUSED + INAPPLICABLE if r.decided(pair) and r.matches(pair)), None)
+
+
+def all_pairs() -> list[dict[str, str]]:
+    """Every pair of values of two different axes."""
+    return [
+        {a: va, b: vb}
+        for a, b in itertools.combinations(AXES, 2)
+        for va, vb in itertools.product(AXES[a], AXES[b])
+    ]
+
+
+def uncovered_pairs(case_list: list[Case]) -> list[dict[str, str]]:
+    """Pairs that no case runs (or, for refused pairs, checks) and that no refused / inapplicable rule explains."""
+    missing = []
+    for pair in all_pairs():
+        rule = _pair_rule(pair)
+        if rule is not None and rule.kind == "inapplicable":
+            continue
+        if not any(all(case.values[a] == v for a, v in pair.items()) for case in case_list):
+            missing.append(pair)
+    return missing
+
+
+def covered_pairs(case_list: list[Case]) -> int:
+    return sum(
+        1
+        for pair in all_pairs()
+        if any(all(case.values[a] == v for a, v in pair.items()) for case in case_list)
+    )
+
+
+# -- the generated docs tables ------------------------------------------------------------------------------
+DOC = Path(__file__).resolve().parents[1] / "docs" / "compose.md"
+BEGIN, END = "<!-- compose-axes: begin (generated by python -m tests.compose_axes --docs) -->", "<!-- compose-axes: end -->"
+
+
+def _when(rule: Rule) -> str:
+    return " with ".join(f"{axis} {' / '.join(values)}" for axis, values in rule.when.items())
+
+
+def docs_tables() -> str:
+    """The axes, the combinations that are refused or do not exist, and the cost rules, as markdown."""
+    case_list = cases()
+    lines = ["| axis | value | how |", "|---|---|---|"]
+    for axis, values in AXES.items():
+        lines += [f"| {axis} | `{value}` | {how} |" for value, how in values.items()]
+    lines += ["", "| combination | outcome | why / what the refusal says |", "|---|---|---|"]
+    for rule in REFUSED:
+        says = " ... ".join(f"`{s}`" for s in rule.says)
+        lines.append(f"| {_when(rule)} | refused before loading (exit 2 / `ValueError`) | {rule.why}: {says} |")
+    for rule in INAPPLICABLE:
+        lines.append(f"| {_when(rule)} | does not exist | {rule.why} |")
+    lines += ["", "Not run together, to keep the tier cheap (each pair involved is covered by other cases):", ""]
+    lines += [f"- {_when(rule)}: {rule.why}" for rule in COST]
+    total = len(all_pairs())
+    lines += [
+        "",
+        f"{len(case_list)} cases cover {covered_pairs(case_list)} of the {total} value pairs; every other pair "
+        "is one that does not exist (above).",
+    ]
+    return "\n".join(lines)
+
+
+def render_doc(text: str) -> str:
+    """``text`` (docs/compose.md) with the generated part replaced by :func:`docs_tables`."""
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{docs_tables()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--docs"]:
+        DOC.write_text(render_doc(DOC.read_text()))
+        print(f"wrote {DOC}")
+    else:
+        for case in cases():
+            print(case.id, "(refused)" if case.refused else "")

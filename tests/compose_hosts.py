@@ -1,0 +1,277 @@
+"""What runs a combination case (tests/test_compose.py): engines and servers, kept while consecutive cases share
+them, and the requests of each route.
+
+A host is an :class:`hsdp.Engine` (route ``generate``), a server (the three HTTP routes) or, for the torchrun
+layout, two torchrun agents (:class:`hsdp.serve.local.LocalNodes`) and a torchrun script for ``generate``. Single-
+host servers run in this process (``hsdp.serve.service.Server`` behind uvicorn in a thread) with their engine on
+the session's warm worker group (``dist_run``): starting one then costs a model load (~1 s), not new processes.
+A killed worker still costs a new group, as in ``hsdp serve``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from hsdp import ParallelConfig
+from hsdp.serve.local import LocalNodes, free_port
+
+LAYOUTS = {
+    "one-process": ParallelConfig(),
+    "hsdp2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2),
+    "ulysses2": ParallelConfig(use_hsdp=True, ulysses_degree=2),
+    "cfg2": ParallelConfig(use_hsdp=True, cfg_parallel_size=2),
+    "request-parallel2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True),
+    "torchrun-2-nodes": ParallelConfig(use_hsdp=True, hsdp_shard_size=2),
+}
+CACHE_CONFIGS = {
+    "first-block": {"threshold": 0.2},
+    "taylorseer": {
+        "cache_interval": 2,
+        "disable_cache_before_step": 2,
+        "cache_identifiers": [r"blocks\.\d+\.attn\d"],
+    },
+}
+"""Configs that skip within a 6-step run of the tiny model (tests/test_engine_cache.py)."""
+SIZE = 32
+FPS = 16
+BLOCKER_STEPS = 30
+"""A video job ahead of a case's requests, so that they wait queued together (batched beside each other, or
+queued when the server stops)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    seed: int
+    adapter: str | None
+    scale: float
+    steps: int
+    frames: int
+    cache: str | None
+
+    @property
+    def fields(self) -> dict:
+        """The adapter as a request names it: ``model`` (vLLM) at scale 1, else vLLM-Omni's ``lora``."""
+        if self.adapter is None:
+            return {}
+        if self.scale == 1.0:
+            return {"model": self.adapter}
+        return {"lora": {"name": self.adapter, "scale": self.scale}}
+
+    @property
+    def generation(self) -> dict:
+        return {"seed": self.seed, "size": f"{SIZE}x{SIZE}", "num_inference_steps": self.steps}
+
+
+# -- HTTP routes --------------------------------------------------------------------------------------------
+def _images(client: httpx.Client, request: Request) -> bytes:
+    body = {"prompt": request.prompt, **request.generation, **request.fields}
+    response = client.post("/v1/images/generations", json=body)
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+def _chat(client: httpx.Client, request: Request) -> bytes:
+    extra = {**request.generation, "num_frames": request.frames, "fps": FPS}
+    body = {"messages": [{"role": "user", "content": request.prompt}], "extra_body": extra}
+    if request.adapter is not None:
+        body.update(request.fields if "model" in request.fields else {})
+        extra.update(request.fields if "lora" in request.fields else {})
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    url = response.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:video/mp4;base64,"), url[:40]
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def submit_video(client: httpx.Client, request: Request) -> str:
+    body = {"prompt": request.prompt, **request.generation, "num_frames": request.frames, "fps": FPS}
+    response = client.post("/v1/videos", json={**body, **request.fields})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def wait_video(client: httpx.Client, video_id: str, timeout_s: float = 600) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            job = client.get(f"/v1/videos/{video_id}").json()
+        except httpx.HTTPError:  # a server being restarted
+            job = {"status": "unreachable"}
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+
+
+def video_content(client: httpx.Client, video_id: str) -> bytes:
+    job = wait_video(client, video_id)
+    assert job["status"] == "completed", job
+    return client.get(f"/v1/videos/{video_id}/content").content
+
+
+def _videos(client: httpx.Client, request: Request) -> bytes:
+    return video_content(client, submit_video(client, request))
+
+
+ROUTES = {"images": _images, "chat": _chat, "videos": _videos}
+
+
+def run_concurrently(client: httpx.Client, route: str, requests: list[Request]) -> list[bytes]:
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: ROUTES[route](client, r), requests))
+
+
+def metric(client: httpx.Client, name: str, label: str = "") -> float:
+    text = client.get("/metrics").text
+    values = re.findall(rf"^{name}\{{[^}}]*{re.escape(label)}[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+def wait_in_progress(client: httpx.Client, timeout_s: float = 120) -> None:
+    """Until a job runs (``hsdp_jobs{state="in_progress"}`` > 0)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(client, "hsdp_jobs", 'state="in_progress"') < 1:
+        assert time.monotonic() < deadline, "no job started"
+        time.sleep(0.005)
+
+
+# -- hosts --------------------------------------------------------------------------------------------------
+class EngineHost:
+    """Route ``generate``: an Engine on the session's warm group, adapters x and y, slots for one more."""
+
+    def __init__(self, model: Path, layout: str, compile: bool, root: Path, dist_run):
+        from hsdp.engine import Engine
+
+        config = LAYOUTS[layout]
+        self.root = root
+        self.engine = Engine(
+            model,
+            config,
+            workers=dist_run.group(config.resolved().world_size),
+            lora={"x": root / "x", "y": root / "y"},
+            max_loras=2,
+            compile=compile,
+            call_timeout_s=600,
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class ServerHost:
+    """The three HTTP routes on one single-host server (in this process, on the warm group)."""
+
+    def __init__(self, settings, dist_run):
+        self.settings, self.dist_run = settings, dist_run
+        self._start()
+
+    def _start(self) -> None:
+        import uvicorn
+
+        from hsdp.serve.app import create_app
+        from hsdp.serve.service import Server
+
+        self.server = Server(self.settings)
+        self.server.start()
+        self.port = free_port()
+        config = uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port, log_level="warning")
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600)
+
+    def worker_pids(self) -> list[int]:
+        return self.server.runner.engine.pids
+
+    def kill_worker(self) -> None:
+        os.kill(self.worker_pids()[-1], signal.SIGKILL)
+
+    def worker_failures(self) -> int:
+        return self.server.runner.stats.worker_failures
+
+    def restart(self) -> None:
+        """Stop (the running batch finishes, queued jobs stay on disk), then start on the same --output-dir."""
+        self.close()
+        self._start()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 600
+        while self.client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "server not ready"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.client.close()
+        self.uvicorn.should_exit = True  # its lifespan's end stops the server (and the engine)
+        self.thread.join(120)
+
+
+class NodesHost:
+    """``hsdp serve`` over two torchrun agents (one rank each, HSDP 2), restarted by torchrun after a kill."""
+
+    def __init__(self, model: Path, args: list[str], log_dir: Path):
+        self.model, self.args, self.log_dir = model, args, log_dir
+        self._start()
+
+    def _start(self) -> None:
+        # A new LocalNodes each start: a stopped one still holds its ended agents.
+        self.nodes = LocalNodes(str(self.model), self.args, log_dir=self.log_dir, max_restarts=1)
+        self.nodes.start()
+        self.client = httpx.Client(base_url=self.nodes.url, timeout=600)
+
+    def kill_worker(self) -> None:
+        self.nodes.kill_node(1 - (self.nodes.head_node() or 0))
+
+    def worker_failures(self) -> int:
+        return int(metric(self.client, "hsdp_worker_failures_total"))
+
+    def restart(self) -> None:
+        self.close()
+        self._start()  # on a new port, the same --output-dir
+
+    def wait_ready(self) -> None:
+        self.nodes.wait_healthy(600)
+
+    def close(self) -> None:
+        self.client.close()
+        self.nodes.stop()
+
+
+def torchrun_generate(model: Path, spec: dict, out: Path, log: Path, timeout_s: float = 900) -> dict:
+    """Run ``tests/compose_torchrun.py`` on two torchrun agents (one rank each); its outputs by request key."""
+    import numpy as np
+
+    spec_path = out.with_suffix(".json")
+    spec_path.write_text(json.dumps({"model": str(model), **spec}))
+    rdzv = free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "-m", "tests.compose_torchrun"]
+    with open(log, "ab") as sink:
+        agents = [
+            subprocess.Popen([*cmd, str(spec_path), str(out)], stdout=sink, stderr=subprocess.STDOUT, env=env)
+            for _ in range(2)
+        ]
+        codes = [agent.wait(timeout_s) for agent in agents]
+    assert codes == [0, 0], f"torchrun exit codes {codes}:\n{log.read_text()[-3000:]}"
+    with np.load(out) as data:
+        return {key: data[key] for key in data.files}
