@@ -60,8 +60,8 @@ def reference_eval(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> float:
     with torch.no_grad():
         for i, item in enumerate(data.items):
             x0 = (vae.encode(data.pixels(i)[None]).latent_dist.mode() - mean) / std
-            prompt = pipe.encode_prompt([item.caption], do_classifier_free_guidance=False,
-                                        device=torch.device("cpu"))[0]  # fmt: skip
+            prompt = pipe.encode_prompt([item.caption], do_classifier_free_guidance=False, max_sequence_length=512,
+                                        device=torch.device("cpu"))[0]  # 512 tokens as WanPipeline.__call__  # fmt: skip
             noise = eval_noise(cfg.seed, i, x0[0])
             pred = pipe.transformer(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
                                     encoder_hidden_states=prompt.expand(len(u), -1, -1), return_dict=False)[0]  # fmt: skip
