@@ -162,6 +162,13 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
             f"(its __call__ takes {', '.join(taken)}: a reference image, video, mask or control), which hsdp's "
             "diffusion trainer does not build yet (text-to-image and text-to-video pipelines train)"
         )
+    from hsdp.engine.model_info import inspect_model
+
+    if inspect_model(model_dir).output == "audio":  # the trainer's data are images and videos
+        raise TrainConfigError(
+            f"--model {cfg.model}: {pipeline_class} makes audio, which hsdp's diffusion trainer does not build yet "
+            "(text-to-image and text-to-video pipelines train)"
+        )
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
     if cfg.use_lora:
         try:
