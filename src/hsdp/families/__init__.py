@@ -13,64 +13,9 @@ pipeline no family claims runs with the generic rules (:data:`GENERIC`).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from hsdp.families.family import FAMILIES, GENERIC, Family, family_for, family_of_model, register_family
 
-import torch
+__all__ = ["Family", "register_family", "family_for", "family_of_model", "FAMILIES", "GENERIC"]
 
-__all__ = [
-    "Family",
-    "register_family",
-    "family_for",
-    "family_of_model",
-    "FAMILIES",
-    "GENERIC",
-]
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    """Shown in logs and errors (a pipeline no family claims is named by its class)."""
-    pipelines: str = r"$^"
-    """Regular expression matched (in full) against the diffusers pipeline class name."""
-    latent_packing: int = 1
-    """Latent pixels per token side that the pipeline packs before its transformer (FLUX: 2), on top of the
-    transformer's own ``patch_size``; sizes must be multiples of VAE factor x patch x packing."""
-    denoisers: str = r"$^"
-    """Regular expression matched (in full) against the denoiser's model class name (LoRA export)."""
-    max_audio_seconds: Callable[[dict[str, dict]], float] | None = None
-    """``(component configs by name) -> seconds``: the longest audio the pipeline makes, when its ``__call__``
-    computes that limit in code (Stable Audio: the DiT's ``sample_size`` latents), so that a longer request is
-    refused before loading."""
-    comfyui_lora: Callable[[dict[str, torch.Tensor], float], dict[str, torch.Tensor]] | None = None
-    """``(diffusers-keyed adapter tensors, alpha / r) -> the diffusion_model.-keyed ComfyUI LoRA``: the inverse of
-    diffusers' converter for the family (:mod:`hsdp.lora_formats`)."""
-    comfyui_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], str | None] | None = None
-    """``(ComfyUI tensors, diffusers-keyed tensors) -> problem or None``: diffusers' converter reads them back."""
-    comfyui_refusal: str = ""
-    """Why the family has no ComfyUI export (when ``comfyui_lora`` is None)."""
-
-
-GENERIC = Family("generic")
-FAMILIES: list[Family] = []
-
-
-def register_family(family: Family) -> Family:
-    FAMILIES.append(family)
-    return family
-
-
-def family_for(pipeline_class: str) -> Family:
-    """The registered family whose pattern matches ``pipeline_class``, else :data:`GENERIC`."""
-    return next((f for f in FAMILIES if re.fullmatch(f.pipelines, pipeline_class)), GENERIC)
-
-
-def family_of_model(model_class: str) -> Family:
-    """The registered family whose ``denoisers`` pattern matches ``model_class``, else :data:`GENERIC`."""
-    return next((f for f in FAMILIES if re.fullmatch(f.denoisers, model_class)), GENERIC)
-
-
-# Family files register themselves on import (after register_family exists).
+# Family files register themselves on import.
 from hsdp.families import chroma, flux, qwenimage, stable_audio, wan  # noqa: E402,F401

@@ -5,6 +5,6 @@ may have is a fact no config carries: sizes are multiples of VAE factor 8 x pack
 
 from __future__ import annotations
 
-from hsdp.families import Family, register_family
+from hsdp.families.family import Family, register_family
 
 CHROMA = register_family(Family("Chroma", pipelines=r"Chroma(Img2Img|Inpaint)?Pipeline", latent_packing=2))

@@ -5,7 +5,7 @@ separate unconditional pass that CFG parallel splits off."""
 
 from __future__ import annotations
 
-from hsdp.families import Family, register_family
+from hsdp.families.family import Family, register_family
 
 FLUX = register_family(
     Family(

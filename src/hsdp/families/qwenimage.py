@@ -4,6 +4,6 @@ request or a training item may have are a fact no config carries: multiples of V
 
 from __future__ import annotations
 
-from hsdp.families import Family, register_family
+from hsdp.families.family import Family, register_family
 
 QWEN_IMAGE = register_family(Family("Qwen-Image", pipelines=r"QwenImage\w*Pipeline", latent_packing=2))

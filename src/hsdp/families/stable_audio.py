@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from hsdp.families import Family, register_family
+from hsdp.families.family import Family, register_family
 
 
 def stable_audio_max_seconds(configs: dict[str, dict]) -> float:

@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from hsdp.families import Family, register_family
+from hsdp.families.family import Family, register_family
 
 # diffusers module path -> original one; \1 is the block index.
 _RENAMES = [
