@@ -133,7 +133,8 @@ LTX2 = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "g
 
 def test_video_with_its_sound_equals_one_process(tmp_path, dist_run):
     """LTX-2 (one joint video + audio transformer, sharded): the frames and the waveform of HSDP 2 equal one
-    process exactly; the pipeline's vocoder gives the sample rate."""
+    process within rounding (1e-5; measured 0 to 1.3e-6 from run to run: the Gemma 3 encoder's and the
+    connectors' CPU sums round by the thread count), the pipeline's vocoder gives the sample rate."""
     import torch
 
     from tests.audio_pipelines import build_tiny_ltx2
@@ -150,6 +151,6 @@ def test_video_with_its_sound_equals_one_process(tmp_path, dist_run):
         expected = _pipeline(folder)(prompt=PROMPT, negative_prompt="", generator=torch.Generator().manual_seed(5),
                                      output_type="np", frame_rate=24.0, **LTX2)  # fmt: skip
     assert out.sample_rate == 16000 and out.audio.shape == tuple(expected.audio[0].shape)
-    np.testing.assert_array_equal(out.frames, expected.frames[0])
-    np.testing.assert_array_equal(out.audio, expected.audio[0].numpy())
+    np.testing.assert_allclose(out.frames, expected.frames[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.audio, expected.audio[0].numpy(), atol=1e-5, rtol=0)
     assert np.abs(out.audio).max() > 0
