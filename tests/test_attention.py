@@ -84,6 +84,19 @@ def test_denoiser_backends_equal_one_process(layout, backend, dist_run):
 
 
 @pytest.mark.slow
+def test_a_backend_stays_with_its_model(dist_run):
+    """diffusers makes a backend the process-wide default too: the next engine on the same ranks, which names
+    none, must run the default kernel (found by the combination tier after this file's engines: 1e-6 off)."""
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    path = resolve_model("tiny-wan")
+    with Engine(path, config, workers=dist_run.group(2), attention_backend="_native_math"):
+        pass
+    with Engine(path, config, workers=dist_run.group(2)) as engine:
+        [out] = engine.generate("A cat", SamplingParams(seed=3, **WAN))
+    np.testing.assert_array_equal(out.frames, reference_pipeline(path, "A cat", 3, **WAN))
+
+
+@pytest.mark.slow
 def test_causal_lm_eager_equals_sdpa(dist_run):
     config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
     tokens = {}

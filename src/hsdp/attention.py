@@ -81,6 +81,12 @@ def set_attention_backend(model: nn.Module, name: str) -> None:
     """Use ``name`` in every attention layer of ``model`` (a diffusers model or a transformers model). For a
     sequence-parallel denoiser call this before diffusers' ``enable_parallelism``."""
     if hasattr(model, "set_attention_backend"):  # diffusers
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        default = _AttentionBackendRegistry._active_backend
         model.set_attention_backend(name)
+        # diffusers also makes ``name`` the process-wide default; keep it to this model's layers, since a rank
+        # loads other models later (a swapped model, a test's next engine) that asked for no backend.
+        _AttentionBackendRegistry.set_active_backend(default)
     else:
         model.set_attn_implementation(name)
