@@ -148,7 +148,7 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
             "guidance_scale_2: this WanPipeline takes no guidance_scale_2: its model_index.json leaves "
             "boundary_ratio unset",
         ),
-        (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
+        (["--batch-size", "0"], "--batch-size 0: must be an integer >= 1"),
         (
             ["--model", "tiny-llama", "--batch-size", "2"],
             "causal LMs generate one request at a time per rank",
