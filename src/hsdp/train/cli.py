@@ -174,7 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     diffusion.add_argument("--flow-shift", type=float, default=None, help="default: the scheduler's shift")
     diffusion.add_argument("--caption-dropout", type=float, default=0.0, help="train on the empty caption")
     diffusion.add_argument(
-        "--train-component", default=None, help="the denoiser to train (transformer, transformer_2, unet)"
+        "--train-component",
+        default=None,
+        help="the denoiser(s) to train: transformer, transformer_2, unet, several comma-separated (Wan 2.2's two "
+        "experts: transformer,transformer_2, in turn, one a step) or all (default: the pipeline's first)",
     )
     diffusion.add_argument(
         "--cache-latents", action="store_true", help="encode once into OUTPUT_DIR/latent-cache and reuse"
@@ -265,6 +268,10 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
     if launched_by_torchrun() or cfg.problems():  # preflight names the problems
         return cfg
     try:
+        several = _denoisers_trained(cfg)
+        if several > 1:
+            logger.info("layout: as the flags give it (the planner plans one denoiser; this run trains %d)", several)
+            return cfg
         planned = planned_layout(cfg)
     except (PlanError, ValueError, FileNotFoundError) as exc:  # a refusal: the trainer's own checks say it better
         logger.info("layout: as the flags give it (the planner could not plan this run: %s)", exc)
@@ -281,6 +288,15 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
         planned.reason,
     )
     return planned.cfg
+
+
+def _denoisers_trained(cfg: TrainConfig) -> int:
+    """How many denoisers a diffusion run trains (Wan 2.2's experts: 2); 1 for an LM."""
+    from hsdp.models.builtin import resolve_model
+    from hsdp.train.diffusion.trainer import is_pipeline, trained_components
+
+    model_dir = resolve_model(cfg.model)
+    return len(trained_components(cfg, model_dir)) if is_pipeline(model_dir) else 1
 
 
 def run(args: argparse.Namespace) -> int:
