@@ -255,16 +255,26 @@ def _holds_adapter(folder: Path) -> bool:
     return (folder / "adapter_config.json").is_file() or (folder / DIFFUSERS_WEIGHTS).is_file()
 
 
-def adapter_parts(folder: str | Path, targets: list[str]) -> dict[str, Path]:
+def adapter_parts(folder: str | Path, targets: list[str], owner: str, flag: str = "--lora") -> dict[str, Path]:
     """The adapter folders in ``folder`` by the model each adapts, of ``targets`` (the names of the models an
     adapter may adapt: a pipeline's denoisers, in the pipeline's order). An export of several denoisers (Wan 2.2's
     experts, as ``hsdp train`` writes them) has one subfolder per denoiser, named by its component; any other
     folder is one adapter, of the denoiser its diffusers keys name when that is one of ``targets`` (a
     ``transformer_2.``-keyed file), else of the first, as diffusers' ``load_lora_weights`` loads into its
-    ``transformer``. Reads only file names and safetensors headers."""
+    ``transformer``. Reads only file names and safetensors headers. A subfolder of a denoiser that ``owner`` (the
+    model's name, for the message) does not have is a ``ValueError`` naming ``flag``: half an export is not
+    applied."""
     path = Path(folder)
     parts = {t: path / t for t in targets if _holds_adapter(path / t)}
-    return parts or {_named_target(path, targets): path}
+    if not parts and _holds_adapter(path):
+        return {_named_target(path, targets): path}
+    others = sorted(p.name for p in path.iterdir() if p.name not in targets and _holds_adapter(p)) if path.is_dir() else []
+    if others:
+        raise ValueError(
+            f"{flag} {folder}: holds an adapter of {', '.join(others)}, which {owner} does not have (its "
+            f"denoisers: {', '.join(targets)}); pass an adapter of this model's own denoisers"
+        )
+    return parts or {targets[0]: path}  # nothing there: hsdp.lora.adapter_config names what is missing
 
 
 def _named_target(path: Path, targets: list[str]) -> str:

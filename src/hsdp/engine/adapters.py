@@ -160,7 +160,7 @@ def _targets(targets: Targets) -> dict[str, Path]:
     return dict(targets) if isinstance(targets, Mapping) else {"model": Path(targets)}
 
 
-def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str) -> AdapterSpec:
+def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str, owner: str = "the model") -> AdapterSpec:
     """Check ``folder`` against the models it adapts (its parts, :func:`hsdp.lora_formats.adapter_parts`, each
     checked by :func:`hsdp.lora.adapter_config`: a peft or diffusers LoRA folder whose tensors are exactly that
     model's adapter tensors) and read its adapted layers, ranks and scalings by injecting each part into its model
@@ -172,7 +172,7 @@ def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str)
     targets = _targets(targets)
     layers: dict[tuple[str, str], tuple[int, float]] = {}
     weights: dict[str, Path] = {}
-    for target, part in adapter_parts(folder, list(targets)).items():
+    for target, part in adapter_parts(folder, list(targets), owner, flag).items():
         model_dir = targets[target]
         config = adapter_config(part, model_dir, flag)
         used = [f for f in _UNSUPPORTED if getattr(config, f, None)]

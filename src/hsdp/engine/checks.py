@@ -179,4 +179,7 @@ def check_lora(
             "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
             "then save_pretrained) and pass that folder without --lora"
         )
-    return {name: adapters.describe_adapter(name, path, lora_target(info), "--lora") for name, path in named.items()}
+    return {
+        name: adapters.describe_adapter(name, path, lora_target(info), "--lora", info.class_name)
+        for name, path in named.items()
+    }
