@@ -109,6 +109,11 @@ def test_train_component_is_checked_before_ranks_start(heldout):
     with pytest.raises(TrainConfigError, match="--eval-data with --train-component all: not available"):
         check_diffusion_run(_cfg(folders["wan2.2-a14b"], media, "all", eval_data=str(media)))
     check_diffusion_run(_cfg(folders["wan2.2-a14b"], media, "all"))
+    from hsdp.planning import PlanError
+    from hsdp.planning.diffusion import diffusion_training
+
+    with pytest.raises(PlanError, match="--train-component all: the planner plans one denoiser, and this run trains 2"):
+        diffusion_training(str(folders["wan2.2-a14b"]), height=32, width=32, component="all")
 
 
 def test_docs_families_table_matches(heldout):

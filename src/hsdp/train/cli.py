@@ -268,10 +268,6 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
     if launched_by_torchrun() or cfg.problems():  # preflight names the problems
         return cfg
     try:
-        several = _denoisers_trained(cfg)
-        if several > 1:
-            logger.info("layout: as the flags give it (the planner plans one denoiser; this run trains %d)", several)
-            return cfg
         planned = planned_layout(cfg)
     except (PlanError, ValueError, FileNotFoundError) as exc:  # a refusal: the trainer's own checks say it better
         logger.info("layout: as the flags give it (the planner could not plan this run: %s)", exc)
@@ -288,15 +284,6 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
         planned.reason,
     )
     return planned.cfg
-
-
-def _denoisers_trained(cfg: TrainConfig) -> int:
-    """How many denoisers a diffusion run trains (Wan 2.2's experts: 2); 1 for an LM."""
-    from hsdp.models.builtin import resolve_model
-    from hsdp.train.diffusion.trainer import is_pipeline, trained_components
-
-    model_dir = resolve_model(cfg.model)
-    return len(trained_components(cfg, model_dir)) if is_pipeline(model_dir) else 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -80,8 +80,8 @@ class Objective:
 
     def _unshifted(self, sigma: float) -> float:
         """The draw the shift takes to ``sigma`` (its inverse: ``u = sigma / (shift - (shift - 1) sigma)``), so that
-        the trained sigmas span exactly ``[min_timestep, max_timestep]``; 0 and 1 stay 0 and 1."""
-        return sigma / (self.shift - (self.shift - 1) * sigma)
+        the trained sigmas span exactly ``[min_timestep, max_timestep]``; 0 and 1 stay 0 and 1, exactly."""
+        return sigma if sigma in (0.0, 1.0) else sigma / (self.shift - (self.shift - 1) * sigma)
 
     def _flow(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
         from diffusers.training_utils import compute_density_for_timestep_sampling
