@@ -331,6 +331,10 @@ class Trainer:
     def _validate(self) -> None:
         """Validation samples when due, before the first step and after each (diffusion); none for an LM."""
 
+    def _step_note(self, step: int) -> str:
+        """What the log line of step ``step`` (0-based) adds: which of several denoisers it trained."""
+        return ""
+
     # -- setup -----------------------------------------------------------------------------------------------
     def _shard_plan(self, model: nn.Module) -> ShardPlan:
         return resolve_plan(model).with_ignored(self.cfg.replicated_modules)
@@ -495,7 +499,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s",
+                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s%s",
                         step.step,
                         cfg.steps,
                         step.loss,
@@ -505,6 +509,7 @@ class Trainer:
                         step.tokens_per_s,
                         result.memory_kind,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
+                        self._step_note(step.step - 1),
                     )
                 if self.eval_data is not None and (
                     (cfg.eval_every and step.step % cfg.eval_every == 0) or step.step == cfg.steps

@@ -335,6 +335,9 @@ class DiffusionTrainer(Trainer):
         for Wan 2.2), decided by the step alone so that every rank gathers and reduces the same one."""
         return self.components[step % len(self.components)]
 
+    def _step_note(self, step: int) -> str:
+        return f"; trained {self.expert_at(step)}" if len(self.components) > 1 else ""
+
     def _prepare_optimizer(self) -> None:
         """With several experts, a step leaves the others' gradients at None, so AdamW leaves them and their
         moments alone. Their optimizer state is made now (zero moments, step 0: what AdamW's first step of each
