@@ -17,6 +17,10 @@ ids, rotary embeddings, masks, guidance, list inputs, the timestep as the pipeli
 recorded call is made on the trained denoiser with the noised latents and sampled timesteps in place. No family
 has training code.
 
+Several denoisers (Wan 2.2's two experts, ``--train-component transformer,transformer_2``) load and shard each on
+its own and train in turn, one a step (:meth:`DiffusionTrainer.expert_at`), each on its side of the pipeline's
+``boundary_ratio`` (:func:`timestep_ranges`), with one AdamW whose other expert has no gradients that step.
+
 Noise and timesteps come from one CPU generator seeded by (seed, step, micro-batch) and drawn for the whole
 global micro-batch; each data-parallel rank takes its rows. A run therefore sees the same noise at every world
 size and layout, which is what the parity tests compare with one process running diffusers + peft.
