@@ -58,24 +58,34 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
     torch.manual_seed(cfg.seed)
     index = json.loads((model_dir / "model_index.json").read_text())
     pipe = getattr(diffusers, index["_class_name"]).from_pretrained(model_dir, torch_dtype=torch.float32)
-    component = "unet" if "unet" in index else "transformer"
-    model = getattr(pipe, component)
+    components = ["unet" if "unet" in index else "transformer"]
+    if cfg.train_component:  # Wan 2.2's experts: high noise (sigma >= boundary_ratio) and low noise
+        components = cfg.train_component.split(",")
+    experts = {c: getattr(pipe, c) for c in components}
+    # One expert is the model itself; several are keyed by component, as hsdp's trainer holds them.
+    model = experts[components[0]] if len(components) == 1 else torch.nn.ModuleDict(experts)
     if cfg.lora_r:
         targets = list(cfg.lora_target_modules) or ["to_q", "to_k", "to_v", "to_out.0"]
-        inject_adapter_in_model(LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets), model)
+        for expert in experts.values():
+            config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets)
+            inject_adapter_in_model(config, expert)
         for name, param in model.named_parameters():
             param.requires_grad_(".lora_" in name)
         init_adapters(model, cfg.seed)  # peft's init drawn from the seed, as hsdp does
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, component), resolution=cfg.resolution,
-                                    frames=cfg.frames)
+    # An optimizer per expert: a step moves the expert it trains and no other.
+    optimizers = {c: torch.optim.AdamW([p for p in e.parameters() if p.requires_grad], lr=cfg.lr,
+                                       weight_decay=cfg.weight_decay) for c, e in experts.items()}  # fmt: skip
+    boundary = index.get("boundary_ratio")
+    data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, components[0]), resolution=cfg.resolution,
+                                    frames=cfg.frames)  # fmt: skip
     forward = FORWARDS[index["_class_name"]]
     losses = []
     grad_share = {n: torch.ones_like(p) for n, p in model.named_parameters() if p.requires_grad}
     for step in range(cfg.steps):
-        optimizer.zero_grad()
+        expert = components[step % len(components)]  # the experts in turn, one a step
+        span = {"transformer": (boundary, 1.0), "transformer_2": (0.0, boundary)}[expert] if boundary else None
+        optimizers[expert].zero_grad()
         total = 0.0
         for micro in range(cfg.grad_accum):
             number = step * cfg.grad_accum + micro
@@ -83,7 +93,9 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
             torch.rand(len(rows), generator=generator)  # the caption-dropout draw (dropout 0 here)
             pixels = torch.stack([data.pixels(i) for i in rows])
-            pred, target = forward(pipe, model, pixels, [data.items[i].caption for i in rows], generator)
+            captions = [data.items[i].caption for i in rows]
+            extra = {"sigma_span": span} if span else {}
+            pred, target = forward(pipe, experts[expert], pixels, captions, generator, **extra)
             loss = torch.nn.functional.mse_loss(pred, target) / cfg.grad_accum
             loss.backward()
             total += loss.item()
@@ -91,7 +103,7 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
             if param.requires_grad and param.grad is not None:
                 share = param.grad.abs() / param.grad.abs().max().clamp_min(1e-30)
                 grad_share[name] = torch.minimum(grad_share[name], share)
-        optimizer.step()
+        optimizers[expert].step()
         losses.append(total)
     state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return {"losses": losses, "state": state, "grad_share": grad_share, "lr": cfg.lr, "steps": cfg.steps}
@@ -124,15 +136,19 @@ def assert_trained_like(run: dict, ref: dict, tol: float) -> None:
         assert (diff <= allowed).all(), (name, diff.flatten()[worst].item(), allowed.flatten()[worst].item())
 
 
-def _flow_sigmas(rows: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+def _flow_sigmas(rows: int, shift: float, generator: torch.Generator, span=(0.0, 1.0)) -> torch.Tensor:
+    """Uniform draws shifted, within ``span`` of the shifted sigmas: the draws are spread over the part of [0, 1]
+    that the shift takes into ``span`` (its inverse at the ends)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
-    u = compute_density_for_timestep_sampling("uniform", rows, generator=generator)
+    low, high = (s / (shift - (shift - 1) * s) for s in span)
+    u = low + (high - low) * compute_density_for_timestep_sampling("uniform", rows, generator=generator)
     return shift * u / (1 + (shift - 1) * u)
 
 
-def wan_forward(pipe, model, pixels, captions, generator):
-    """Wan text-to-video: per-channel latent statistics, flow matching with the scheduler's flow_shift."""
+def wan_forward(pipe, model, pixels, captions, generator, sigma_span=(0.0, 1.0)):
+    """Wan text-to-video: per-channel latent statistics, flow matching with the scheduler's flow_shift; Wan 2.2's
+    experts each on their ``sigma_span`` (the pipeline switches experts at sigma = boundary_ratio)."""
     with torch.no_grad():
         vae = pipe.vae
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -142,7 +158,8 @@ def wan_forward(pipe, model, pixels, captions, generator):
         prompt = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=512,
                                     device=torch.device("cpu"))[0]
     noise = torch.randn(x0.shape, generator=generator)
-    sigma = _flow_sigmas(len(x0), pipe.scheduler.config.flow_shift, generator).view(-1, 1, 1, 1, 1)
+    sigma = _flow_sigmas(len(x0), pipe.scheduler.config.flow_shift, generator, sigma_span).view(-1, 1, 1, 1, 1)
+    assert sigma.min() >= sigma_span[0] - 1e-6 and sigma.max() <= sigma_span[1] + 1e-6
     pred = model(hidden_states=(1 - sigma) * x0 + sigma * noise, timestep=sigma.flatten() * 1000,
                  encoder_hidden_states=prompt, return_dict=False)[0]
     return pred, noise - x0

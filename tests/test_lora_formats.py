@@ -172,3 +172,80 @@ def test_train_export_format_is_checked_before_training(tmp_path):
     with pytest.raises(TrainConfigError, match="--export-format='kohya'"):
         preflight(cfg.replace(export_format="kohya"))
     assert preflight(cfg).resume_from is None  # peft, the default for an LM
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    """Wan 2.2 A14B-shaped (two experts, :func:`tests.heldout_pipelines.wan22_a14b`) with a different random adapter
+    in each expert, exported as ``hsdp train --train-component transformer,transformer_2`` writes it (one subfolder
+    per expert, each keyed ``transformer.``), and ``transformer_2``'s alone as a run of that expert writes it."""
+    from diffusers import WanPipeline
+
+    from tests.heldout_pipelines import build
+
+    root = tmp_path_factory.mktemp("wan22")
+    folder = build("wan2.2-a14b", root)
+    pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
+    call = {"height": 32, "width": 32, "num_frames": 5}
+    base = _run(pipe, call)
+    config, high = _with_adapter(pipe, "transformer", ATTENTION)
+    with torch.no_grad():  # another draw for the low-noise expert
+        _, low = _with_adapter(pipe, "transformer_2", ATTENTION)
+        for name, param in low.named_parameters():
+            if ".lora_" in name:
+                param.mul_(-1.5)
+    adapted = _run(pipe, call)
+    save_lora({"transformer": high, "transformer_2": low}, config, root / "both", format="diffusers",
+              component="transformer")  # fmt: skip
+    save_lora({"transformer_2": low}, config, root / "low", format="diffusers", component="transformer")
+    return {"folder": folder, "root": root, "call": call, "base": base, "adapted": adapted}
+
+
+def _wan22(experts, *loads: tuple[str, dict]):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(experts["folder"], dtype=torch.float32)
+    for sub, kwargs in loads:
+        pipe.load_lora_weights(str(experts["root"] / sub), **kwargs)
+    return pipe
+
+
+def test_two_expert_export_loads_into_both_transformers(experts):
+    """The pair as diffusers loads it: the high-noise adapter with ``load_lora_weights(folder/transformer)``, the
+    low-noise one with ``load_lora_weights(folder/transformer_2, load_into_transformer_2=True)``: the output of
+    both adapters applied with peft."""
+    assert sorted(p.name for p in (experts["root"] / "both").iterdir()) == [MANIFEST, "transformer", "transformer_2"]
+    pipe = _wan22(experts, ("both/transformer", {}), ("both/transformer_2", {"load_into_transformer_2": True}))
+    assert (experts["adapted"] - experts["base"]).abs().max() > 1e-3
+    torch.testing.assert_close(_run(pipe, experts["call"]), experts["adapted"], rtol=0, atol=1e-5)
+
+
+def test_generate_lora_applies_both_experts(experts, dist_run):
+    """``hsdp generate --lora`` at HSDP 2 with the two-expert export equals diffusers with both halves loaded, and
+    a ``transformer_2``-only export equals diffusers with it loaded into ``transformer_2`` alone (and differs from
+    the pair and from the base)."""
+    import numpy as np
+
+    from hsdp import ParallelConfig
+    from hsdp.engine import Engine, SamplingParams
+    from tests.engine_refs import one_thread
+
+    video = SamplingParams(seed=1, num_inference_steps=2, height=32, width=32, num_frames=5)
+    hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    loads = {
+        "both": [("both/transformer", {}), ("both/transformer_2", {"load_into_transformer_2": True})],
+        "low": [("low/transformer_2", {"load_into_transformer_2": True})],
+    }
+    outs = {}
+    with Engine(experts["folder"], hsdp2, workers=dist_run.group(2),
+                lora={"both": experts["root"] / "both", "low": experts["root"] / "low"}) as engine:  # fmt: skip
+        for name in [*loads, None]:  # None: the base, every slot off
+            outs[name or "base"] = engine.generate("a red fox", video, adapter=name)[0].frames
+        call = {k: getattr(video, k) if getattr(video, k) is not None else v for k, v in engine.info.defaults.items()}
+    for name, load in loads.items():
+        pipe = _wan22(experts, *load)
+        pipe.set_progress_bar_config(disable=True)
+        with one_thread(), torch.no_grad():
+            expected = pipe("a red fox", generator=torch.Generator().manual_seed(1), output_type="np", **call).frames[0]
+        np.testing.assert_allclose(outs[name], expected, rtol=0, atol=1e-5, err_msg=name)
+    assert np.abs(outs["both"] - outs["low"]).max() > 1e-3 and np.abs(outs["low"] - outs["base"]).max() > 1e-3

@@ -216,9 +216,7 @@ def test_adapter_of_another_kind_of_model_is_refused(wan, adapter, capsys):
 
 
 @pytest.mark.unit
-def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, tmp_path):
-    from dataclasses import replace
-
+def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, wan_adapter, tmp_path):
     from hsdp.engine.checks import check_lora
     from hsdp.engine.model_info import inspect_model
 
@@ -230,6 +228,9 @@ def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, tmp_path):
         Engine(base, HSDP2, lora=ia3)
     with pytest.raises(ValueError, match="--lora with --weight-dtype int8"):
         Engine(base, HSDP2, lora=adapter, weight_dtype="int8")
-    two = replace(inspect_model(wan), denoisers=("transformer", "transformer_2"))
-    with pytest.raises(ValueError, match="--lora .* has 2 denoisers"):
-        check_lora(two, HSDP2.resolved(), None, adapter)
+    # An export of Wan 2.2's two experts (a folder per denoiser) on a pipeline with one: refused, not half applied.
+    for expert in ("transformer", "transformer_2"):
+        shutil.copytree(wan_adapter, tmp_path / "experts" / expert)
+    with pytest.raises(ValueError, match=r"--lora \S*experts: holds an adapter of transformer_2, which WanPipeline "
+                                         r"does not have \(its denoisers: transformer\)"):
+        check_lora(inspect_model(wan), HSDP2.resolved(), None, tmp_path / "experts")

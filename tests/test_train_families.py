@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hsdp.config import ParallelConfig
 from hsdp.train import TrainConfig, TrainConfigError
@@ -24,9 +25,11 @@ from tests.heldout_pipelines import BUILDERS, build, write_square_media
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-CASES = {name: (name, None) for name in BUILDERS} | {"wan2.2-a14b-transformer_2": ("wan2.2-a14b", "transformer_2")}
+BOTH = "transformer,transformer_2"
+CASES = {name: (name, None) for name in BUILDERS} | {"wan2.2-a14b-transformer_2": ("wan2.2-a14b", "transformer_2"),
+                                                    "wan2.2-a14b-both": ("wan2.2-a14b", BOTH)}  # fmt: skip
 """Case -> (held-out pipeline, trained component; None: the first denoiser). Wan 2.2 A14B trains each expert on
-its side of ``boundary_ratio``."""
+its side of ``boundary_ratio``, or both in one run (in turn, one a step)."""
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "training-diffusion.md"
 
 
@@ -56,12 +59,16 @@ def train_toy_units(configs: list[TrainConfig]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def sharded(heldout, dist_run) -> dict[str, dict]:
-    """Every case trained at HSDP 2 (one process group, the cases in turn)."""
+def sharded(heldout, dist_run, tmp_path_factory) -> dict[str, dict]:
+    """Every case trained at HSDP 2 (one process group, the cases in turn), and Wan 2.2's two experts again, run
+    for one step (checkpointed, each expert's optimizer state with it) and resumed for the second."""
     folders, media = heldout
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
     cfgs = [_cfg(folders[name], media, component, parallel=layout) for name, component in CASES.values()]
-    return dict(zip(CASES, dist_run(2, train_toy_units, cfgs, timeout_s=1500)[0], strict=True))
+    first = _cfg(folders["wan2.2-a14b"], media, BOTH, parallel=layout,
+                 output_dir=str(tmp_path_factory.mktemp("experts-run"))).replace(steps=1)  # fmt: skip
+    runs = dist_run(2, train_toy_units, [*cfgs, first, first.replace(steps=2, resume="auto")], timeout_s=1500)[0]
+    return dict(zip([*CASES, "both-first", "both-resumed"], runs, strict=True))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -75,6 +82,38 @@ def test_heldout_family_lora_hsdp2_equals_one_process(case, heldout, sharded):
     worst = max((run["state"][k] - one["state"][k]).abs().max().item() for k in one["state"])
     assert worst < TOL, worst
     assert run["losses"][0] != run["losses"][1]  # two batches, trained weights: not a constant
+
+
+def test_wan22_both_experts_equal_plain_libraries_and_resume_exactly(heldout, sharded):
+    """Both experts at HSDP 2 equal one process of diffusers + peft training them in turn with an AdamW each, each
+    on its side of ``boundary_ratio`` (:func:`tests.diffusion_train_fns.reference_run`): the step of one expert
+    leaves the other's weights as they were. Resumed after step 1, the run equals the uninterrupted one bit for
+    bit (the checkpoint holds the optimizer state of the expert not yet stepped)."""
+    from tests.diffusion_train_fns import assert_trained_like, reference_run
+
+    folders, media = heldout
+    run, ref = sharded["wan2.2-a14b-both"], reference_run(_cfg(folders["wan2.2-a14b"], media, BOTH), folders["wan2.2-a14b"])
+    assert {k.split(".", 1)[0] for k in run["state"]} == {"transformer", "transformer_2"}
+    assert_trained_like(run, ref, TOL)
+    resumed = sharded["both-resumed"]
+    assert sharded["both-first"]["losses"] + resumed["losses"] == run["losses"]
+    assert all(torch.equal(resumed["state"][k], run["state"][k]) for k in run["state"])
+
+
+def test_train_component_is_checked_before_ranks_start(heldout):
+    folders, media = heldout
+    for bad in ("transformer,transformer_3", "transformer,transformer", "unet"):
+        with pytest.raises(TrainConfigError, match=r"--train-component .*WanPipeline has transformer, transformer_2; "
+                                                   r"name one, several comma-separated \(each once\), or all"):
+            check_diffusion_run(_cfg(folders["wan2.2-a14b"], media, bad))
+    with pytest.raises(TrainConfigError, match="--eval-data with --train-component all: not available"):
+        check_diffusion_run(_cfg(folders["wan2.2-a14b"], media, "all", eval_data=str(media)))
+    check_diffusion_run(_cfg(folders["wan2.2-a14b"], media, "all"))
+    from hsdp.planning import PlanError
+    from hsdp.planning.diffusion import diffusion_training
+
+    with pytest.raises(PlanError, match="--train-component all: the planner plans one denoiser, and this run trains 2"):
+        diffusion_training(str(folders["wan2.2-a14b"]), height=32, width=32, component="all")
 
 
 def test_docs_families_table_matches(heldout):

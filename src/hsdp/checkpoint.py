@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -306,24 +307,24 @@ def export_safetensors(
 
 
 def export_pipeline(
-    model: nn.Module,
+    models: Mapping[str, nn.Module],
     model_dir: str | Path,
-    component: str,
     out_dir: str | Path,
     *,
     dtype: torch.dtype | None = None,
     run: str = "",
 ) -> Path:
-    """A diffusers pipeline folder: ``model_dir``'s files with ``component`` replaced by the trained (sharded)
-    ``model``, written and moved into place as :func:`export_safetensors` does; collective."""
+    """A diffusers pipeline folder: ``model_dir``'s files with each component of ``models`` (name -> trained,
+    sharded model) replaced, written and moved into place as :func:`export_safetensors` does; collective."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if rank() == 0:
         shutil.copytree(
-            model_dir, staging_dir(out_dir), dirs_exist_ok=True, ignore=shutil.ignore_patterns(component, ".complete")
+            model_dir, staging_dir(out_dir), dirs_exist_ok=True, ignore=shutil.ignore_patterns(*models, ".complete")
         )
     _barrier()
-    _write_model(model, tmp / component, dtype=dtype, source_dir=Path(model_dir) / component, state_dict=None)
+    for component, model in models.items():
+        _write_model(model, tmp / component, dtype=dtype, source_dir=Path(model_dir) / component, state_dict=None)
     try:
         if rank() == 0:
             commit(tmp, out_dir, run)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "diffusers_lora",
     "comfyui_lora",
     "as_peft_folder",
+    "adapter_parts",
 ]
 
 FORMATS = ("peft", "diffusers", "comfyui")
@@ -123,25 +125,31 @@ def format_problem(format: str, model_class: str) -> str | None:
 
 
 def _write(
-    out_dir: Path, files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]], config=None, run: str = ""
+    out_dir: Path,
+    files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]],
+    config_dirs: list[str],
+    config=None,
+    run: str = "",
 ) -> None:
-    """Write ``{name: (tensors, metadata)}`` (and a peft ``adapter_config.json``) into a temporary sibling, then move
-    it into place (:func:`hsdp.exports.commit`: a failed export leaves nothing behind, and only what an earlier
-    export of ``run`` wrote there is replaced)."""
+    """Write ``{name: (tensors, metadata)}`` (and a peft ``adapter_config.json`` into each of ``config_dirs``,
+    relative; ``""`` is the folder itself) into a temporary sibling, then move it into place
+    (:func:`hsdp.exports.commit`: a failed export leaves nothing behind, and only what an earlier export of ``run``
+    wrote there is replaced)."""
     from safetensors.torch import save_file
 
     tmp = staging_dir(out_dir)
     for name, (tensors, metadata) in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name, metadata=metadata)
-    if config is not None:
+    for folder in config_dirs:
         saved = copy.copy(config)
         saved.inference_mode = True  # as PeftModel.save_pretrained writes it
-        saved.save_pretrained(tmp)
+        saved.save_pretrained(tmp / folder)
     commit(tmp, out_dir, run)
 
 
 def save_lora(
-    model: nn.Module,
+    model: nn.Module | Mapping[str, nn.Module],
     config: LoraConfig,
     out_dir: str | Path,
     format: str = "peft",
@@ -155,8 +163,28 @@ def save_lora(
     pipeline component the adapters belong to (the diffusers format's key prefix); ``dtype`` casts the tensors
     (default: as trained, fp32); ``run`` names the run for :mod:`hsdp.exports` (an earlier export of the same run
     in ``out_dir`` is replaced, anything else there refused). A problem (a format the model's family cannot take)
-    is a ``ValueError`` on every rank, raised before anything is written."""
+    is a ``ValueError`` on every rank, raised before anything is written. ``model`` a mapping (a pipeline's
+    denoisers by name, Wan 2.2's experts): one subfolder of ``out_dir`` per model, named by its key, each as
+    ``model`` alone would be written, all in one export."""
+    models = dict(model) if isinstance(model, Mapping) else {"": model}
+    files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
+    for folder, one in models.items():
+        for name, written in _lora_files(one, config, format, component).items():
+            files[f"{folder}/{name}" if folder else name] = written
+    if dtype is not None:  # every tensor of the file (ComfyUI's alpha scalars too)
+        files = {name: ({k: v.to(dtype) for k, v in tensors.items()}, meta) for name, (tensors, meta) in files.items()}
+    out_dir = Path(out_dir)
+    if rank() == 0:
+        _write(out_dir, files, list(models) if format == "peft" else [], config, run)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
 
+
+def _lora_files(
+    model: nn.Module, config: LoraConfig, format: str, component: str
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """{file name: (tensors, metadata)} of ``model``'s adapters in ``format`` (:func:`save_lora`); collective."""
     if format not in FORMATS:
         raise ValueError(f"--export-format {format!r}: use one of {', '.join(FORMATS)}")
     if format != "peft" and not _is_diffusers_model(model):
@@ -166,19 +194,10 @@ def save_lora(
         )
     state = adapter_state(model)  # collective
     if format == "peft":
-        files = {ADAPTER_WEIGHTS: (state, {"format": "pt"})}
-    elif format == "diffusers":
-        files = {DIFFUSERS_WEIGHTS: diffusers_lora(state, config, component)}
-    else:
-        files = {COMFYUI_WEIGHTS: (comfyui_lora(state, config, model), {"format": "pt"})}
-    if dtype is not None:  # every tensor of the file (ComfyUI's alpha scalars too)
-        files = {name: ({k: v.to(dtype) for k, v in tensors.items()}, meta) for name, (tensors, meta) in files.items()}
-    out_dir = Path(out_dir)
-    if rank() == 0:
-        _write(out_dir, files, config if format == "peft" else None, run)
-    if dist.is_initialized():
-        dist.barrier()
-    return out_dir
+        return {ADAPTER_WEIGHTS: (state, {"format": "pt"})}
+    if format == "diffusers":
+        return {DIFFUSERS_WEIGHTS: diffusers_lora(state, config, component)}
+    return {COMFYUI_WEIGHTS: (comfyui_lora(state, config, model), {"format": "pt"})}
 
 
 def _is_diffusers_model(model: nn.Module) -> bool:
@@ -232,6 +251,46 @@ def _inferred_config(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def _holds_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file() or (folder / DIFFUSERS_WEIGHTS).is_file()
+
+
+def adapter_parts(folder: str | Path, targets: list[str], owner: str, flag: str = "--lora") -> dict[str, Path]:
+    """The adapter folders in ``folder`` by the model each adapts, of ``targets`` (the names of the models an
+    adapter may adapt: a pipeline's denoisers, in the pipeline's order). An export of several denoisers (Wan 2.2's
+    experts, as ``hsdp train`` writes them) has one subfolder per denoiser, named by its component; any other
+    folder is one adapter, of the denoiser its diffusers keys name when that is one of ``targets`` (a
+    ``transformer_2.``-keyed file), else of the first, as diffusers' ``load_lora_weights`` loads into its
+    ``transformer``. Reads only file names and safetensors headers. A subfolder of a denoiser that ``owner`` (the
+    model's name, for the message) does not have is a ``ValueError`` naming ``flag``: half an export is not
+    applied."""
+    path = Path(folder)
+    parts = {t: path / t for t in targets if _holds_adapter(path / t)}
+    if not parts and _holds_adapter(path):
+        return {_named_target(path, targets): path}
+    others = sorted(p.name for p in path.iterdir() if p.name not in targets and _holds_adapter(p)) if path.is_dir() else []
+    if others:
+        raise ValueError(
+            f"{flag} {folder}: holds an adapter of {', '.join(others)}, which {owner} does not have (its "
+            f"denoisers: {', '.join(targets)}); pass an adapter of this model's own denoisers"
+        )
+    return parts or {targets[0]: path}  # nothing there: hsdp.lora.adapter_config names what is missing
+
+
+def _named_target(path: Path, targets: list[str]) -> str:
+    """The one of ``targets`` that the keys of the diffusers LoRA file in ``path`` name, else the first."""
+    from safetensors import SafetensorError, safe_open
+
+    if (path / "adapter_config.json").is_file() or not (path / DIFFUSERS_WEIGHTS).is_file():
+        return targets[0]
+    try:
+        with safe_open(path / DIFFUSERS_WEIGHTS, framework="pt") as handle:
+            named = {k.split(".", 1)[0] for k in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError):
+        return targets[0]  # as_peft_folder names the problem
+    return next((t for t in targets if named == {t}), targets[0])
+
+
 def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
     """``folder`` itself when it is a peft adapter folder (or anything else: the caller's checks name the problem);
     for a diffusers-format folder (``pytorch_lora_weights.safetensors``, no ``adapter_config.json``), a peft adapter
@@ -255,7 +314,7 @@ def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
     config = LoraConfig(**(kwargs or _inferred_config(tensors)))
     peft_state = {_PEFT_PREFIX + k: v for k, v in tensors.items()}
     tmp = out.with_name(f".tmp-{digest}-{os.getpid()}")
-    _write(tmp, {ADAPTER_WEIGHTS: (peft_state, {"format": "pt"})}, config)
+    _write(tmp, {ADAPTER_WEIGHTS: (peft_state, {"format": "pt"})}, [""], config)
     try:
         os.replace(tmp, out)
     except OSError:  # another rank renamed its copy first

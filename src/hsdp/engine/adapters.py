@@ -15,15 +15,20 @@ A padded slot computes the same sum as peft with the adapter alone, with zeros a
 the adapter's rank is the slot's, and within float rounding (measured: relative 1e-6) when it is smaller, because
 the matmul kernels group a longer inner dimension differently.
 
+A pipeline with several denoisers (Wan 2.2's two experts) has slots in each, and an adapter may adapt several of
+them: an export of both experts (one subfolder per denoiser, :func:`hsdp.lora_formats.adapter_parts`) fills each
+denoiser's slot from its own part, and an adapter of one denoiser leaves the others' layers off (the base).
+
 The caller side (:class:`AdapterCache`) keeps which adapter sits in which slot, evicts the least recently used
 when a new one is needed, and counts loads and switches; a call uses one adapter and one scale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +36,7 @@ import torch
 from torch import nn
 
 from hsdp.lora import ADAPTER_WEIGHTS, adapter_config
-from hsdp.lora_formats import as_peft_folder
+from hsdp.lora_formats import adapter_parts, as_peft_folder
 
 __all__ = [
     "SlotSpec",
@@ -70,12 +75,21 @@ class AdapterSpec:
 
     name: str
     path: Path
-    layers: dict[str, tuple[int, float]]
-    """Adapted module (qualified name in the adapted model) -> (rank, peft's scaling ``lora_alpha / r``)."""
+    """The folder given (``--lora``)."""
+    layers: dict[tuple[str, str], tuple[int, float]]
+    """(adapted model, module's qualified name in it) -> (rank, peft's scaling ``lora_alpha / r``); the adapted
+    models are named as :func:`hsdp.engine.checks.lora_target` names them (a pipeline's denoisers by component)."""
+    weights: dict[str, Path]
+    """Adapted model -> the peft adapter folder holding its tensors."""
 
     @property
     def rank(self) -> int:
         return max(r for r, _ in self.layers.values())
+
+    @property
+    def modules(self) -> set[str]:
+        """The adapted modules' qualified names, whichever model they are in."""
+        return {module for _, module in self.layers}
 
 
 @dataclass(frozen=True)
@@ -101,7 +115,7 @@ class SlotSpec:
             param.requires_grad_(is_slot)
             if is_slot and param.dtype != torch.float32:
                 param.data = param.data.float()
-        activate([model], None)
+        activate({"": model}, None)
 
     def problem(self, adapter: AdapterSpec, flag: str) -> str | None:
         """Why ``adapter`` does not fit these slots (rank or layers), or None."""
@@ -110,7 +124,7 @@ class SlotSpec:
                 f"{flag} {adapter.path}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
                 f"the server with --max-lora-rank {adapter.rank} (or more)"
             )
-        outside = sorted(set(adapter.layers) - set(self.targets))
+        outside = sorted(adapter.modules - set(self.targets))
         if outside:
             return (
                 f"{flag} {adapter.path} adapts {len(outside)} layer(s) the adapter slots do not cover "
@@ -125,7 +139,8 @@ class ActiveAdapter:
     """The slot a call uses and each adapted layer's scaling (the adapter's ``lora_alpha / r`` x the scale)."""
 
     slot: int
-    scaling: dict[str, float]
+    scaling: dict[tuple[str, str], float]
+    """(adapted model, module) -> scaling, as :attr:`AdapterSpec.layers` keys them."""
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -136,31 +151,49 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def describe_adapter(name: str, folder: str | Path, model_dir: Path, flag: str) -> AdapterSpec:
-    """Check ``folder`` against the model in ``model_dir`` (:func:`hsdp.lora.adapter_config`: a peft LoRA folder
-    whose tensors are exactly that model's adapter tensors) and read its adapted layers, ranks and scalings by
-    injecting it into the model on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
+Targets = Path | Mapping[str, Path]
+"""The models an adapter may adapt: name -> model folder (:func:`hsdp.engine.checks.lora_target`); one folder is
+the model ``model``."""
+
+
+def _targets(targets: Targets) -> dict[str, Path]:
+    return dict(targets) if isinstance(targets, Mapping) else {"model": Path(targets)}
+
+
+def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str, owner: str = "the model") -> AdapterSpec:
+    """Check ``folder`` against the models it adapts (its parts, :func:`hsdp.lora_formats.adapter_parts`, each
+    checked by :func:`hsdp.lora.adapter_config`: a peft or diffusers LoRA folder whose tensors are exactly that
+    model's adapter tensors) and read its adapted layers, ranks and scalings by injecting each part into its model
+    on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
     from peft import inject_adapter_in_model
 
     from hsdp.loading import build_empty_model, model_class_for
 
-    config = adapter_config(folder, model_dir, flag)
-    used = [f for f in _UNSUPPORTED if getattr(config, f, None)]
-    if used:
-        raise ValueError(
-            f"{flag} {folder}: {', '.join(used)} is set in its adapter_config.json; adapter slots hold plain "
-            "LoRA (B @ A on the adapted layers) only; merge it into the base (peft's merge_and_unload) instead"
-        )
-    model = build_empty_model(model_class_for(model_dir), model_dir, None)
-    inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
-    layers = {n: (m.r["default"], float(m.scaling["default"])) for n, m in _lora_layers(model).items()}
-    # A diffusers-format folder is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
-    return AdapterSpec(name=name, path=as_peft_folder(folder).resolve(), layers=layers)
+    targets = _targets(targets)
+    layers: dict[tuple[str, str], tuple[int, float]] = {}
+    weights: dict[str, Path] = {}
+    for target, part in adapter_parts(folder, list(targets), owner, flag).items():
+        model_dir = targets[target]
+        config = adapter_config(part, model_dir, flag)
+        used = [f for f in _UNSUPPORTED if getattr(config, f, None)]
+        if used:
+            raise ValueError(
+                f"{flag} {part}: {', '.join(used)} is set in its adapter_config.json; adapter slots hold plain "
+                "LoRA (B @ A on the adapted layers) only; merge it into the base (peft's merge_and_unload) instead"
+            )
+        model = build_empty_model(model_class_for(model_dir), model_dir, None)
+        inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+        for n, m in _lora_layers(model).items():
+            layers[target, n] = (m.r["default"], float(m.scaling["default"]))
+        # A diffusers-format folder is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
+        weights[target] = as_peft_folder(part).resolve()
+    return AdapterSpec(name=name, path=Path(folder).resolve(), layers=layers, weights=weights)
 
 
-def slot_spec(adapters: Iterable[AdapterSpec], model_dir: Path, count: int, rank: int | None) -> SlotSpec:
-    """Slots covering ``adapters``: their layers (every linear layer peft's ``all-linear`` picks when there are
-    none), of rank ``rank`` (default: the largest adapter's, 16 without adapters, as vLLM's ``--max-lora-rank``)."""
+def slot_spec(adapters: Iterable[AdapterSpec], targets: Targets, count: int, rank: int | None) -> SlotSpec:
+    """Slots covering ``adapters``: their layers (every linear layer peft's ``all-linear`` picks in the first of
+    ``targets`` when there are none), of rank ``rank`` (default: the largest adapter's, 16 without adapters, as
+    vLLM's ``--max-lora-rank``). Every model of ``targets`` gets the slots (a pipeline's denoisers share a class)."""
     adapters = list(adapters)
     if count < 1:
         raise ValueError(f"--max-loras {count} must be >= 1")
@@ -171,8 +204,8 @@ def slot_spec(adapters: Iterable[AdapterSpec], model_dir: Path, count: int, rank
         raise ValueError(
             f"--max-lora-rank {rank} is below the rank {largest} of an adapter given with --lora"
         )
-    targets = set().union(*(a.layers for a in adapters)) if adapters else _all_linear(model_dir)
-    return SlotSpec(count=count, rank=rank, targets=tuple(sorted(targets)))
+    covered = set().union(*(a.modules for a in adapters)) if adapters else _all_linear(next(iter(_targets(targets).values())))
+    return SlotSpec(count=count, rank=rank, targets=tuple(sorted(covered)))
 
 
 def _all_linear(model_dir: Path) -> set[str]:
@@ -214,25 +247,28 @@ def _reshard(modules: Iterable[nn.Module]) -> None:
 
 
 @torch.no_grad()
-def fill(modules: list[nn.Module], slot: int, adapter: AdapterSpec) -> int:
-    """Copy ``adapter`` into ``slot`` of the LoRA layers in ``modules``: each rank writes its slice of the
-    zero-padded tensors (layers the adapter does not adapt get zeros). Returns the adapter parameters copied."""
+def fill(models: Mapping[str, nn.Module], slot: int, adapter: AdapterSpec) -> int:
+    """Copy ``adapter`` into ``slot`` of the LoRA layers in ``models`` (by name, as the adapter's layers name them):
+    each rank writes its slice of the zero-padded tensors (layers the adapter does not adapt get zeros). Returns
+    the adapter parameters copied."""
     from safetensors import safe_open
 
     from hsdp.loading import local_slices
 
-    _reshard(modules)
+    _reshard(models.values())
     name = slot_name(slot)
     copied = 0
-    with safe_open(adapter.path / ADAPTER_WEIGHTS, framework="pt") as handle:
-        for model in modules:
+    for target, model in models.items():
+        with contextlib.ExitStack() as stack:
+            weights = adapter.weights.get(target)
+            handle = stack.enter_context(safe_open(weights / ADAPTER_WEIGHTS, framework="pt")) if weights else None
             for module_name, layer in _lora_layers(model).items():
                 if name not in layer.lora_A:
                     continue
                 for part in ("lora_A", "lora_B"):
                     param = getattr(layer, part)[name].weight
                     full = torch.zeros(param.shape, dtype=torch.float32)
-                    if module_name in adapter.layers:
+                    if (target, module_name) in adapter.layers:
                         stored = handle.get_tensor(f"base_model.model.{module_name}.{part}.weight")
                         full[: stored.shape[0], : stored.shape[1]] = stored
                         copied += stored.numel()
@@ -241,12 +277,12 @@ def fill(modules: list[nn.Module], slot: int, adapter: AdapterSpec) -> int:
     return copied
 
 
-def activate(modules: list[nn.Module], active: ActiveAdapter | None) -> None:
+def activate(models: Mapping[str, nn.Module], active: ActiveAdapter | None) -> None:
     """Make ``active``'s slot the one adapter of every LoRA layer it adapts (with its scaling); every other layer,
     and all of them when ``active`` is None, runs the base alone."""
-    for model in modules:
+    for target, model in models.items():
         for module_name, layer in _lora_layers(model).items():
-            scaling = active.scaling.get(module_name) if active is not None else None
+            scaling = active.scaling.get((target, module_name)) if active is not None else None
             if scaling is None:
                 layer._active_adapter = []
                 continue

@@ -84,6 +84,10 @@ class CausalLMRunner:
     def modules(self) -> list[torch.nn.Module]:
         return [self.model]
 
+    def adapted(self) -> dict[str, torch.nn.Module]:
+        """The models with LoRA slots, named as :func:`hsdp.engine.checks.lora_target` names them."""
+        return {"model": self.model}
+
     def watched_modules(self) -> list[torch.nn.Module]:
         """A cancellation is checked before every forward (one per token)."""
         return [self.model]

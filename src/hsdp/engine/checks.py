@@ -148,9 +148,12 @@ def load_options(info: ModelInfo, plan: DeviceMemoryPlan | None) -> dict[str, di
     return {"model": options[plan.component]} if info.kind == "causal_lm" else options
 
 
-def lora_target(info: ModelInfo) -> Path:
-    """The folder of the model a ``--lora`` adapter applies to: a causal LM's own, or a pipeline's one denoiser."""
-    return info.path / info.denoisers[0] if info.kind == "diffusion" else info.path
+def lora_target(info: ModelInfo) -> dict[str, Path]:
+    """The models a ``--lora`` adapter may adapt, by name -> folder: a causal LM (``model``), or a pipeline's
+    denoisers by component (both of Wan 2.2's experts)."""
+    if info.kind == "diffusion":
+        return {name: info.path / name for name in info.denoisers}
+    return {"model": info.path}
 
 
 LoraArg = str | os.PathLike | Mapping[str, str | os.PathLike] | None
@@ -165,13 +168,6 @@ def check_lora(
     if lora is None:
         return {}
     named = dict(lora) if isinstance(lora, Mapping) else {Path(lora).resolve().name: lora}
-    shown = " ".join(str(p) for p in named.values())
-    if info.kind == "diffusion" and len(info.denoisers) != 1:
-        raise ValueError(
-            f"--lora {shown}: {info.class_name} has {len(info.denoisers)} denoisers ({', '.join(info.denoisers)}), "
-            "and a peft adapter folder adapts one model; fuse the adapters into the pipeline (diffusers' "
-            "load_lora_weights, fuse_lora, save_pretrained) and pass that folder without --lora"
-        )
     if config.tensor_parallel_size > 1:
         raise ValueError(
             f"--lora with --tensor-parallel-size {config.tensor_parallel_size}: the TP plans shard nn.Linear "
@@ -183,4 +179,7 @@ def check_lora(
             "layers too; drop --weight-dtype, or merge the adapter into the base first (peft's merge_and_unload, "
             "then save_pretrained) and pass that folder without --lora"
         )
-    return {name: adapters.describe_adapter(name, path, lora_target(info), "--lora") for name, path in named.items()}
+    return {
+        name: adapters.describe_adapter(name, path, lora_target(info), "--lora", info.class_name)
+        for name, path in named.items()
+    }

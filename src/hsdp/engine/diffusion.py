@@ -99,10 +99,10 @@ class DiffusionRunner:
         self.sharded = list(self.info.shardable) if config.use_hsdp else []
         # Decoding with a sharded autoencoder all-gathers its weights: every rank decodes, not only the reporter.
         self.decode_everywhere = any(name in self.sharded for name in self.info.autoencoders)
-        # --lora adapts the one denoiser (the engine checked that there is one and that the adapter fits it).
-        adapted = self.info.denoisers[0] if spec.lora is not None else None
+        # --lora adapts the denoisers (both of Wan 2.2's experts): each holds the slots (the engine checked the
+        # adapters against them).
         components = {
-            name: load_component(spec, meshes, name, lora=spec.lora if name == adapted else None)
+            name: load_component(spec, meshes, name, lora=spec.lora if name in self.info.denoisers else None)
             for name in self.info.shardable
         }
         self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(spec.path, **components)
@@ -142,6 +142,11 @@ class DiffusionRunner:
         return [
             wrapped.get(id(m), m) for m in self.pipe.components.values() if isinstance(m, torch.nn.Module)
         ]
+
+    def adapted(self) -> dict[str, torch.nn.Module]:
+        """The models with LoRA slots (the denoisers, unwrapped), named as :func:`hsdp.engine.checks.lora_target`
+        names them."""
+        return dict(zip(self.info.denoisers, self.denoisers, strict=True))
 
     def watched_modules(self) -> list[torch.nn.Module]:
         """The modules a cancellation is checked before: the denoisers, once per denoising forward."""

@@ -409,7 +409,8 @@ class Engine:
         into a slot when first used). ``ValueError`` naming ``flag`` when it does not fit the model or the slots."""
         if self.adapters is None:
             raise ValueError(f"{flag}: this engine has no adapter slots; start it with --max-loras N (or --lora)")
-        self.adapters.add(adapters.describe_adapter(name, path, lora_target(self.info), flag), flag)
+        target = lora_target(self.info)
+        self.adapters.add(adapters.describe_adapter(name, path, target, flag, self.info.class_name), flag)
 
     def remove_adapter(self, name: str) -> None:
         """Stop serving adapter ``name`` (its slot is free for the next one)."""

@@ -82,7 +82,7 @@ def load(spec: LoadSpec) -> dict:
 
 def load_adapter(slot: int, adapter: adapters.AdapterSpec) -> int:
     """Fill adapter ``slot`` of the loaded model with ``adapter`` (this rank's slices; no communication)."""
-    count = adapters.fill(_loaded()[0].modules(), slot, adapter)
+    count = adapters.fill(_loaded()[0].adapted(), slot, adapter)
     logger.info("LoRA adapter %s in slot %d: %d parameters", adapter.name, slot, count)
     return count
 
@@ -129,7 +129,7 @@ def generate(
     ``single_inputs``: inputs the pipeline takes one of per call (requests giving one are not batched).
     """
     runner, config, meshes, watch = _loaded()
-    adapters.activate(runner.modules(), adapter)
+    adapters.activate(runner.adapted(), adapter)
     slots = request_slots(config)
     slot = meshes.data_parallel_rank if slots > 1 else 0
     reports = slots > 1 or rank() == 0

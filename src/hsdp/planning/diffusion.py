@@ -179,7 +179,7 @@ def diffusion_training(
     from hsdp.train.config import TrainConfig
     from hsdp.train.diffusion.frozen import media_spec, meta_pipeline
     from hsdp.train.diffusion.pipeline_call import replace_leaves, tensor_leaves
-    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, check_trainable
+    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, check_trainable, trained_components
 
     folder = resolve_model(model)
     index = _read(folder / "model_index.json")
@@ -187,8 +187,14 @@ def diffusion_training(
                       train_component=component)  # fmt: skip
     try:
         component = check_trainable(cfg, folder)
+        trained = trained_components(cfg, folder)
     except ValueError as exc:  # TrainConfigError, or the scheduler's objective refused
         raise PlanError(f"--train: hsdp train refuses this run: {exc}") from exc
+    if len(trained) > 1:
+        raise PlanError(
+            f"--train-component {cfg.train_component}: the planner plans one denoiser, and this run trains {len(trained)} "
+            f"({', '.join(trained)}, one a step, all held sharded); plan each with --train-component NAME"
+        )
     if height is None or width is None:
         raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
     cls = getattr(diffusers, index.get("_class_name", ""), None)

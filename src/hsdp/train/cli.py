@@ -174,7 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     diffusion.add_argument("--flow-shift", type=float, default=None, help="default: the scheduler's shift")
     diffusion.add_argument("--caption-dropout", type=float, default=0.0, help="train on the empty caption")
     diffusion.add_argument(
-        "--train-component", default=None, help="the denoiser to train (transformer, transformer_2, unet)"
+        "--train-component",
+        default=None,
+        help="the denoiser(s) to train: transformer, transformer_2, unet, several comma-separated (Wan 2.2's two "
+        "experts: transformer,transformer_2, in turn, one a step) or all (default: the pipeline's first)",
     )
     diffusion.add_argument(
         "--cache-latents", action="store_true", help="encode once into OUTPUT_DIR/latent-cache and reuse"

@@ -155,19 +155,11 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         self.lora = self._lora_config() if cfg.use_lora else None
-        self.model = load_pretrained(
-            self._weights_dir(),
-            self.parallel,
-            plan=self._shard_plan,
-            # LoRA keeps the frozen base in its checkpoint dtype; full fine-tuning keeps fp32 masters.
-            dtype="auto" if self.lora else torch.float32,
-            meshes=self.meshes,
-            training=True,
-            prepare=lora.injector(self.lora) if self.lora else None,
-        )
+        self.model = self._load_model()
         self.model.train()
         if cfg.attention_backend is not None:  # before the sequence split, which wraps the attention processors
-            set_attention_backend(self.model, cfg.attention_backend)
+            for model in self._models():
+                set_attention_backend(model, cfg.attention_backend)
         if self.sequence_parallel > 1:
             self._enable_sequence_parallel()
         if self.lora:
@@ -182,6 +174,7 @@ class Trainer:
         if not self.params:
             raise TrainConfigError(f"--freeze {' '.join(cfg.freeze)} froze every parameter; nothing to train")
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self._prepare_optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, cfg.warmup_steps, cfg.steps)
         self.checkpointer = (
             Checkpointer(
@@ -236,13 +229,39 @@ class Trainer:
     def _lora_config(self):
         return self.cfg.lora_config(str(self.model_dir), task_type="CAUSAL_LM")
 
+    def _load_weights(self, folder: Path) -> nn.Module:
+        """The model of ``folder`` loaded sharded for training, with the LoRA adapters injected when set."""
+        return load_pretrained(
+            folder,
+            self.parallel,
+            plan=self._shard_plan,
+            # LoRA keeps the frozen base in its checkpoint dtype; full fine-tuning keeps fp32 masters.
+            dtype="auto" if self.lora else torch.float32,
+            meshes=self.meshes,
+            training=True,
+            prepare=lora.injector(self.lora) if self.lora else None,
+        )
+
+    def _load_model(self) -> nn.Module:
+        """The trained model (``self.model``)."""
+        return self._load_weights(self._weights_dir())
+
+    def _models(self) -> list[nn.Module]:
+        """The separately loaded (and sharded) models ``self.model`` holds: itself, or the experts of a
+        :class:`hsdp.train.diffusion.DiffusionTrainer` that trains several denoisers."""
+        return [self.model]
+
+    def _prepare_optimizer(self) -> None:
+        """Called once the optimizer exists, before a resume loads its state."""
+
     def _compile_blocks(self) -> None:
         """``--compile``: the engine's regional compilation, on the model being trained (after LoRA and activation
         checkpointing, which the compiled ``forward`` runs inside)."""
         from hsdp.engine.compile import compile_blocks
 
         try:
-            compile_blocks(self.model)
+            for model in self._models():
+                compile_blocks(model)
         except ValueError as exc:
             raise TrainConfigError(str(exc)) from exc
 
@@ -312,6 +331,10 @@ class Trainer:
     def _validate(self) -> None:
         """Validation samples when due, before the first step and after each (diffusion); none for an LM."""
 
+    def _step_note(self, step: int) -> str:
+        """What the log line of step ``step`` (0-based) adds: which of several denoisers it trained."""
+        return ""
+
     # -- setup -----------------------------------------------------------------------------------------------
     def _shard_plan(self, model: nn.Module) -> ShardPlan:
         return resolve_plan(model).with_ignored(self.cfg.replicated_modules)
@@ -342,8 +365,9 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _set_grad_sync(self, enabled: bool) -> None:
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(enabled)
+        for model in self._models():
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(enabled)
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -475,7 +499,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
                 if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
                     logger.info(
-                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s",
+                        "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s%s",
                         step.step,
                         cfg.steps,
                         step.loss,
@@ -485,6 +509,7 @@ class Trainer:
                         step.tokens_per_s,
                         result.memory_kind,
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
+                        self._step_note(step.step - 1),
                     )
                 if self.eval_data is not None and (
                     (cfg.eval_every and step.step % cfg.eval_every == 0) or step.step == cfg.steps

@@ -47,7 +47,8 @@ class Objective:
     mode_scale: float = 1.29
     min_timestep: float = 0.0
     max_timestep: float = 1.0
-    """The fraction of the timestep range trained (Wan 2.2's experts each own one side of its boundary)."""
+    """The fraction of the timestep range trained, as the pipeline's timesteps (for flow matching: the sigmas
+    after the shift), which Wan 2.2's ``boundary_ratio`` splits between its experts."""
     scheduler_config: dict | None = None
 
     def noise(self, latents: torch.Tensor, generator: torch.Generator) -> Noised:
@@ -65,7 +66,8 @@ class Objective:
             return self._ddpm_at(latents, noise, (low + u * (high - low)).long().clamp(low, high - 1))
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-        u = self.min_timestep + (self.max_timestep - self.min_timestep) * u.float()
+        low, high = self._unshifted(self.min_timestep), self._unshifted(self.max_timestep)
+        u = low + (high - low) * u.float()
         sigmas = self.shift * u / (1 + (self.shift - 1) * u)
         s = sigmas.view(-1, *([1] * (latents.dim() - 1)))
         weights = compute_loss_weighting_for_sd3(weighting_scheme=self.sampling, sigmas=sigmas)
@@ -75,6 +77,11 @@ class Objective:
             target=noise - latents,
             weights=weights.float(),
         )
+
+    def _unshifted(self, sigma: float) -> float:
+        """The draw the shift takes to ``sigma`` (its inverse: ``u = sigma / (shift - (shift - 1) sigma)``), so that
+        the trained sigmas span exactly ``[min_timestep, max_timestep]``; 0 and 1 stay 0 and 1, exactly."""
+        return sigma if sigma in (0.0, 1.0) else sigma / (self.shift - (self.shift - 1) * sigma)
 
     def _flow(self, latents: torch.Tensor, noise: torch.Tensor, generator: torch.Generator) -> Noised:
         from diffusers.training_utils import compute_density_for_timestep_sampling

@@ -17,6 +17,10 @@ ids, rotary embeddings, masks, guidance, list inputs, the timestep as the pipeli
 recorded call is made on the trained denoiser with the noised latents and sampled timesteps in place. No family
 has training code.
 
+Several denoisers (Wan 2.2's two experts, ``--train-component transformer,transformer_2``) load and shard each on
+its own and train in turn, one a step (:meth:`DiffusionTrainer.expert_at`), each on its side of the pipeline's
+``boundary_ratio`` (:func:`timestep_ranges`), with one AdamW whose other expert has no gradients that step.
+
 Noise and timesteps come from one CPU generator seeded by (seed, step, micro-batch) and drawn for the whole
 global micro-batch; each data-parallel rank takes its rows. A run therefore sees the same noise at every world
 size and layout, which is what the parity tests compare with one process running diffusers + peft.
@@ -40,6 +44,7 @@ from hsdp.checkpoint import export_pipeline
 from hsdp.config import DTYPES
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead
+from hsdp.lora_formats import save_lora
 from hsdp.train.config import (
     Preflight,
     TrainConfig,
@@ -102,8 +107,8 @@ def is_pipeline(model_dir: Path) -> bool:
     return (Path(model_dir) / "model_index.json").is_file()
 
 
-def trained_component(cfg: TrainConfig, model_dir: Path) -> str:
-    """The denoiser ``cfg`` trains: ``--train-component`` or the pipeline's first denoiser."""
+def pipeline_denoisers(cfg: TrainConfig, model_dir: Path) -> list[str]:
+    """The denoisers of the pipeline in ``model_dir`` (``model_index.json``'s, in diffusers' order)."""
     index = index_of(model_dir)
     present = [n for n in DENOISERS if isinstance(index.get(n), list) and index[n][0] is not None]
     if not present:
@@ -111,11 +116,39 @@ def trained_component(cfg: TrainConfig, model_dir: Path) -> str:
             f"--model {cfg.model}: {index.get('_class_name')} has no trainable denoiser "
             f"(none of {', '.join(DENOISERS)} in model_index.json)"
         )
-    if cfg.train_component and cfg.train_component not in present:
+    return present
+
+
+def trained_components(cfg: TrainConfig, model_dir: Path) -> list[str]:
+    """The denoisers ``cfg`` trains, in the pipeline's order: ``--train-component`` (one name, several
+    comma-separated, or ``all``) or the pipeline's first denoiser."""
+    present = pipeline_denoisers(cfg, model_dir)
+    if not cfg.train_component:
+        return present[:1]
+    named = present if cfg.train_component == "all" else [n.strip() for n in cfg.train_component.split(",")]
+    unknown = [n for n in named if n not in present]
+    if unknown or len(set(named)) != len(named) or not named:
         raise TrainConfigError(
-            f"--train-component {cfg.train_component}: {index.get('_class_name')} has {', '.join(present)}"
+            f"--train-component {cfg.train_component}: {index_of(model_dir).get('_class_name')} has "
+            f"{', '.join(present)}; name one, several comma-separated (each once), or all"
         )
-    return cfg.train_component or present[0]
+    return [n for n in present if n in named]
+
+
+def trained_component(cfg: TrainConfig, model_dir: Path) -> str:
+    """The first denoiser ``cfg`` trains (:func:`trained_components`): the one whose media sizes and LoRA targets
+    the checks read (the experts of one pipeline share its VAE and class)."""
+    return trained_components(cfg, model_dir)[0]
+
+
+def timestep_ranges(model_dir: Path, components: list[str]) -> dict[str, tuple[float, float]]:
+    """The fraction of the timesteps each denoiser of ``components`` denoises: all of them, except under the
+    pipeline's ``boundary_ratio`` (Wan 2.2's two experts), where ``transformer`` takes ``t >= boundary`` (high
+    noise) and ``transformer_2`` the rest, as the pipeline's ``__call__`` switches."""
+    boundary = index_of(model_dir).get("boundary_ratio")
+    if boundary is None:
+        return dict.fromkeys(components, (0.0, 1.0))
+    return {c: (boundary, 1.0) if c == "transformer" else (0.0, boundary) for c in components}
 
 
 def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
@@ -133,12 +166,30 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     ]
     if lm_only:
         raise TrainConfigError(f"{', '.join(lm_only)}: not available for diffusion training yet")
-    component = check_trainable(cfg, model_dir)
-    _check_sequence_parallel(cfg, model_dir, component)
+    check_trainable(cfg, model_dir)
+    components = trained_components(cfg, model_dir)
+    for component in components:
+        _check_sequence_parallel(cfg, model_dir, component)
+        check_export_formats(cfg, model_dir / component)
     check_attention_backend(cfg, "diffusion")
-    check_export_formats(cfg, model_dir / component)
-    fingerprint = model_fingerprint(model_dir / component)
+    if len(components) > 1:
+        _check_experts(cfg, components)
+    fingerprints = {c: model_fingerprint(model_dir / c) for c in components}
+    # One denoiser: its own fingerprint, as checkpoints written before several could be trained hold.
+    fingerprint = fingerprints[components[0]] if len(components) == 1 else fingerprints
     return Preflight(model_dir, fingerprint, resume_target(cfg, fingerprint))
+
+
+def _check_experts(cfg: TrainConfig, components: list[str]) -> None:
+    """What training several denoisers in one run does not take yet, refused before any rank starts."""
+    unsupported = [
+        flag for flag, used in (("--lora-adapter", cfg.lora_adapter), ("--eval-data", cfg.eval_data)) if used
+    ]
+    if unsupported:
+        raise TrainConfigError(
+            f"{', '.join(unsupported)} with --train-component {cfg.train_component}: not available when several "
+            f"denoisers ({', '.join(components)}) train in one run yet; train them one at a time"
+        )
 
 
 def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
@@ -150,7 +201,7 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
 
     from hsdp.lora import adapter_config, check_targets
 
-    component = trained_component(cfg, model_dir)
+    components = trained_components(cfg, model_dir)
     pipeline_class = index_of(model_dir).get("_class_name", "")
     cls = getattr(diffusers, pipeline_class, None)
     if cls is None:
@@ -170,7 +221,7 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
             "(text-to-image and text-to-video pipelines train)"
         )
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
-    if cfg.use_lora:
+    for component in components if cfg.use_lora else ():
         try:
             if cfg.lora_adapter:
                 adapter_config(cfg.lora_adapter, model_dir / component, "--lora-adapter")
@@ -179,7 +230,7 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
                 check_targets(config, model_dir / component, "--lora-target-modules")
         except ValueError as exc:
             raise TrainConfigError(str(exc)) from exc
-    return component
+    return components[0]
 
 
 def check_diffusion_run(cfg: TrainConfig) -> None:
@@ -226,6 +277,8 @@ class _MicroBatch:
     batch: DenoiserBatch
     target: torch.Tensor
     weights: torch.Tensor
+    expert: str
+    """The denoiser this micro-batch trains (:meth:`DiffusionTrainer.expert_at`)."""
 
 
 @dataclass
@@ -254,7 +307,8 @@ class DiffusionTrainer(Trainer):
         if problems:
             raise TrainConfigError("invalid training settings:\n" + "\n".join(f"  - {p}" for p in problems))
         model_dir = resolve_model(self.cfg.model)
-        self.component = trained_component(self.cfg, model_dir)
+        self.components = trained_components(self.cfg, model_dir)
+        self.component = self.components[0]
         checks = diffusion_preflight(self.cfg, model_dir)
         self.pipeline_class = getattr(diffusers, index_of(model_dir)["_class_name"])
         return checks
@@ -262,18 +316,66 @@ class DiffusionTrainer(Trainer):
     def _weights_dir(self) -> Path:
         return self.model_dir / self.component
 
+    def _load_model(self) -> torch.nn.Module:
+        """The denoiser; several (Wan 2.2's experts, ``--train-component transformer,transformer_2``) in a
+        ``ModuleDict`` by component name, each loaded and sharded on its own, so a step gathers only the expert it
+        trains and checkpoints key each expert's state by its name."""
+        if len(self.components) == 1:
+            return self._load_weights(self._weights_dir())
+        return torch.nn.ModuleDict({c: self._load_weights(self.model_dir / c) for c in self.components})
+
+    @property
+    def experts(self) -> dict[str, torch.nn.Module]:
+        """The trained denoisers by component name (one, unless several experts train)."""
+        if len(self.components) == 1:
+            return {self.component: self.model}
+        return dict(self.model.items())
+
+    def _models(self) -> list[torch.nn.Module]:
+        return list(self.experts.values())
+
+    def expert_at(self, step: int) -> str:
+        """The denoiser step ``step`` (0-based) trains: the experts in turn, one a step (ai-toolkit's switching
+        for Wan 2.2), decided by the step alone so that every rank gathers and reduces the same one."""
+        return self.components[step % len(self.components)]
+
+    def _step_note(self, step: int) -> str:
+        return f"; trained {self.expert_at(step)}" if len(self.components) > 1 else ""
+
+    def _prepare_optimizer(self) -> None:
+        """With several experts, a step leaves the others' gradients at None, so AdamW leaves them and their
+        moments alone. Their optimizer state is made now (zero moments, step 0: what AdamW's first step of each
+        makes), so that a checkpoint holds every expert's state from the first step on (DCP's save would
+        otherwise give an expert not yet stepped a state of its own making, with its step count advanced)."""
+        if len(self.components) == 1:
+            return
+        groups = self.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        for group in groups:
+            group["lr"] = 0.0  # AdamW with lr 0 and zero gradients changes no weight (decay is lr * wd)
+        for param in self.params:
+            param.grad = torch.zeros_like(param)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(groups, lrs, strict=True):
+            group["lr"] = lr
+        for state in self.optimizer.state.values():
+            state["step"].zero_()
+
     def _lora_config(self):
         return self.cfg.lora_config(str(self._weights_dir()), default_targets=DEFAULT_LORA_TARGETS)
 
     def _enable_activation_checkpointing(self) -> None:
         """diffusers' per-block gradient checkpointing (its ``_supports_gradient_checkpointing`` flag, not the
         ``supports_gradient_checkpointing`` property transformers models have)."""
-        if not getattr(self.model, "_supports_gradient_checkpointing", False):
-            raise TrainConfigError(f"--activation-checkpointing: {type(self.model).__name__} does not support it")
-        self.model.enable_gradient_checkpointing()
+        for model in self._models():
+            if not getattr(model, "_supports_gradient_checkpointing", False):
+                raise TrainConfigError(f"--activation-checkpointing: {type(model).__name__} does not support it")
+            model.enable_gradient_checkpointing()
 
     def _enable_sequence_parallel(self) -> None:
-        enable_ulysses(self.model, self.parallel, self.meshes)
+        for model in self._models():
+            enable_ulysses(model, self.parallel, self.meshes)
 
     def _items_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum
@@ -284,13 +386,11 @@ class DiffusionTrainer(Trainer):
 
     def _load_data(self) -> tuple:
         cfg = self.cfg
-        boundary = index_of(self.model_dir).get("boundary_ratio")
-        timestep_range = (0.0, 1.0)
-        if boundary is not None:  # Wan 2.2: transformer denoises high noise (t >= boundary), transformer_2 the rest
-            timestep_range = (boundary, 1.0) if self.component == "transformer" else (0.0, boundary)
-        self.objective: Objective = objective_for(
-            self.model_dir, sampling=cfg.timestep_sampling, shift=cfg.flow_shift, timestep_range=timestep_range
-        )
+        self.objectives: dict[str, Objective] = {
+            c: objective_for(self.model_dir, sampling=cfg.timestep_sampling, shift=cfg.flow_shift, timestep_range=r)
+            for c, r in timestep_ranges(self.model_dir, self.components).items()
+        }
+        self.objective: Objective = self.objectives[self.component]
         pipe = frozen_pipeline(self.model_dir, self.parallel)
         spec = media_spec(pipe, self.model_dir, self.component)
         try:
@@ -337,7 +437,8 @@ class DiffusionTrainer(Trainer):
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
         drop = torch.rand(len(rows), generator=generator) < cfg.caption_dropout
         latents = torch.stack([self.data.latents[i] for i in rows])
-        noised = self.objective.noise(latents, generator)
+        expert = self.expert_at(number // cfg.grad_accum)
+        noised = self.objectives[expert].noise(latents, generator)
         prompts = [self.data.empty_prompt if d else self.data.prompts[i] for i, d in zip(rows, drop.tolist(), strict=True)]
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
@@ -349,10 +450,10 @@ class DiffusionTrainer(Trainer):
                      for name, v in self.batch_prompts(prompts[mine]).items()},
             size=(bucket.height, bucket.width), frames=bucket.frames,
         )  # fmt: skip
-        return _MicroBatch(batch, target=ahead(noised.target[mine]), weights=ahead(noised.weights[mine]))
+        return _MicroBatch(batch, target=ahead(noised.target[mine]), weights=ahead(noised.weights[mine]), expert=expert)
 
     def _micro_loss(self, inputs: _MicroBatch) -> torch.Tensor:
-        prediction = self._predict(inputs.batch)
+        prediction = self._predict(inputs.batch, inputs.expert)
         per_row = F.mse_loss(prediction.float(), inputs.target.float(), reduction="none").flatten(1).mean(1)
         return (per_row * inputs.weights).mean() / self.cfg.grad_accum
 
@@ -366,13 +467,13 @@ class DiffusionTrainer(Trainer):
         ``prompts``: batched (:meth:`batch_prompts`)."""
         on = {n: [t.to(self.device) for t in v] if isinstance(v, list) else v.to(self.device) for n, v in prompts.items()}
         batch = DenoiserBatch(noisy.to(self.device), timesteps.to(self.device), on, size, frames)
-        return self._predict(batch)
+        return self._predict(batch, self.component)
 
-    def _predict(self, batch: DenoiserBatch) -> torch.Tensor:
-        """The denoiser's prediction for a batch already on this rank's device, as latents."""
+    def _predict(self, batch: DenoiserBatch, expert: str) -> torch.Tensor:
+        """Denoiser ``expert``'s prediction for a batch already on this rank's device, as latents."""
         kwargs, to_latents = self.calls.kwargs(batch)
         with self._autocast():
-            return to_latents(self.model(**kwargs, return_dict=False)[0])
+            return to_latents(self.experts[expert](**kwargs, return_dict=False)[0])
 
     def sample(self) -> list:
         """Validation samples of the model as it is now (collective; rank 0 writes them): :mod:`.validation`."""
@@ -394,7 +495,21 @@ class DiffusionTrainer(Trainer):
         if self.lora:
             result.export = str(self._export_lora(self.component, diffusers=True))
             return
-        # Full fine-tuning: the pipeline folder with the trained denoiser (save_pretrained layout).
+        # Full fine-tuning: the pipeline folder with the trained denoisers (save_pretrained layout).
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
-        out = export_pipeline(self.model, self.model_dir, self.component, cfg.export, dtype=dtype, run=cfg.run_name())
+        out = export_pipeline(self.experts, self.model_dir, cfg.export, dtype=dtype, run=cfg.run_name())
         result.export = str(out)
+
+    def _export_lora(self, component: str = "transformer", diffusers: bool = False) -> Path:
+        """The adapters in each ``--export-format``; on a pipeline with several denoisers (Wan 2.2) one subfolder
+        per trained denoiser, named by its component, each keyed as diffusers' loader reads it: ``transformer.``
+        for every expert, since ``load_lora_weights(folder, load_into_transformer_2=True)`` puts the file's
+        ``transformer.`` keys into ``transformer_2``."""
+        cfg = self.cfg
+        if len(pipeline_denoisers(cfg, self.model_dir)) == 1:
+            return super()._export_lora(component, diffusers)
+        dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
+        for fmt, folder in cfg.export_folders(diffusers).items():
+            save_lora(self.experts, self.lora, folder, format=fmt, component=self.pipeline_class.transformer_name,
+                      dtype=dtype, run=cfg.run_name())  # fmt: skip
+        return Path(cfg.export)

@@ -161,10 +161,10 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
 
     text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
     pipe = trainer.pipeline_class.from_pretrained(
-        trainer.model_dir, **dict.fromkeys(text_parts), **{trainer.component: trainer.model}, torch_dtype=torch.float32
+        trainer.model_dir, **dict.fromkeys(text_parts), **trainer.experts, torch_dtype=torch.float32
     )
     for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module) and name != trainer.component:
+        if isinstance(module, torch.nn.Module) and name not in trainer.experts:
             module.to(trainer.device)
     pipe.set_progress_bar_config(disable=True)
     trainer.model.eval()
