@@ -71,13 +71,7 @@ ADAPTERS = {
     "runtime": [("late", 1.0)],
 }
 ANY_ADAPTER = ("one", "rotation", "scale", "runtime")
-SERIAL_LAYOUTS = tuple(v for v in AXES["layout"] if v != "request-parallel2")
-"""Layouts whose ranks run one request's forward together (request-parallel ranks each run their own)."""
 KNOWN_SEAMS = (
-    (
-        {"cache": ("taylorseer",), "batching": ("beside",), "layout": SERIAL_LAYOUTS},
-        "not in issue 27's list: TaylorSeer with a request batched beside is 2.1e-4 from alone (> 1e-5)",
-    ),
     (
         {"layout": ("torchrun-2-nodes",), "lifecycle": ("killed",), "route": ("images", "chat")},
         "not in issue 27's list: under torchrun a killed node restarts rank 0's HTTP server too, dropping "
