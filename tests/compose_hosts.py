@@ -77,20 +77,37 @@ class Request:
 
 
 # -- HTTP routes --------------------------------------------------------------------------------------------
-def _images(client: httpx.Client, request: Request) -> bytes:
-    body = {"prompt": request.prompt, **request.generation, **request.fields}
-    response = client.post("/v1/images/generations", json=body)
-    assert response.status_code == 200, response.text
-    return base64.b64decode(response.json()["data"][0]["b64_json"])
+def _images_body(request: Request) -> dict:
+    return {"prompt": request.prompt, **request.generation, **request.fields}
 
 
-def _chat(client: httpx.Client, request: Request) -> bytes:
+def _chat_body(request: Request) -> dict:
     extra = {**request.generation, "num_frames": request.frames, "fps": FPS}
     body = {"messages": [{"role": "user", "content": request.prompt}], "extra_body": extra}
     if request.adapter is not None:
         body.update(request.fields if "model" in request.fields else {})
         extra.update(request.fields if "lora" in request.fields else {})
-    response = client.post("/v1/chat/completions", json=body)
+    return body
+
+
+SYNC_ROUTES = {"images": ("/v1/images/generations", _images_body), "chat": ("/v1/chat/completions", _chat_body)}
+"""The routes answered on the request's connection: path, and the body for a :class:`Request`."""
+
+
+def sync_answer(client: httpx.Client, route: str, request: Request) -> httpx.Response:
+    """The response of a synchronous route, whatever its status."""
+    path, body = SYNC_ROUTES[route]
+    return client.post(path, json=body(request))
+
+
+def _images(client: httpx.Client, request: Request) -> bytes:
+    response = sync_answer(client, "images", request)
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+def _chat(client: httpx.Client, request: Request) -> bytes:
+    response = sync_answer(client, "chat", request)
     assert response.status_code == 200, response.text
     url = response.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
     assert url.startswith("data:video/mp4;base64,"), url[:40]
@@ -141,10 +158,12 @@ def metric(client: httpx.Client, name: str, label: str = "") -> float:
     return sum(float(v) for v in values)
 
 
-def wait_in_progress(client: httpx.Client, timeout_s: float = 120) -> None:
-    """Until a job runs (``hsdp_jobs{state="in_progress"}`` > 0)."""
+def wait_in_progress(client: httpx.Client, timeout_s: float = 120, received: int = 1) -> None:
+    """Until a job runs (``hsdp_jobs{state="in_progress"}`` > 0) and ``received`` jobs are queued or running."""
     deadline = time.monotonic() + timeout_s
-    while metric(client, "hsdp_jobs", 'state="in_progress"') < 1:
+    while (running := metric(client, "hsdp_jobs", 'state="in_progress"')) < 1 or (
+        running + metric(client, "hsdp_jobs", 'state="queued"') < received
+    ):
         assert time.monotonic() < deadline, "no job started"
         time.sleep(0.005)
 
@@ -204,8 +223,12 @@ class ServerHost:
     def kill_worker(self) -> None:
         os.kill(self.worker_pids()[-1], signal.SIGKILL)
 
-    def worker_failures(self) -> int:
+    def failure_mark(self) -> int:
         return self.server.runner.stats.worker_failures
+
+    def failure_noticed(self, mark: int) -> bool:
+        """Whether a worker failure was noticed since :meth:`failure_mark` returned ``mark``."""
+        return self.server.runner.stats.worker_failures > mark
 
     def restart(self) -> None:
         """Stop (the running batch finishes, queued jobs stay on disk), then start on the same --output-dir."""
@@ -240,8 +263,14 @@ class NodesHost:
     def kill_worker(self) -> None:
         self.nodes.kill_node(1 - (self.nodes.head_node() or 0))
 
-    def worker_failures(self) -> int:
-        return int(metric(self.client, "hsdp_worker_failures_total"))
+    def failure_mark(self) -> dict:
+        return self.nodes.ranks()
+
+    def failure_noticed(self, mark: dict) -> bool:
+        """Whether torchrun restarted the ranks since :meth:`failure_mark` returned ``mark`` (a restarted rank 0
+        counts its failures anew, so the ranks' process ids tell)."""
+        self.wait_ready()
+        return self.nodes.ranks() != mark
 
     def restart(self) -> None:
         self.close()

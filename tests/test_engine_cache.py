@@ -9,6 +9,7 @@ still take the same decision at every step.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -213,3 +214,52 @@ def test_denoiser_without_cache_support_refused(tmp_path_factory):
     sdxl = inspect_model(builtin("tiny-sdxl", tmp_path_factory.getbasetemp() / "hsdp-cache"))
     [problem] = cache_problems("first-block", None, sdxl)
     assert "UNet2DConditionModel) has no diffusers step-cache support" in problem
+
+
+class _Features(torch.nn.Module):
+    """Stands in for an attention layer: returns the features it is given (TaylorSeer predicts on skipped steps)."""
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+
+def _taylorseer_predictions(fields: dict, features: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What diffusers' TaylorSeer hook returns at each step, under the engine's config, for these features."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    class Denoiser(torch.nn.Module, CacheMixin):
+        _cache_config = None
+
+    block = torch.nn.Module()
+    block.attn1 = _Features()
+    model = Denoiser()
+    model.blocks = torch.nn.ModuleList([block])
+    model.enable_cache(build_cache_config("taylorseer", fields))
+    with model.cache_context("cond"):
+        return [block.attn1(f) for f in features]
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_taylorseer_moves_a_one_ulp_feature_difference_by_the_derived_bound(order):
+    """A request batched beside another gets features a float32 ulp or so away from its own alone (CPU GEMMs round
+    differently for another batch size). The engine's TaylorSeer keeps its factors in the features' dtype, so the
+    extrapolation of order N at offset s from gaps of at least D moves that ulp by at most sum_k (2s/D)^k/k!
+    (each divided difference at most doubles the difference and divides by the gap), plus the prediction's own
+    rounding (a few ulps of its value). diffusers' default, bfloat16 factors, moved it by a whole bfloat16 ulp
+    where a feature sits next to a rounding midpoint: 2^16 times more (tiny-wan: 1.4e-3 on pixels batched)."""
+    fields = {**CACHES["taylorseer"], "max_order": order}
+    generator = torch.Generator().manual_seed(0)
+    start, slope = torch.randn(4096, generator=generator), torch.randn(4096, generator=generator)
+    steps = [start + 0.1 * t * slope for t in range(STEPS)]
+    towards = torch.where(torch.rand(4096, generator=generator) < 0.5, -torch.inf, torch.inf)
+    moved = [torch.nextafter(f, towards) for f in steps]  # each feature 1 ulp away, up or down
+    ulp = torch.stack([(m - f).abs() for m, f in zip(moved, steps, strict=True)]).max(0).values
+    alone, batched = _taylorseer_predictions(fields, steps), _taylorseer_predictions(fields, moved)
+    # the schedule of CACHES' config: computed at steps 0, 1, 3, 5 (gaps D >= 1), predicted at 2 and 4 (s = 1)
+    predicted = [t for t in range(STEPS) if not torch.equal(alone[t], steps[t])]
+    assert predicted == [2, 4], predicted
+    growth = sum(2.0**k / math.factorial(k) for k in range(order + 1))  # s = 1, D = 1
+    for t in predicted:
+        rounding = 4 * torch.finfo(torch.float32).eps * alone[t].abs()
+        diff = (batched[t] - alone[t]).abs()
+        assert bool((diff <= growth * ulp + rounding).all()), (t, float((diff / ulp).max()))

@@ -6,16 +6,20 @@ Outputs are compared with one process on the same input and seed (which the sing
 tests/test_serve.py): streamed and plain completions, and ``/v1/videos/sync``'s mp4 bytes (the frames written by the
 server's own writer), over 2 x 1 ranks (HSDP shard 2) and 2 x 2 (HSDP replicate 2 x shard 2). Killing the ranks of
 the node without rank 0: ``/health`` leaves "ready" within 2 s, torchrun (``--max-restarts``) restarts the group,
-and every accepted video job completes with the same bytes as before. A request the pipeline refuses on every rank
-fails alone (500, or a failed job), and the same ranks serve the next request.
+and every accepted video job completes with the same bytes as before; a synchronous request running at the kill is
+answered 503 with ``Retry-After`` (rank 0's process is restarted too) and, sent again, equals one process. A
+request the pipeline refuses on every rank fails alone (500, or a failed job), and the same ranks serve the next
+request.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,8 +27,9 @@ import pytest
 
 from hsdp.engine import SamplingParams
 from hsdp.engine.model_info import inspect_model
-from hsdp.engine.outputs import save_frames
+from hsdp.engine.outputs import encode_image, save_frames
 from hsdp.serve.local import LocalNodes
+from tests.compose_hosts import wait_in_progress
 from tests.engine_refs import builtin, reference_tokens, reference_video
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="two torchrun agents")]
@@ -119,27 +124,46 @@ def test_video_over_two_nodes_of_two_ranks_equals_one_process(local_nodes, tmp_p
 
 
 def test_video_over_two_nodes_survives_a_dead_node(local_nodes, tmp_path):
+    """Queued video jobs outlive the restart and complete. A synchronous request running at the kill cannot wait
+    for its re-run: torchrun restarts rank 0's process (the HTTP server) with the others, and the client's
+    connection with it. It is answered at once, 503 with ``Retry-After`` (before: the connection dropped), and
+    sent again after the restart it gives the one-process image. So is one running when torchrun stops the job."""
     wan = builtin("tiny-wan", tmp_path / "cache")
     nodes = local_nodes(wan, max_restarts=1)
-    with httpx.Client(base_url=nodes.url, timeout=120) as client:
+    image = {"prompt": "a cat", "seed": 5, "size": "32x32", "num_inference_steps": 20}
+    with httpx.Client(base_url=nodes.url, timeout=120) as client, ThreadPoolExecutor(1) as pool:
         synced = client.post("/v1/videos/sync", json={"prompt": "a red fox", "seed": 3, **SMALL})
+        in_flight = pool.submit(client.post, "/v1/images/generations", json=image)
+        wait_in_progress(client)
         jobs = [
             client.post("/v1/videos", json={"prompt": "a red fox", "seed": 3 + i, **SMALL}).json()
             for i in range(6)
         ]
+        assert nodes.kill_node(1 - nodes.head_node())  # the node without rank 0, while the jobs wait or run
+        killed, killed_at = time.monotonic(), time.time()
+        while nodes.health() == 200:
+            time.sleep(0.05)
+        noticed_s = time.monotonic() - killed
+        answered = in_flight.result()
     assert synced.status_code == 200 and synced.content == _reference_mp4(wan, tmp_path)
-
-    assert nodes.kill_node(1 - nodes.head_node())  # the node without rank 0, while the jobs wait or run
-    killed, killed_at = time.monotonic(), time.time()
-    while nodes.health() == 200:
-        time.sleep(0.05)
-    noticed_s = time.monotonic() - killed
+    assert answered.status_code == 503 and answered.json()["error"]["code"] == "restarting", answered.text
+    assert int(answered.headers["Retry-After"]) >= 5
     finished = [_poll_through_restarts(nodes, job["id"]) for job in jobs]
+    with httpx.Client(base_url=nodes.url, timeout=120) as client, ThreadPoolExecutor(1) as pool:
+        again = client.post("/v1/images/generations", json=image)
+        first = client.get(f"/v1/videos/{jobs[0]['id']}/content").content
+        in_flight = pool.submit(client.post, "/v1/images/generations", json=image)
+        wait_in_progress(client)
+        nodes.stop()  # torchrun stops every rank (SIGTERM): the same answer, not a connection held, then dropped
+        stopped = in_flight.result()
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "restarting", stopped.text
+    params = SamplingParams(seed=5, height=32, width=32, num_frames=1, num_inference_steps=20)
+    frames = reference_video(wan, "a cat", 5, params, inspect_model(wan).defaults)
+    assert again.status_code == 200, again.text
+    assert base64.b64decode(again.json()["data"][0]["b64_json"]) == encode_image(frames[0], ".png")
     assert noticed_s < 2.0, f"/health still said ready {noticed_s:.2f}s after the node died"
     assert [j["status"] for j in finished] == ["completed"] * 6, finished
     assert any(j["completed_at"] > killed_at for j in finished), "every job ended before the kill"
-    with httpx.Client(base_url=nodes.url, timeout=120) as client:
-        first = client.get(f"/v1/videos/{jobs[0]['id']}/content").content
     assert first == synced.content  # seed 3 again, after the restart: the same bytes
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from hsdp.launch import WorkerDiedError, WorkerRaised, WorkerTimeout
-from hsdp.serve.jobs import Job, JobStore, QueueFull
+from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable
 from hsdp.serve.metrics import render_metrics
+from hsdp.serve.routes.common import _raise_failure
 from hsdp.serve.runner import RunnerStats
 from hsdp.serve.schemas import (
     ApiError,
@@ -101,6 +102,28 @@ def test_records_survive_a_restart(tmp_path):
     assert again.get(lost.id).error["code"] == "output_missing"
     assert [j.id for j in again.next_batch(4, timeout_s=0)] == [running.id, waiting.id]
     assert again.get(running.id).attempts == 2
+
+
+def test_a_torchrun_restart_ends_the_in_memory_jobs_and_keeps_the_persistent_ones(tmp_path):
+    """Rank 0 is about to be replaced: each synchronous job, running or queued, ends now with the reason (its
+    handler answers 503), the batch's later end leaves it so, new ones are refused, video jobs stay queued."""
+    store = JobStore(tmp_path, capacity=10)
+    running, video, queued = _job("video_sync", seed=1), _job(seed=2), _job("image", seed=3, num_inference_steps=2)
+    store.submit([running, video, queued])
+    assert store.next_batch(2, timeout_s=0) == [running, video]
+    error = {"code": "restarting", "message": "a torchrun rank was lost", "retry_after_s": 7}
+    assert store.fail_transient(error) == [queued, running]
+    assert all(j.finished and j.status == "failed" and j.error == error for j in (running, queued))
+    with pytest.raises(ApiError) as answer:  # what the waiting handler answers
+        _raise_failure([running])
+    assert (answer.value.status, answer.value.code, answer.value.headers) == (503, "restarting", {"Retry-After": "7"})
+    store.retry([running, video], {"code": "worker_died", "message": "rank 1 died"})  # the interrupted batch
+    assert running.status == "failed" and video.status == "queued" and store.depth() == 1
+    with pytest.raises(Unavailable) as info:
+        store.submit([_job("image", seed=4)])
+    assert info.value.error == error
+    store.submit([_job(seed=5)])  # kept on disk for the next rank 0
+    assert store.depth() == 2
 
 
 def test_ephemeral_jobs_leave_no_record(tmp_path):

@@ -50,9 +50,20 @@ CACHE_CLASSES = {
 }
 """``--cache`` names -> diffusers config classes (those the installed diffusers has are offered)."""
 
-DEFAULT_FIELDS = {"pab": {"spatial_attention_block_skip_range": 2}}
-"""Fields a cache cannot run without that the engine fills when the caller leaves them out (Pyramid Attention
-Broadcast needs one skip range: recompute spatial attention every second call, as in its paper's setting)."""
+DEFAULT_FIELDS = {
+    "pab": {"spatial_attention_block_skip_range": 2},
+    "taylorseer": {"taylor_factors_dtype": None},
+}
+"""Fields the engine fills when the caller leaves them out. Pyramid Attention Broadcast cannot run without one
+skip range: recompute spatial attention every second call, as in its paper's setting. TaylorSeer keeps its
+Taylor factors in the features' own dtype (``None``) rather than diffusers' default bfloat16: rounding a float32
+feature to bfloat16 is a step function, so a 1-ulp difference in the features (a request batched beside another:
+CPU GEMMs round differently for another batch size) moves the stored factor by a whole bfloat16 ulp (2^-8 to
+2^-7 of the value, 2^16 float32 ulps) when the feature sits next to a rounding midpoint (tiny-wan: 1.4e-3 on
+pixels, batched against alone). In the features' dtype the extrapolation of order N, at offset s from the last
+computed step and gaps of at least D between computed steps, moves the 1 ulp by at most sum_k (2s/D)^k / k!
+ulps (3 for order 1 at s = D = 1; tests/test_engine_cache.py), so a batched request stays within 1e-5 of alone.
+For a bfloat16 model the two defaults are the same."""
 
 ENGINE_FIELDS = frozenset({"current_timestep_callback", "num_inference_steps"})
 """Fields the engine sets per call: the pipeline's current timestep, and MagCache's step count (the call's)."""

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
@@ -179,6 +180,23 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _answer_sync_requests_on_exit(http, server) -> None:
+    """Global rank 0 under torchrun: SIGTERM (or SIGINT) there means torchrun is stopping every rank (a restart
+    after a rank's loss, or the job's end), so the running engine call cannot finish and this process will not
+    serve again. The synchronous requests are answered at once (503 with ``Retry-After``,
+    :meth:`hsdp.serve.service.Server.expect_torchrun_restart`), before uvicorn's graceful shutdown, which would
+    otherwise hold their connections until torchrun kills the process."""
+    handle_exit = http.handle_exit  # uvicorn installs it as the signal handler when it starts
+
+    def on_exit(sig: int, frame) -> None:
+        # In a thread, not in this signal handler: the job store's lock may be held by the code it interrupted.
+        why = "torchrun is stopping every rank (a restart, or the job's end)"
+        threading.Thread(target=server.expect_torchrun_restart, args=(why,), daemon=True).start()
+        handle_exit(sig, frame)
+
+    http.handle_exit = on_exit
+
+
 def _serve(args: argparse.Namespace, leader) -> int:
     import uvicorn
     from uvicorn.main import STARTUP_FAILURE
@@ -216,9 +234,10 @@ def _serve(args: argparse.Namespace, leader) -> int:
         sock.getsockname()[1],
         settings.output_dir,
     )
-    http = uvicorn.Server(
-        uvicorn.Config(create_app(server), log_level=args.log_level, timeout_graceful_shutdown=30)
-    )
+    config = uvicorn.Config(create_app(server), log_level=args.log_level, timeout_graceful_shutdown=30)
+    http = uvicorn.Server(config)
+    if leader is not None:
+        _answer_sync_requests_on_exit(http, server)
     try:
         http.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again, as uvicorn.run expects

@@ -38,7 +38,7 @@ from typing import Any
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["Job", "JobStore", "QueueFull", "FINISHED"]
+__all__ = ["Job", "JobStore", "QueueFull", "Unavailable", "FINISHED"]
 
 FINISHED = ("completed", "failed", "cancelled")
 _PERSISTED = (
@@ -134,6 +134,15 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(Exception):
+    """Jobs that live in memory are refused: this process is about to be replaced (:meth:`JobStore.fail_transient`);
+    ``error`` is the reason, with ``retry_after_s``."""
+
+    def __init__(self, error: dict):
+        super().__init__(error["message"])
+        self.error = error
+
+
 class OutputDirInUse(ValueError):
     """Another live server holds the output dir's lock."""
 
@@ -182,6 +191,8 @@ class JobStore:
         self.write_errors = 0
         """Job records that could not be written (a full disk): the job goes on in memory."""
         self._lock_file: int | None = None
+        self._transient_refusal: dict | None = None
+        """Set by :meth:`fail_transient`: the error that refuses new in-memory jobs."""
 
     def lock(self) -> None:
         """Own the output dir: an exclusive lock on ``<output_dir>/.lock`` holding this pid, released when the
@@ -300,6 +311,8 @@ class JobStore:
         """Queue all of ``jobs`` or none (raises :class:`QueueFull` with a retry estimate, or the ``OSError`` of
         a record that could not be written, leaving no file behind)."""
         with self._cond:
+            if self._transient_refusal is not None and not all(j.persistent for j in jobs):
+                raise Unavailable(self._transient_refusal)
             if len(self._queue) + len(jobs) > self.capacity:
                 waves = math.ceil((len(self._queue) + len(jobs)) / max(1, self.slots))
                 raise QueueFull(max(1, math.ceil(waves * (self.batch_seconds or 1.0))))
@@ -376,6 +389,8 @@ class JobStore:
             for job in jobs:
                 if job in self._running:
                     self._running.remove(job)
+                if job.finished:  # ended while it ran (fail_transient): that end stands
+                    continue
                 job.solo = job.solo or len(jobs) > 1
                 if self._retry_or_fail(job, error, spent):
                     again.append(job)
@@ -420,6 +435,25 @@ class JobStore:
         with self._cond:
             self._running = [j for j in self._running if not j.finished]
         return stranded
+
+    def fail_transient(self, error: dict) -> list[Job]:
+        """End every job that lives in memory only (the synchronous routes' jobs), queued or running, with
+        ``error`` and answer whoever waits on it; refuse new ones with :class:`Unavailable` from now on. For a
+        process about to be replaced (a torchrun restart): a persistent job stays queued on disk for the next
+        one, an in-memory job would be lost with its client's connection. Returns the jobs ended."""
+        with self._cond:
+            self._transient_refusal = error
+            ended = [j for j in (*self._queue, *self._running) if not j.persistent and not j.finished]
+            for job in ended:
+                if job in self._queue:
+                    self._queue.remove(job)
+                else:  # running: the engine call's end finds it finished and leaves it so
+                    self._running.remove(job)
+                self._ended(job, "failed", error)
+                self.finished_counts["failed"] += 1
+        for job in ended:
+            self._wake(job)
+        return ended
 
     def set_progress(self, job: Job, percent: int) -> None:
         """A running job's progress (from the engine's per-step callback); written to its record."""

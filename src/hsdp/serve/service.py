@@ -14,6 +14,7 @@ import os
 import random
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import fields
 from pathlib import Path
@@ -26,7 +27,7 @@ from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
 from hsdp.models.builtin import resolve_model
-from hsdp.serve.jobs import Job, JobStore, QueueFull
+from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable
 from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
 from hsdp.serve.schemas import (
@@ -127,10 +128,13 @@ class Server:
         self._earlier_adapter_counts: Counter = Counter()
         self.leader = workers
         self._stopped = threading.Event()
+        self.load_s = 0.0
+        """How long :meth:`start` took to load the model: what a restarted server takes again (``Retry-After``)."""
 
     def _make_engine(self) -> Engine:
         s = self.settings
         if self.leader is not None and self.leader.broken:
+            self.expect_torchrun_restart("a torchrun rank was lost and torchrun restarts every rank")
             _await_torchrun_restart(self._stopped)
         previous = self.runner.engine.adapter_stats if self.runner.engine is not None else None
         first = self.base_loads == 0
@@ -214,7 +218,27 @@ class Server:
         current = (engine.adapter_stats if engine is not None else None) or {}
         return {k: self._earlier_adapter_counts[k] + current.get(k, 0) for k in _ADAPTER_COUNTS}
 
+    def expect_torchrun_restart(self, why: str) -> None:
+        """Under torchrun, this process is about to be replaced: torchrun restarts every rank after a rank's
+        loss, rank 0's HTTP server included, and stops every rank on SIGTERM. A synchronous request lives in
+        this process only, on its client's connection, so it cannot wait for the new one: it is answered now,
+        503 with ``Retry-After`` (the time the model took to load, at least 5 s), and so is any that arrives
+        meanwhile. Queued ``/v1/videos`` jobs stay on disk and run after the restart."""
+        retry_s = max(5, round(self.load_s))
+        error = {
+            "code": "restarting",
+            "message": f"{why}, this server's HTTP process included, so this request cannot be kept: send it "
+            f"again in {retry_s}s, once torchrun has restarted them (POST /v1/videos jobs are kept on disk and run "
+            "after the restart)",
+            "retry_after_s": retry_s,
+        }
+        ended = self.store.fail_transient(error)
+        logger.warning(
+            "%s; answered %d waiting synchronous request(s) with 503 (Retry-After %ds)", why, len(ended), retry_s
+        )
+
     def start(self) -> None:
+        started = time.monotonic()
         self.store.lock()  # first: a second server on this --output-dir is refused before anything loads
         self._recall_adapters()
         loaded, requeued = self.store.load()
@@ -232,6 +256,7 @@ class Server:
             self.tokenizer = AutoTokenizer.from_pretrained(self.info.path)
             config = json.loads((Path(self.info.path) / "config.json").read_text())
             self.max_positions = config.get("max_position_embeddings")
+        self.load_s = time.monotonic() - started
 
     def stop(self) -> None:
         self._stopped.set()
@@ -402,6 +427,15 @@ class Server:
                 code="queue_full",
                 kind="rate_limit_error",
                 headers={"Retry-After": str(exc.retry_after_s)},
+            ) from exc
+        except Unavailable as exc:
+            error = exc.error
+            raise ApiError(
+                503,
+                error["message"],
+                code=error["code"],
+                kind="server_error",
+                headers={"Retry-After": str(error["retry_after_s"])},
             ) from exc
         except OSError as exc:  # the job's record or upload could not be written (a full disk)
             raise ApiError(

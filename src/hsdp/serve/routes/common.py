@@ -111,14 +111,15 @@ def _raise_failure(jobs: list[Job]) -> None:
     error = failed[0].error or {"code": "failed", "message": "generation failed"}
     if error["code"] == "invalid_request":
         raise ApiError(400, error["message"], code=error["code"])
-    # Worker failures were already run again (--max-attempts); only a stopping server is worth a retry.
-    stopping = error["code"] == "server_stopped"
+    # Worker failures were already run again (--max-attempts); only a stopping or a replaced server (a torchrun
+    # restart, which ends this process) is worth a retry.
+    retry = error["code"] in ("server_stopped", "restarting")
     raise ApiError(
-        503 if stopping else 500,
+        503 if retry else 500,
         error["message"],
         code=error["code"],
         kind="server_error",
-        headers={"Retry-After": "5"} if stopping else None,
+        headers={"Retry-After": str(error.get("retry_after_s", 5))} if retry else None,
     )
 
 
