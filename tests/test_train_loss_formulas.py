@@ -60,8 +60,6 @@ def trainers(tmp_path_factory):
     media.mkdir()
     write_square_media(media, count=ROWS)
     made: dict = {}
-    # LTX names no block class; units of 10k parameters shard the toy (hsdp's default is 100M)
-    diffusers.LTXVideoTransformer3DModel._hsdp_min_num_params = 10_000
 
     def get(name: str):
         if name not in made:
@@ -69,14 +67,14 @@ def trainers(tmp_path_factory):
             cfg = TrainConfig(model=str(folder), data=str(media), resolution=32, steps=OVERFIT_STEPS,
                               batch_size=ROWS, lr=1e-2, seed=3, lora_r=8, lora_alpha=8.0,
                               lora_target_modules=_linear_names(folder), progress=False)  # fmt: skip
-            trainer = DiffusionTrainer(cfg).__enter__()
+            trainer = DiffusionTrainer(cfg)
             pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
             made[name] = trainer, pipe
         return made[name]
 
     yield get
     for trainer, _ in made.values():
-        trainer.__exit__(None)
+        trainer.close()
     torch.set_num_threads(threads)
 
 
@@ -252,10 +250,17 @@ def cogvideox(trainer, pipe, model, x0, noise, prompts):
     return loss, _ddpm_u(timesteps)
 
 
-SCRIPTS = {"tiny-flux": (_normalized, flux), "sd3": (_normalized, sd3), "tiny-sdxl": (_sdxl_latents, sdxl),
-           "sana": (_sana_latents, sana), "lumina2": (_normalized, lumina2), "z-image": (_normalized, z_image),
-           "cogvideox": (_cogvideox_latents, cogvideox)}  # fmt: skip
-"""hsdp family -> the script's (latents, loss) (built-ins tiny-flux and tiny-sdxl; the rest held out)."""
+_DREAMBOOTH = "examples/dreambooth/train_dreambooth_lora_{}.py"
+SCRIPTS = {"tiny-flux": (_DREAMBOOTH.format("flux"), _normalized, flux),
+           "sd3": (_DREAMBOOTH.format("sd3"), _normalized, sd3),
+           "tiny-sdxl": (_DREAMBOOTH.format("sdxl"), _sdxl_latents, sdxl),
+           "sana": (_DREAMBOOTH.format("sana"), _sana_latents, sana),
+           "lumina2": (_DREAMBOOTH.format("lumina2"), _normalized, lumina2),
+           "z-image": (_DREAMBOOTH.format("z_image"), _normalized, z_image),
+           "cogvideox": ("examples/cogvideo/train_cogvideox_lora.py", _cogvideox_latents, cogvideox)}  # fmt: skip
+"""hsdp family -> the diffusers script, its latents and its loss (built-ins tiny-flux and tiny-sdxl; the rest held
+out)."""
+OVERFIT = list(BUILDERS)
 
 
 @pytest.mark.parametrize("family", list(SCRIPTS))
@@ -265,7 +270,7 @@ def test_loss_equals_training_script_formula(family, trainers):
     latents = torch.stack(trainer.data.latents[:ROWS])
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
     prompts = trainer.batch_prompts(trainer.data.prompts[:ROWS])
-    script_latents, script_loss = SCRIPTS[family]
+    _, script_latents, script_loss = SCRIPTS[family]
     with torch.no_grad():
         # the script's normalization is hsdp's (the VAE's fp32 rounding apart: it encodes a batch, hsdp an item)
         assert (script_latents(pipe.vae, pixels) - latents).abs().max() <= 1e-5 * latents.abs().max()
@@ -275,7 +280,7 @@ def test_loss_equals_training_script_formula(family, trainers):
     assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
 
 
-@pytest.mark.parametrize("family", list(BUILDERS))
+@pytest.mark.parametrize("family", OVERFIT)
 def test_family_overfits_one_sample(family, trainers):
     """30 steps with the noise and timestep held fixed (u = 0.5 of the trained range) halve the sample's loss."""
     trainer, _ = trainers(family)
