@@ -260,7 +260,9 @@ SCRIPTS = {"tiny-flux": (_DREAMBOOTH.format("flux"), _normalized, flux),
            "cogvideox": ("examples/cogvideo/train_cogvideox_lora.py", _cogvideox_latents, cogvideox)}  # fmt: skip
 """hsdp family -> the diffusers script, its latents and its loss (built-ins tiny-flux and tiny-sdxl; the rest held
 out)."""
-OVERFIT = list(BUILDERS)
+OVERFIT = [*BUILDERS, "tiny-flux"]
+"""Families of the overfit test (not tiny-sdxl: LoRA on its UNet's linear layers, not its convolutions, reaches
+x0.53 in 30 steps)."""
 
 
 @pytest.mark.parametrize("family", list(SCRIPTS))
