@@ -22,12 +22,15 @@ def write_media(folder) -> None:
         (folder / f"img{i}.txt").write_text(f"a cat number {i}")
 
 
-def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
-    """Train each config; return the losses, the trained parameters (whole, rank 0's copy) and when it started."""
+def train_diffusion(configs: list[TrainConfig], grad_share: bool = False) -> list[dict]:
+    """Train each config; return the losses, the trained parameters (whole, rank 0's copy) and when it started;
+    with ``grad_share`` (one process) also what :func:`assert_trained_like` needs of a reference: ``grad_share``,
+    ``lr``, ``steps``."""
     out = []
     for cfg in configs:
         started = time.time_ns()
         with DiffusionTrainer(cfg) as trainer:
+            shares = _record_grad_share(trainer) if grad_share else None
             result = trainer.fit()
             state = {n: t for n, t in trainer.full_state().items() if trainer.model.get_parameter(n).requires_grad}
             frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
@@ -38,7 +41,29 @@ def train_diffusion(configs: list[TrainConfig]) -> list[dict]:
             trained_share = held / sum(p.numel() for p in trained)
         out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started,
                     "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes, "trained_share": trained_share})
+        if shares is not None:
+            out[-1] |= {"grad_share": shares, "lr": cfg.lr, "steps": cfg.steps}
     return out
+
+
+def _record_grad_share(trainer) -> dict[str, torch.Tensor]:
+    """Each trained element's smallest gradient over the steps as a share of its tensor's largest (filled in as
+    the optimizer steps), as :func:`reference_run` keeps it."""
+    trained = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in trained}
+    shares = {n: torch.ones(p.shape) for n, p in trained}
+
+    def before_step(optimizer, args, kwargs):
+        for param in trainer.params:
+            if param.grad is None:
+                continue
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            share = grad.abs() / grad.abs().max().clamp_min(1e-30)
+            name = names[id(param)]
+            shares[name] = torch.minimum(shares[name], share.cpu())
+
+    trainer.optimizer.register_step_pre_hook(before_step)
+    return shares
 
 
 def reference_run(cfg: TrainConfig, model_dir) -> dict:

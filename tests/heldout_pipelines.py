@@ -88,8 +88,11 @@ def cogvideox():
                                  up_block_types=("CogVideoXUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
                                  latent_channels=4, layers_per_block=1, norm_num_groups=2,
                                  temporal_compression_ratio=4)  # fmt: skip
+    # CogVideoX-2b's scheduler config (diffusers' test suite takes the class defaults: epsilon, no SNR changes)
+    scheduler = CogVideoXDDIMScheduler(prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                                       snr_shift_scale=3.0, timestep_spacing="trailing")  # fmt: skip
     return CogVideoXPipeline(tokenizer=_tokenizer(), text_encoder=_t5(), vae=vae.eval(),
-                             transformer=fill_zero_params(transformer), scheduler=CogVideoXDDIMScheduler())  # fmt: skip
+                             transformer=fill_zero_params(transformer), scheduler=scheduler)  # fmt: skip
 
 
 def ltx():

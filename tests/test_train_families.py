@@ -10,7 +10,6 @@ train in one ``dist_run`` call (one process group, each family's trainer in turn
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 from hsdp.config import ParallelConfig
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
-from tests.diffusion_train_fns import train_diffusion
+from tests.diffusion_train_fns import assert_trained_like, train_diffusion
 from tests.heldout_pipelines import BUILDERS, build, write_square_media
 
 pytestmark = pytest.mark.slow
@@ -28,8 +27,14 @@ TOL = 1e-5
 BOTH = "transformer,transformer_2"
 CASES = {name: (name, None) for name in BUILDERS} | {"wan2.2-a14b-transformer_2": ("wan2.2-a14b", "transformer_2"),
                                                     "wan2.2-a14b-both": ("wan2.2-a14b", BOTH)}  # fmt: skip
-"""Case -> (held-out pipeline, trained component; None: the first denoiser). Wan 2.2 A14B trains each expert on
-its side of ``boundary_ratio``, or both in one run (in turn, one a step)."""
+"""Case -> (held-out pipeline, trained component; None: the first denoiser), LoRA. Wan 2.2 A14B trains each expert
+on its side of ``boundary_ratio``, or both in one run (in turn, one a step)."""
+FULL = ("chroma", "ltx", "z-image")
+"""Held-out pipelines fully fine-tuned as well: packed latents with ids (Chroma), packed video tokens in FSDP units
+cut by size (LTX), lists of per-sample tensors with a reversed timestep and negated prediction (Z-Image). Not
+CogVideoX: its key norms' LayerNorm bias has an exactly zero gradient (a bias on every key adds the same logit to
+each), so both runs step it by AdamW's lr-sized response to rounding noise (1.6e-4 apart after 2 steps at lr 1e-3),
+and a tensor whose whole gradient is rounding gives :func:`assert_trained_like` no scale to derive a bound from."""
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "training-diffusion.md"
 
 
@@ -42,9 +47,9 @@ def heldout(tmp_path_factory) -> tuple[dict[str, Path], Path]:
     return {name: build(name, root) for name in BUILDERS}, media
 
 
-def _cfg(folder: Path, media: Path, component: str | None, **kw) -> TrainConfig:
+def _cfg(folder: Path, media: Path, component: str | None, lora_r: int = 4, **kw) -> TrainConfig:
     return TrainConfig(model=str(folder), data=str(media), resolution=32, steps=2, batch_size=2, lr=1e-3, seed=3,
-                       lora_r=4, progress=False, train_component=component, **kw)  # fmt: skip
+                       lora_r=lora_r, progress=False, train_component=component, **kw)  # fmt: skip
 
 
 def train_toy_units(configs: list[TrainConfig]) -> list[dict]:
@@ -60,15 +65,18 @@ def train_toy_units(configs: list[TrainConfig]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sharded(heldout, dist_run, tmp_path_factory) -> dict[str, dict]:
-    """Every case trained at HSDP 2 (one process group, the cases in turn), and Wan 2.2's two experts again, run
-    for one step (checkpointed, each expert's optimizer state with it) and resumed for the second."""
+    """Every LoRA case and the full fine-tuning of :data:`FULL` (``<name>-full``) trained at HSDP 2 (one process
+    group, the cases in turn), and Wan 2.2's two experts again, run for one step (checkpointed, each expert's
+    optimizer state with it) and resumed for the second."""
     folders, media = heldout
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
     cfgs = [_cfg(folders[name], media, component, parallel=layout) for name, component in CASES.values()]
+    cfgs += [_cfg(folders[name], media, None, lora_r=0, parallel=layout) for name in FULL]
     first = _cfg(folders["wan2.2-a14b"], media, BOTH, parallel=layout,
                  output_dir=str(tmp_path_factory.mktemp("experts-run"))).replace(steps=1)  # fmt: skip
-    runs = dist_run(2, train_toy_units, [*cfgs, first, first.replace(steps=2, resume="auto")], timeout_s=1500)[0]
-    return dict(zip([*CASES, "both-first", "both-resumed"], runs, strict=True))
+    cfgs += [first, first.replace(steps=2, resume="auto")]
+    names = [*CASES, *(f"{name}-full" for name in FULL), "both-first", "both-resumed"]
+    return dict(zip(names, dist_run(2, train_toy_units, cfgs, timeout_s=1500)[0], strict=True))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -116,18 +124,57 @@ def test_train_component_is_checked_before_ranks_start(heldout):
         diffusion_training(str(folders["wan2.2-a14b"]), height=32, width=32, component="all")
 
 
+@pytest.mark.parametrize("name", FULL)
+def test_heldout_family_full_finetune_hsdp2_equals_one_process(name, heldout, sharded):
+    """Full fine-tuning: losses within 1e-5 and every weight within what AdamW makes of rounding-level gradient
+    differences (:func:`assert_trained_like`, the reference's gradients recorded in the one-process run)."""
+    folders, media = heldout
+    one = train_diffusion([_cfg(folders[name], media, None, lora_r=0)], grad_share=True)[0]
+    run = sharded[f"{name}-full"]
+    assert not any("lora_" in key for key in one["state"])
+    assert sum(t.numel() for t in one["state"].values()) > 1000  # the whole denoiser, not adapters
+    assert_trained_like(run, one, TOL)
+    assert run["losses"][0] != run["losses"][1]
+
+
+def families_table() -> str:
+    """docs/training-diffusion.md's families table: what this file's and tests/test_train_loss_formulas.py's
+    parametrizations prove."""
+    from tests.test_train_loss_formulas import OVERFIT, SCRIPTS
+
+    lora = {}
+    for name, component in CASES.values():
+        lora[name] = "yes, each expert or both" if component else "yes"
+    builtin = "built-in: [correctness](#correctness)"
+    rows = ["| family | LoRA, HSDP 2 = one process | full fine-tuning, HSDP 2 = one process | "
+            "loss = the diffusers script's formula | overfits one sample |", "|---|---|---|---|---|"]  # fmt: skip
+    for name in [*BUILDERS, *(n for n in SCRIPTS if n not in BUILDERS)]:
+        cells = [
+            name,
+            lora.get(name, builtin),
+            "yes" if name in FULL else "-" if name in BUILDERS else builtin,
+            f"`{SCRIPTS[name][0]}`" if name in SCRIPTS else "no official script",
+            "yes" if name in OVERFIT else "-",
+        ]
+        rows.append(f"| {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def test_docs_families_table_matches(heldout):
-    """docs/training-diffusion.md lists every held-out family the tests above train, and each refused pipeline with
-    the trainer's own message."""
-    table = DOCS.read_text()
-    for name in BUILDERS:
-        assert re.search(rf"^\| {re.escape(name)} \| trains", table, re.M), name
+    """docs/training-diffusion.md has the families table the tests prove (:func:`families_table`) and each refused
+    pipeline's message, as the trainer gives it."""
+    text = DOCS.read_text()
+    assert families_table() in text, families_table()
     folders, media = heldout
     for model in ("tiny-wan-i2v", "tiny-flux-kontext"):
         with pytest.raises(TrainConfigError, match="its __call__ takes image.*does not build yet") as refused:
             check_diffusion_run(_cfg(Path(model), media, None))
     message = str(refused.value).split(": ", 1)[1].replace("FluxKontextPipeline", "WanImageToVideoPipeline")
-    assert message in table, message
+    assert message in text, message
+    with pytest.raises(TrainConfigError, match="makes audio") as refused:
+        check_diffusion_run(_cfg(Path("tiny-stable-audio"), media, None))
+    message = str(refused.value).split(": ", 1)[1]
+    assert message in text, message
 
 
 def test_no_import_circle_and_no_private_imports():

@@ -5,8 +5,9 @@ Flow-matching schedulers (``FlowMatch*``, or any scheduler configured with ``pre
 ``noise - x_0``; ``s`` is drawn with diffusers' own ``compute_density_for_timestep_sampling`` (uniform, logit-normal
 or mode), shifted by the flow shift (``s' = shift * s / (1 + (shift - 1) * s)``, the scheduler's own shift unless
 ``--flow-shift`` says otherwise), and the loss is weighted with ``compute_loss_weighting_for_sd3``. DDPM-style
-schedulers (SDXL's) noise with ``DDPMScheduler.add_noise`` and predict ``epsilon`` or ``v_prediction`` (the
-scheduler's ``prediction_type``).
+schedulers (SDXL's, CogVideoX's) noise with ``DDPMScheduler.add_noise`` on the noise schedule of the pipeline's own
+scheduler (CogVideoX shifts it by ``snr_shift_scale``) and predict ``epsilon`` or ``v_prediction`` (the scheduler's
+``prediction_type``).
 
 Every random draw comes from a CPU generator the caller seeds per step and micro-batch, drawn for the whole global
 micro-batch, so a run gives the same noise and timesteps at every world size and layout.
@@ -14,6 +15,7 @@ micro-batch, so a run gives the same noise and timesteps at every world size and
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +106,24 @@ class Objective:
         low, high = self._timestep_bounds()
         return self._ddpm_at(latents, noise, torch.randint(low, high, (latents.shape[0],), generator=generator))
 
-    def _ddpm_at(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
-        from diffusers import DDPMScheduler
+    @functools.cached_property
+    def _ddpm_scheduler(self):
+        """DDPM's forward process (``add_noise``, ``get_velocity``) on the noise schedule of the pipeline's own
+        scheduler class: CogVideoX's schedulers shift ``alphas_cumprod`` by their ``snr_shift_scale`` (as
+        train_cogvideox_lora.py's CogVideoXDPMScheduler does), which a ``DDPMScheduler`` built from the same
+        config would ignore."""
+        import diffusers
 
-        scheduler = DDPMScheduler.from_config(self.scheduler_config or {})
+        config = self.scheduler_config or {}
+        scheduler = diffusers.DDPMScheduler.from_config(config)
+        own = getattr(diffusers, str(config.get("_class_name", "")), None)
+        alphas = getattr(own.from_config(config), "alphas_cumprod", None) if hasattr(own, "from_config") else None
+        if isinstance(alphas, torch.Tensor) and alphas.shape == scheduler.alphas_cumprod.shape:
+            scheduler.alphas_cumprod = alphas.clone()
+        return scheduler
+
+    def _ddpm_at(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
+        scheduler = self._ddpm_scheduler
         noisy = scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.kind == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
         return Noised(noisy=noisy, timesteps=timesteps, target=target, weights=torch.ones(latents.shape[0]))
