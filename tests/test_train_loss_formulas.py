@@ -85,7 +85,7 @@ def _micro_batch(trainer, latents: torch.Tensor, noise: torch.Tensor, u: torch.T
     bucket = trainer.data.dataset.buckets[0]
     prompts = trainer.batch_prompts(trainer.data.prompts[: len(latents)])
     batch = DenoiserBatch(noised.noisy, noised.timesteps, prompts, (bucket.height, bucket.width), bucket.frames)
-    return _MicroBatch(batch, noised.target, noised.weights)
+    return _MicroBatch(batch, noised.target, noised.weights, trainer.component)
 
 
 # --- the scripts' formulas -----------------------------------------------------------------------------------------
