@@ -30,7 +30,13 @@ from hsdp.serve.schemas import ApiError
 from hsdp.serve.service import Server
 from hsdp.serve.settings import ServeSettings
 from tests.engine_refs import builtin
-from tests.lora_refs import lm_reference, save_adapter, video_reference
+from tests.lora_refs import (
+    diffusers_folder,
+    diffusers_video_reference,
+    lm_reference,
+    save_adapter,
+    video_reference,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +167,7 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
         {"lora": {"name": "y", "local_path": "y", "scale": 0.5}},  # loaded under its name on first use
         {"model": "x"},
         {"lora": {"name": "y", "scale": 0.5}},
+        {"lora": [{"name": "x"}, {"name": "y", "scale": 0.5}]},  # composed (issue 26 item 4)
     ]
     common = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 2}
     with (
@@ -179,9 +186,13 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
                 "model": {"model": "x", "num_frames": 1},
                 "lora": {"extra_body": {"lora": {"name": "x"}, "num_frames": 1}},
                 "base": {"num_frames": 1},
+                "composed": {"extra_body": {"lora": [{"name": "x"}, {"name": "y", "scale": 0.5}], "num_frames": 1}},
             }.items()
         }
         unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
+        composed_unknown = client.post(
+            "/v1/images/generations", json={**common, "lora": [{"name": "x"}, {"name": "nope"}]}
+        )
         outside = client.post(
             "/v1/images/generations", json={**common, "lora": {"name": "z", "local_path": str(wan)}}
         )
@@ -191,19 +202,24 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
     for body, response in zip(bodies, responses, strict=True):
         assert response.status_code == 200, response.text
         lora = body.get("lora") or ({"name": body["model"]} if "model" in body else None)
-        adapter = wan_root / lora["name"] if lora else None
-        frame = video_reference(
-            wan, adapter, lora.get("scale", 1.0) if lora else 1.0, "a red fox", params, defaults
-        )
+        if isinstance(lora, list):  # diffusers' set_adapters over its own load_lora_weights, in one process
+            loras = [(diffusers_folder(wan_root / item["name"]), item.get("scale", 1.0)) for item in lora]
+            frame = diffusers_video_reference(wan, loras, "a red fox", params, defaults)
+        else:
+            adapter = wan_root / lora["name"] if lora else None
+            frame = video_reference(
+                wan, adapter, lora.get("scale", 1.0) if lora else 1.0, "a red fox", params, defaults
+            )
         got = base64.b64decode(response.json()["data"][0]["b64_json"])
         assert got == encode_image(frame[0], ".png"), body
     assert all(r.status_code == 200 for r in chats.values()), {k: r.text[:300] for k, r in chats.items()}
     videos = {k: r.json()["choices"][0]["message"]["content"][0]["image_url"]["url"] for k, r in chats.items()}
-    assert videos["model"] == videos["lora"] != videos["base"]
-    assert [chats[k].json()["model"] for k in ("model", "lora", "base")] == ["x", "x", str(wan)]
+    assert videos["model"] == videos["lora"] != videos["base"] != videos["composed"] != videos["model"]
+    assert [chats[k].json()["model"] for k in chats] == ["x", "x", str(wan), "x+y"]
     images = [r.json()["data"][0]["b64_json"] for r in responses]
-    assert len({images[0], images[1], images[2]}) == 3, "an adapter changes nothing"
+    assert len({images[0], images[1], images[2], images[-1]}) == 4, "an adapter changes nothing"
     assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
+    assert composed_unknown.status_code == 404 and composed_unknown.json()["error"]["param"] == "lora.1.name"
     assert outside.status_code == 400 and "outside --lora-root" in outside.json()["error"]["message"]
     assert (
         _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 2

@@ -7,23 +7,26 @@ slot, rank ``--max-lora-rank``, on the union of the layers the adapters adapt. E
 the layer it adapts, sharded as that layer is. Filling a slot from a peft adapter folder (:func:`fill`) copies each
 rank's slice of the zero-padded ``lora_A`` (rows past the adapter's rank are zero) and ``lora_B`` (columns past it
 are zero): ``B_pad @ A_pad == B @ A``, so any adapter of rank <= the slot's fits; no communication, no re-sharding,
-the base is never reloaded. Before each call :func:`activate` makes one slot active with the adapter's own per-layer
-``lora_alpha / r`` (peft's, rsLoRA and rank/alpha patterns included) times the request's scale, and layers the
-adapter does not adapt run the base alone; no adapter means every slot is off, the base exactly.
+the base is never reloaded. Before each call :func:`activate` makes the call's slots active, each with its
+adapter's own per-layer ``lora_alpha / r`` (peft's, rsLoRA and rank/alpha patterns included) times the request's
+scale for it, and layers no active adapter adapts run the base alone; no adapter means every slot is off, the base
+exactly. Several adapters at once are peft's multi-adapter forward (each active adapter's ``B @ A`` term added in
+the order given), which is what diffusers' ``set_adapters([a, b], adapter_weights=[wa, wb])`` activates.
 
 A padded slot computes the same sum as peft with the adapter alone, with zeros added: equal to peft exactly when
 the adapter's rank is the slot's, and within float rounding (measured: relative 1e-6) when it is smaller, because
 the matmul kernels group a longer inner dimension differently.
 
 The caller side (:class:`AdapterCache`) keeps which adapter sits in which slot, evicts the least recently used
-when a new one is needed, and counts loads and switches; a call uses one adapter and one scale.
+when a new one is needed (never one the same call uses), and counts loads and switches; a call uses one
+adapter, or several composed, each with its scale.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +104,7 @@ class SlotSpec:
             param.requires_grad_(is_slot)
             if is_slot and param.dtype != torch.float32:
                 param.data = param.data.float()
-        activate([model], None)
+        activate([model], ())
 
     def problem(self, adapter: AdapterSpec, flag: str) -> str | None:
         """Why ``adapter`` does not fit these slots (rank or layers), or None."""
@@ -122,7 +125,7 @@ class SlotSpec:
 
 @dataclass(frozen=True)
 class ActiveAdapter:
-    """The slot a call uses and each adapted layer's scaling (the adapter's ``lora_alpha / r`` x the scale)."""
+    """A slot a call uses and each layer's scaling there (the adapter's ``lora_alpha / r`` x the scale)."""
 
     slot: int
     scaling: dict[str, float]
@@ -241,32 +244,32 @@ def fill(modules: list[nn.Module], slot: int, adapter: AdapterSpec) -> int:
     return copied
 
 
-def activate(modules: list[nn.Module], active: ActiveAdapter | None) -> None:
-    """Make ``active``'s slot the one adapter of every LoRA layer it adapts (with its scaling); every other layer,
-    and all of them when ``active`` is None, runs the base alone."""
+def activate(modules: list[nn.Module], active: Sequence[ActiveAdapter]) -> None:
+    """Make ``active``'s slots, in that order, the adapters of every LoRA layer they adapt (each with its scaling);
+    a layer none of them adapts, and every layer when ``active`` is empty, runs the base alone."""
     for model in modules:
         for module_name, layer in _lora_layers(model).items():
-            scaling = active.scaling.get(module_name) if active is not None else None
-            if scaling is None:
-                layer._active_adapter = []
-                continue
-            name = slot_name(active.slot)
-            layer.scaling[name] = scaling
-            layer._active_adapter = [name]
+            names = []
+            for adapter in active:
+                scaling = adapter.scaling.get(module_name)
+                if scaling is not None:
+                    names.append(slot_name(adapter.slot))
+                    layer.scaling[names[-1]] = scaling
+            layer._active_adapter = names
             layer._disable_adapters = False
 
 
 # -- caller side -------------------------------------------------------------------------------------------------
 class AdapterCache:
     """Which adapter sits in which slot, least recently used first; counts loads (slot fills) and switches (calls
-        whose adapter, None for the base, differs from the previous call's). Thread-safe: adapters are added and removed
+    whose adapters, none for the base, differ from the previous call's). Thread-safe: adapters are added and removed
     from request handlers while the engine's thread runs calls."""
 
     def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = (), flag: str = "--lora"):
         self.slots = slots
         self.known: dict[str, AdapterSpec] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()
-        self.current: str | None = None
+        self.current: tuple[str, ...] = ()
         self.loads = 0
         self.switches = 0
         self.evictions = 0
@@ -307,31 +310,36 @@ class AdapterCache:
                 return self.resident[name]
             return None
 
-    def free_slot(self) -> int:
-        """An empty slot, or the least recently used one (evicted)."""
+    def free_slot(self, keep: Iterable[str] = ()) -> int:
+        """An empty slot, or the least recently used one (evicted) whose adapter is not in ``keep`` (the others
+        the same call uses; callers check that the call's adapters fit the slots)."""
         with self._lock:
             used = set(self.resident.values())
             empty = [s for s in range(self.slots.count) if s not in used]
             if empty:
                 return empty[0]
+            victim = next(name for name in self.resident if name not in set(keep))
             self.evictions += 1
-            return self.resident.popitem(last=False)[1]
+            return self.resident.pop(victim)
 
     def loaded(self, name: str, slot: int) -> None:
         with self._lock:
             self.resident[name] = slot
             self.loads += 1
 
-    def use(self, name: str | None, slot: int | None, scale: float) -> ActiveAdapter | None:
-        """Count the switch (if any) and the per-layer scalings for a call with ``name`` in ``slot``."""
+    def use(self, chosen: Sequence[tuple[str, int, float]]) -> tuple[ActiveAdapter, ...]:
+        """Count the switch (if any) and the per-layer scalings for a call with each ``(name, slot, scale)`` of
+        ``chosen`` (none: the base)."""
         with self._lock:
-            layers = self.spec(name).layers if name is not None else {}  # removed meanwhile: refused
-            if name != self.current:
+            layers = [self.spec(name).layers for name, _, _ in chosen]  # removed meanwhile: refused
+            current = tuple(name for name, _, _ in chosen)
+            if current != self.current:
                 self.switches += 1
-                self.current = name
-        if name is None or slot is None:
-            return None
-        return ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in layers.items()})
+                self.current = current
+        return tuple(
+            ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in adapter.items()})
+            for (_, slot, scale), adapter in zip(chosen, layers, strict=True)
+        )
 
     def stats(self) -> dict:
         with self._lock:
