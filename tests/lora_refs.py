@@ -132,3 +132,31 @@ def diffusers_video_reference(
     with one_thread(), torch.no_grad():
         generator = torch.Generator().manual_seed(params.seed)
         return pipe(prompt, generator=generator, output_type="np", **call).frames[0]
+
+
+WAN_BLOCK_LINEARS = r".*blocks\.\d+\.(attn1\.to_(q|k|v|out\.0)|attn2\.to_(q|k|v|out\.0)|ffn\.net\.(0\.proj|2))"
+"""peft targets: every linear layer of Wan's blocks (what musubi-tuner's LoRA files adapt, and its converter
+requires)."""
+
+
+def kohya_files(adapter: Path, transformer: torch.nn.Module, out: Path) -> dict[str, Path]:
+    """The peft adapter folder ``adapter`` of a Wan ``transformer`` as LoRA files of other tools: ComfyUI's
+    (``diffusion_model.<original name>.lora_down`` / ``lora_up`` / ``alpha``, :func:`hsdp.lora_formats.comfyui_lora`)
+    and musubi-tuner's kohya keys (``lora_unet_<original_name_with_underscores>``, the same tensors)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    from hsdp.lora_formats import comfyui_lora
+
+    comfy = comfyui_lora(load_file(adapter / "adapter_model.safetensors"), LoraConfig.from_pretrained(adapter), transformer)
+    kohya = {}
+    for key, tensor in comfy.items():
+        module, part = key.removeprefix("diffusion_model.").rsplit(".", 1)
+        if part == "weight":  # lora_down.weight / lora_up.weight
+            module, part = module.rsplit(".", 1)[0], module.rsplit(".", 1)[1] + ".weight"
+        kohya[f"lora_unet_{module.replace('.', '_')}.{part}"] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"comfyui": out / "comfyui.safetensors", "kohya": out / "kohya.safetensors"}
+    save_file(comfy, paths["comfyui"])
+    save_file(kohya, paths["kohya"])
+    return paths

@@ -21,8 +21,10 @@ from hsdp.launch import worker_state
 from hsdp.models.tiny import build_tiny_llama
 from tests.engine_refs import builtin
 from tests.lora_refs import (
+    WAN_BLOCK_LINEARS,
     diffusers_folder,
     diffusers_video_reference,
+    kohya_files,
     lm_reference,
     save_adapter,
     video_reference,
@@ -157,33 +159,43 @@ def wan_adapters(wan, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("wan-lora")
     # A str path: peft writes the base's _name_or_path into the adapter's model card, and a Path breaks its YAML.
     transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
+    # ``comfyui`` and ``kohya``: LoRA files of other tools (ComfyUI's keys, musubi-tuner's kohya keys) holding one
+    # adapter of every block's linear layers, as users have them (issue 26 item 4).
+    files = kohya_files(save_adapter(transformer, folder / "k", WAN_BLOCK_LINEARS, seed=5), transformer, folder)
     return {
         "x": save_adapter(
             transformer, folder / "x", ["to_q", "to_k", "to_v", "to_out.0", "proj_out"], seed=3
         ),
         "y": save_adapter(transformer, folder / "y", ["to_q", "to_v", "proj_out"], seed=4),
+        **files,
     }
 
 
 def test_denoiser_adapters_mixed_with_the_base(wan, wan_adapters, dist_run):
-    """Single adapters equal peft's; two composed (issue 26 item 4) equal diffusers' ``load_lora_weights`` of each
-    and ``set_adapters([x, y], adapter_weights=[1, 0.5])`` in one process, in either order."""
-    composed = [(["x", "y"], [1.0, 0.5]), (["y", "x"], [0.5, 1.0])]
+    """Single adapters equal peft's. Issue 26 item 4: two composed equal diffusers' ``load_lora_weights`` of each
+    and ``set_adapters([x, y], adapter_weights=[1, 0.5])`` in one process, in either order; LoRA files of ComfyUI
+    and musubi-tuner (kohya keys) equal diffusers' ``load_lora_weights(file)``, alone and composed."""
+    composed = [(["x", "y"], [1.0, 0.5]), (["y", "x"], [0.5, 1.0]), ("comfyui", 1.0), (["x", "kohya"], [1.0, 0.5])]
     with Engine(wan, HSDP2, workers=dist_run.group(2), lora=wan_adapters) as engine:
         defaults = engine.info.defaults
         outputs = {}
         for name, scale in (("x", 1.0), (None, 1.0), ("y", 0.5), *composed, ("x", 1.0)):
             [out] = engine.generate("a red fox", VIDEO, adapter=name, adapter_scale=scale)
-            if isinstance(name, list):
-                loras = [(diffusers_folder(wan_adapters[n]), s) for n, s in zip(name, scale, strict=True)]
+            if isinstance(name, list) or name in ("comfyui", "kohya"):
+                names, scales = (name, scale) if isinstance(name, list) else ([name], [scale])
+                loras = [
+                    (wan_adapters[n] if wan_adapters[n].is_file() else diffusers_folder(wan_adapters[n]), s)
+                    for n, s in zip(names, scales, strict=True)
+                ]
                 expected = diffusers_video_reference(wan, loras, "a red fox", VIDEO, defaults)
             else:
                 expected = video_reference(wan, wan_adapters.get(name), scale, "a red fox", VIDEO, defaults)
             np.testing.assert_array_equal(out.frames, expected, err_msg=f"adapter {name} scale {scale}")
             outputs[str(name)] = expected
         stats = engine.adapter_stats
-    assert (stats["loads"], stats["evictions"]) == (2, 0)
+    assert (stats["loads"], stats["evictions"]) == (4, 0)
     base = outputs["None"]
     assert np.abs(outputs["x"] - base).max() > 0.05 and np.abs(outputs["y"] - base).max() > 0.05
     both = outputs[str(["x", "y"])]
     assert np.abs(both - outputs["x"]).max() > 0.05 and np.abs(both - outputs["y"]).max() > 0.05
+    assert np.abs(outputs["comfyui"] - base).max() > 0.05

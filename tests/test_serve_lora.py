@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from hsdp.cli import main as cli_main
 from hsdp.engine import SamplingParams
@@ -33,6 +35,7 @@ from tests.engine_refs import builtin
 from tests.lora_refs import (
     diffusers_folder,
     diffusers_video_reference,
+    kohya_files,
     lm_reference,
     save_adapter,
     video_reference,
@@ -156,6 +159,11 @@ def wan_root(wan, tmp_path_factory) -> Path:
     targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
     save_adapter(transformer, folder / "x", targets, seed=3)
     save_adapter(transformer, folder / "y", targets, seed=4)
+    # A ComfyUI LoRA file (on the layers the adapter slots cover), and one whose keys name no layer of the model
+    # (issue 26 item 4).
+    kohya_files(save_adapter(transformer, folder / "k", targets, seed=5), transformer, folder / "files")
+    down, up = torch.zeros(4, 32), torch.zeros(32, 4)
+    save_file({"transformer.nope.lora_A.weight": down, "transformer.nope.lora_B.weight": up}, folder / "nothing.safetensors")
     return folder
 
 
@@ -189,6 +197,10 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
                 "composed": {"extra_body": {"lora": [{"name": "x"}, {"name": "y", "scale": 0.5}], "num_frames": 1}},
             }.items()
         }
+        # A ComfyUI LoRA file loaded at run time (vLLM's route), then served by name; one binding nothing is refused.
+        kohya = client.post("/v1/load_lora_adapter", json={"lora_name": "k", "lora_path": "files/comfyui.safetensors"})
+        by_kohya = client.post("/v1/images/generations", json={**common, "model": "k"})
+        nothing = client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "nothing.safetensors"})
         unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
         composed_unknown = client.post(
             "/v1/images/generations", json={**common, "lora": [{"name": "x"}, {"name": "nope"}]}
@@ -218,11 +230,16 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
     assert [chats[k].json()["model"] for k in chats] == ["x", "x", str(wan), "x+y"]
     images = [r.json()["data"][0]["b64_json"] for r in responses]
     assert len({images[0], images[1], images[2], images[-1]}) == 4, "an adapter changes nothing"
-    assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
+    assert kohya.status_code == 200 and by_kohya.status_code == 200, (kohya.text, by_kohya.text)
+    frame = diffusers_video_reference(wan, [(wan_root / "files" / "comfyui.safetensors", 1.0)], "a red fox", params, defaults)
+    assert base64.b64decode(by_kohya.json()["data"][0]["b64_json"]) == encode_image(frame[0], ".png")
+    message = nothing.json()["error"]["message"]
+    assert nothing.status_code == 400 and "binds no layer" in message and "found base_model.model.nope.lora_A" in message
+    assert unknown.status_code == 404 and "'k', 'x', 'y'" in unknown.json()["error"]["message"]
     assert composed_unknown.status_code == 404 and composed_unknown.json()["error"]["param"] == "lora.1.name"
     assert outside.status_code == 400 and "outside --lora-root" in outside.json()["error"]["message"]
     assert (
-        _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 2
+        _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 3
     )
 
 

@@ -73,8 +73,15 @@ class AdapterSpec:
 
     name: str
     path: Path
+    """The peft adapter folder (a diffusers folder's or LoRA file's conversion, :func:`as_peft_folder`)."""
     layers: dict[str, tuple[int, float]]
     """Adapted module (qualified name in the adapted model) -> (rank, peft's scaling ``lora_alpha / r``)."""
+    source: Path | None = None
+    """The folder or file as given, when it is not :attr:`path` (for messages)."""
+
+    @property
+    def given(self) -> Path:
+        return self.source or self.path
 
     @property
     def rank(self) -> int:
@@ -110,13 +117,13 @@ class SlotSpec:
         """Why ``adapter`` does not fit these slots (rank or layers), or None."""
         if adapter.rank > self.rank:
             return (
-                f"{flag} {adapter.path}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
+                f"{flag} {adapter.given}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
                 f"the server with --max-lora-rank {adapter.rank} (or more)"
             )
         outside = sorted(set(adapter.layers) - set(self.targets))
         if outside:
             return (
-                f"{flag} {adapter.path} adapts {len(outside)} layer(s) the adapter slots do not cover "
+                f"{flag} {adapter.given} adapts {len(outside)} layer(s) the adapter slots do not cover "
                 f"({', '.join(outside[:3])}...); the slots cover the layers of the adapters given at start "
                 "(--lora); give one adapter with these layers at start"
             )
@@ -140,14 +147,15 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def describe_adapter(name: str, folder: str | Path, model_dir: Path, flag: str) -> AdapterSpec:
-    """Check ``folder`` against the model in ``model_dir`` (:func:`hsdp.lora.adapter_config`: a peft LoRA folder
-    whose tensors are exactly that model's adapter tensors) and read its adapted layers, ranks and scalings by
-    injecting it into the model on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
+    """Check ``folder`` against the model in ``model_dir`` (:func:`hsdp.lora.adapter_config`: a peft LoRA folder,
+    a diffusers one or a LoRA file, whose tensors are exactly that model's adapter tensors) and read its adapted
+    layers, ranks and scalings by injecting it into the model on meta, as peft would. ``ValueError`` naming
+    ``flag`` otherwise."""
     from peft import inject_adapter_in_model
 
     from hsdp.loading import build_empty_model, model_class_for
 
-    config = adapter_config(folder, model_dir, flag)
+    config = adapter_config(folder, model_dir, flag, lora_file=True)
     used = [f for f in _UNSUPPORTED if getattr(config, f, None)]
     if used:
         raise ValueError(
@@ -157,8 +165,10 @@ def describe_adapter(name: str, folder: str | Path, model_dir: Path, flag: str) 
     model = build_empty_model(model_class_for(model_dir), model_dir, None)
     inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
     layers = {n: (m.r["default"], float(m.scaling["default"])) for n, m in _lora_layers(model).items()}
-    # A diffusers-format folder is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
-    return AdapterSpec(name=name, path=as_peft_folder(folder).resolve(), layers=layers)
+    # A diffusers-format folder or a LoRA file is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
+    path = as_peft_folder(folder, flag, model_dir).resolve()
+    source = Path(folder).resolve()
+    return AdapterSpec(name=name, path=path, layers=layers, source=source if source != path else None)
 
 
 def slot_spec(adapters: Iterable[AdapterSpec], model_dir: Path, count: int, rank: int | None) -> SlotSpec:

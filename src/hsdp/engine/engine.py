@@ -178,7 +178,7 @@ class Engine:
         self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
-        self.lora = specs[self.default_adapter].path if self.default_adapter else None
+        self.lora = specs[self.default_adapter].given if self.default_adapter else None
         self.memory_plan = memory_plan(
             self.info, self.config, device_memory, dtype, weight_dtype, forward_prefetch
         )
