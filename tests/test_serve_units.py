@@ -555,6 +555,32 @@ def test_max_batch_size_batches_each_set_of_adapters_apart(tmp_path):
         assert adapter == json.loads(choice), prompts
 
 
+def test_lora_field_takes_one_adapter_or_a_list():
+    """Issue 26 item 4: ``lora`` is one adapter or a list composed (a JSON string in multipart forms); errors name
+    the list item's field, as the one adapter's."""
+    from pydantic import ValidationError
+
+    from hsdp.serve.http import describe_validation_errors
+    from hsdp.serve.schemas import MAX_COMPOSED_LORAS, ImageRequest, VideoRequest
+
+    def problem(lora) -> tuple[str, str | None]:
+        with pytest.raises(ValidationError) as info:
+            VideoRequest.model_validate({"prompt": "x", "lora": lora})
+        return describe_validation_errors(list(info.value.errors()))
+
+    composed = VideoRequest.model_validate({"prompt": "x", "lora": '[{"name": "a"}, {"name": "b", "scale": 0.5}]'})
+    assert [(x.name, x.scale) for x in composed.lora] == [("a", 1.0), ("b", 0.5)]
+    assert ImageRequest.model_validate({"prompt": "x", "lora": {"name": "a"}}).lora.name == "a"
+    assert problem({"nam": "a"}) == ("lora.nam: unknown field; did you mean name?", "lora.nam")
+    assert problem([{"name": "a"}, {"name": "b", "sclae": 2}])[1] == "lora.1.sclae"
+    assert problem([{"name": "a"}, {"name": "a"}]) == (
+        "lora: Value error, names the adapter 'a' twice; give each once",
+        "lora",
+    )
+    assert "at least 1 item" in problem([])[0]
+    assert "at most 16 items" in problem([{"name": f"a{i}"} for i in range(MAX_COMPOSED_LORAS + 1)])[0]
+
+
 def test_a_full_disk_fails_the_job_and_the_engine_thread_goes_on(tmp_path, monkeypatch):
     """Issue 21 item 2: an OSError writing a record (disk full) ended the engine thread; the job stayed
     ``in_progress`` for ever and every later job queued for ever."""

@@ -199,13 +199,15 @@ def _all_linear(model_dir: Path) -> set[str]:
 
 
 def parse_adapters(values: Iterable[str | Path], flag: str = "--lora") -> dict[str, Path]:
-    """``NAME=PATH`` or ``PATH`` (named after its folder) -> {name: path}; duplicate names are an error."""
+    """``NAME=PATH`` or ``PATH`` (named after its folder, or a LoRA file's stem) -> {name: path}; duplicate names
+    are an error."""
     adapters: dict[str, Path] = {}
     for value in values:
         text = str(value)
         name, sep, path = text.partition("=")
         if not sep or not name or "/" in name:  # a bare path (which may itself hold an "=")
-            name, path = Path(text).resolve().name, text
+            given = Path(text).resolve()
+            name, path = given.stem if given.suffix == ".safetensors" else given.name, text
         if name in adapters:
             raise ValueError(
                 f"{flag} {text}: the name {name!r} is given twice; name them apart with NAME=PATH"

@@ -154,8 +154,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="[NAME=]PATH",
         help="a peft LoRA adapter folder (hsdp train --export, PeftModel.save_pretrained) for the sharded causal LM "
-        "or a pipeline's one denoiser: unmerged, in fp32 as peft loads it, sharded with the base (hsdp serve: "
-        "repeatable, each served under NAME, default the folder's name)",
+        "or a pipeline's one denoiser, or a diffusers LoRA folder or kohya / ComfyUI .safetensors file (read by the "
+        "pipeline's converters): unmerged, in fp32 as peft loads it, sharded with the base (hsdp generate: "
+        "repeatable, composed with --lora-scale; hsdp serve: repeatable, each served under NAME, default the "
+        "folder's name)",
     )
     parser.add_argument(
         "--cache",

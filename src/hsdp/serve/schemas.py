@@ -158,7 +158,8 @@ LoraField = (
 )
 """``lora``: one adapter, or a list of them composed with their scales (diffusers' ``set_adapters``)."""
 LORA_DESCRIPTION = (
-    "vLLM-Omni: the LoRA adapter (and scale) for this request; a list composes several, each with its scale"
+    "vLLM-Omni: the LoRA adapter (and scale) for this request; a list composes several, each with its scale (a "
+    "JSON string in multipart forms)"
 )
 
 
@@ -210,15 +211,15 @@ class DiffusionFields(_Strict):
         "against its signature); a JSON string in multipart forms",
     )
 
-    @field_validator("extra_args", mode="before")
+    @field_validator("extra_args", "lora", mode="before")
     @classmethod
     def _form_json(cls, value: Any) -> Any:
-        """Multipart forms carry ``extra_args`` as JSON text."""
+        """Multipart forms carry ``extra_args`` and ``lora`` as JSON text."""
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except ValueError as exc:
-                raise ValueError(f"not valid JSON ({exc}); give a JSON object") from exc
+                raise ValueError(f"not valid JSON ({exc}); give a JSON object (lora: or a list of them)") from exc
         return value
 
 
