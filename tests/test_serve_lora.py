@@ -168,7 +168,8 @@ def wan_root(wan, tmp_path_factory) -> Path:
 
 
 def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
-    args = [*HSDP2, "--lora", f"x={wan_root / 'x'}", "--lora-root", str(wan_root), "--max-loras", "2"]
+    # --max-batch-size 2: requests queued together may share an engine call only when their adapters are the same.
+    args = [*HSDP2, "--lora", f"x={wan_root / 'x'}", "--lora-root", str(wan_root), "--max-loras", "2", "--max-batch-size", "2"]
     bodies = [
         {"lora": {"name": "x"}},
         {},
@@ -186,6 +187,15 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
             responses = list(
                 pool.map(lambda b: client.post("/v1/images/generations", json={**common, **b}), bodies)
             )
+        # A composed request beside a single-adapter one, queued together behind a longer one: never one batch.
+        busy = {"num_inference_steps": 12}
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for body in (busy, *bodies[-2:]):  # in this order: the longer one runs while the others queue
+                futures.append(pool.submit(client.post, "/v1/images/generations", json={**common, **body}))
+                time.sleep(0.3)
+            busy_response, *beside = [f.result() for f in futures]
+        assert busy_response.status_code == 200, busy_response.text
         # Chat on a diffusion server resolves the adapter as the images route does, and names what served it.
         chat = {"messages": [{"role": "user", "content": "a red fox"}], "seed": 1, "num_inference_steps": 2}
         chats = {
@@ -211,7 +221,7 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
         metrics = client.get("/metrics").text
     defaults = inspect_model(wan).defaults
     params = SamplingParams(seed=1, num_inference_steps=2, num_frames=1)
-    for body, response in zip(bodies, responses, strict=True):
+    for body, response in zip(bodies + bodies[-2:], responses + beside, strict=True):
         assert response.status_code == 200, response.text
         lora = body.get("lora") or ({"name": body["model"]} if "model" in body else None)
         if isinstance(lora, list):  # diffusers' set_adapters over its own load_lora_weights, in one process
