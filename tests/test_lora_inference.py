@@ -253,6 +253,7 @@ def test_lora_files_that_bind_nothing_or_part_are_refused(wan, tmp_path, capsys)
             "transformer.blocks.0.attn1.to_qq.lora_B.weight": up,
         },
         "encoder": {"text_encoder.x.lora_A.weight": down, "text_encoder.x.lora_B.weight": up},
+        "lokr": {"transformer.blocks.0.attn1.to_q.lokr_w1": down, "transformer.blocks.0.attn1.to_q.lokr_w2": up},
         "unet": {"lora_unet_down_blocks_0_attn_to_q.lora_down.weight": down, "lora_unet_down_blocks_0_attn_to_q.alpha": torch.tensor(4.0)},
     }
     generate = ["generate", "--model", str(wan), "--prompt", "x", "--use-hsdp", "--hsdp-shard-size", "2"]
@@ -266,6 +267,7 @@ def test_lora_files_that_bind_nothing_or_part_are_refused(wan, tmp_path, capsys)
     assert "2 of its 4 tensors match no layer" in errors["part"] and "unexpected base_model.model.blocks.0.attn1.to_qq" in errors["part"]
     assert "none of its 2 LoRA keys" in errors["encoder"] and "found text_encoder.x.lora_A.weight" in errors["encoder"]
     assert "WanPipeline.lora_state_dict does not read this file" in errors["unet"]
+    assert "no LoRA pair" in errors["lokr"] and "found blocks.0.attn1.to_q.lokr_w1" in errors["lokr"]
     assert all(e.startswith("hsdp generate: --lora ") and "Traceback" not in e for e in errors.values()), errors
     err = _refusal(capsys, [*generate, "--lora", str(tmp_path / "part.safetensors"), "--lora-scale", "1", "--lora-scale", "2"])
     assert "--lora-scale is given 2 times for 1 --lora adapters" in err

@@ -344,6 +344,11 @@ def _converted_file(
     if not any(".lora_A." in k for k in mine):
         mine = convert_unet_state_dict_to_peft(mine)
     ranks = {f"^{k}": v.shape[1] for k, v in mine.items() if ".lora_B." in k and v.ndim > 1}
+    if not ranks:  # LoKr, LoHa, ...: other factorizations than B @ A
+        raise ValueError(
+            f"{flag} {path}: no LoRA pair (lora_A / lora_B, lora_down / lora_up) among its keys for the {component}: "
+            f"found {_sample(mine)}; hsdp applies LoRA adapters only"
+        )
     alphas = {k.removeprefix(prefix): v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
     return mine, LoraConfig(**get_peft_kwargs(ranks, network_alpha_dict=alphas, peft_state_dict=mine))
 
