@@ -89,3 +89,74 @@ def video_reference(
         generator = torch.Generator().manual_seed(params.seed)
         pipe = _pipeline_with(path, adapter, scale)
         return pipe(prompt, generator=generator, output_type="np", **call).frames[0]
+
+
+def diffusers_folder(adapter: Path) -> Path:
+    """The peft adapter folder ``adapter`` as diffusers' own LoRA file (``save_lora_weights``' format, its config in
+    the metadata, :func:`hsdp.lora_formats.diffusers_lora`), in a sibling folder: what ``load_lora_weights`` reads."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    from hsdp.lora_formats import DIFFUSERS_WEIGHTS, diffusers_lora
+
+    out = adapter.with_name(adapter.name + "-diffusers")
+    if not (out / DIFFUSERS_WEIGHTS).is_file():
+        tensors, meta = diffusers_lora(
+            load_file(adapter / "adapter_model.safetensors"), LoraConfig.from_pretrained(adapter), "transformer"
+        )
+        out.mkdir(exist_ok=True)
+        save_file(tensors, out / DIFFUSERS_WEIGHTS, metadata=meta)
+    return out
+
+
+def diffusers_video_reference(
+    path: Path,
+    loras: list[tuple[str | Path, float]],
+    prompt: str,
+    params: SamplingParams,
+    defaults: dict,
+) -> np.ndarray:
+    """Frames of the one-process pipeline with each LoRA of ``loras`` loaded by diffusers itself
+    (``load_lora_weights``: a diffusers LoRA folder, or a kohya / ComfyUI file its converters read) and composed
+    with ``set_adapters(names, adapter_weights=scales)``."""
+    from diffusers import DiffusionPipeline
+
+    call = {k: getattr(params, k) if getattr(params, k) is not None else v for k, v in defaults.items()}
+    pipe = DiffusionPipeline.from_pretrained(path)
+    _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+    pipe.set_progress_bar_config(disable=True)
+    names = [f"lora{i}" for i in range(len(loras))]
+    for name, (lora, _) in zip(names, loras, strict=True):
+        pipe.load_lora_weights(str(lora), adapter_name=name)
+    pipe.set_adapters(names, adapter_weights=[scale for _, scale in loras])
+    with one_thread(), torch.no_grad():
+        generator = torch.Generator().manual_seed(params.seed)
+        return pipe(prompt, generator=generator, output_type="np", **call).frames[0]
+
+
+WAN_BLOCK_LINEARS = r".*blocks\.\d+\.(attn1\.to_(q|k|v|out\.0)|attn2\.to_(q|k|v|out\.0)|ffn\.net\.(0\.proj|2))"
+"""peft targets: every linear layer of Wan's blocks (what musubi-tuner's LoRA files adapt, and its converter
+requires)."""
+
+
+def kohya_files(adapter: Path, transformer: torch.nn.Module, out: Path) -> dict[str, Path]:
+    """The peft adapter folder ``adapter`` of a Wan ``transformer`` as LoRA files of other tools: ComfyUI's
+    (``diffusion_model.<original name>.lora_down`` / ``lora_up`` / ``alpha``, :func:`hsdp.lora_formats.comfyui_lora`)
+    and musubi-tuner's kohya keys (``lora_unet_<original_name_with_underscores>``, the same tensors)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    from hsdp.lora_formats import comfyui_lora
+
+    comfy = comfyui_lora(load_file(adapter / "adapter_model.safetensors"), LoraConfig.from_pretrained(adapter), transformer)
+    kohya = {}
+    for key, tensor in comfy.items():
+        module, part = key.removeprefix("diffusion_model.").rsplit(".", 1)
+        if part == "weight":  # lora_down.weight / lora_up.weight
+            module, part = module.rsplit(".", 1)[0], module.rsplit(".", 1)[1] + ".weight"
+        kohya[f"lora_unet_{module.replace('.', '_')}.{part}"] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"comfyui": out / "comfyui.safetensors", "kohya": out / "kohya.safetensors"}
+    save_file(comfy, paths["comfyui"])
+    save_file(kohya, paths["kohya"])
+    return paths

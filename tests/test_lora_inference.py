@@ -234,3 +234,41 @@ def test_non_lora_adapter_and_unsupported_layouts(base, adapter, wan, wan_adapte
     with pytest.raises(ValueError, match=r"--lora \S*experts: holds an adapter of transformer_2, which WanPipeline "
                                          r"does not have \(its denoisers: transformer\)"):
         check_lora(inspect_model(wan), HSDP2.resolved(), None, tmp_path / "experts")
+
+
+@pytest.mark.unit
+def test_lora_files_that_bind_nothing_or_part_are_refused(wan, tmp_path, capsys):
+    """Issue 26 item 4: a LoRA whose keys match no module of the model would change nothing ("trained nothing",
+    verl-omni PR 553); it is refused (exit 2, before any rank starts) with the keys expected and those found. A file
+    binding only some of its tensors is refused naming the unmatched ones; one with no key for the denoiser, or one
+    the family's converter does not read, names what it has."""
+    from safetensors.torch import save_file
+
+    down, up = torch.zeros(4, 32), torch.zeros(32, 4)
+    files = {
+        "nothing": {"transformer.blocks.0.attn1.to_qq.lora_A.weight": down, "transformer.blocks.0.attn1.to_qq.lora_B.weight": up},
+        "part": {
+            "transformer.blocks.0.attn1.to_q.lora_A.weight": down,
+            "transformer.blocks.0.attn1.to_q.lora_B.weight": up,
+            "transformer.blocks.0.attn1.to_qq.lora_A.weight": down,
+            "transformer.blocks.0.attn1.to_qq.lora_B.weight": up,
+        },
+        "encoder": {"text_encoder.x.lora_A.weight": down, "text_encoder.x.lora_B.weight": up},
+        "lokr": {"transformer.blocks.0.attn1.to_q.lokr_w1": down, "transformer.blocks.0.attn1.to_q.lokr_w2": up},
+        "unet": {"lora_unet_down_blocks_0_attn_to_q.lora_down.weight": down, "lora_unet_down_blocks_0_attn_to_q.alpha": torch.tensor(4.0)},
+    }
+    generate = ["generate", "--model", str(wan), "--prompt", "x", "--use-hsdp", "--hsdp-shard-size", "2"]
+    errors = {}
+    for name, tensors in files.items():
+        save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / f"{name}.safetensors")
+        errors[name] = _refusal(capsys, [*generate, "--lora", str(tmp_path / f"{name}.safetensors")])
+    assert "binds no layer of WanTransformer3DModel" in errors["nothing"]
+    assert "Expected keys like base_model.model.condition_embedder" in errors["nothing"]
+    assert "found base_model.model.blocks.0.attn1.to_qq.lora_A.weight" in errors["nothing"]
+    assert "2 of its 4 tensors match no layer" in errors["part"] and "unexpected base_model.model.blocks.0.attn1.to_qq" in errors["part"]
+    assert "none of its 2 LoRA keys" in errors["encoder"] and "found text_encoder.x.lora_A.weight" in errors["encoder"]
+    assert "WanPipeline.lora_state_dict does not read this file" in errors["unet"]
+    assert "no LoRA pair" in errors["lokr"] and "found blocks.0.attn1.to_q.lokr_w1" in errors["lokr"]
+    assert all(e.startswith("hsdp generate: --lora ") and "Traceback" not in e for e in errors.values()), errors
+    err = _refusal(capsys, [*generate, "--lora", str(tmp_path / "part.safetensors"), "--lora-scale", "1", "--lora-scale", "2"])
+    assert "--lora-scale is given 2 times for 1 --lora adapters" in err

@@ -20,7 +20,15 @@ from hsdp.engine.adapters import AdapterCache, UnknownAdapter, describe_adapter,
 from hsdp.launch import worker_state
 from hsdp.models.tiny import build_tiny_llama
 from tests.engine_refs import builtin
-from tests.lora_refs import lm_reference, save_adapter, video_reference
+from tests.lora_refs import (
+    WAN_BLOCK_LINEARS,
+    diffusers_folder,
+    diffusers_video_reference,
+    kohya_files,
+    lm_reference,
+    save_adapter,
+    video_reference,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +94,8 @@ def test_one_slot_evicts_the_least_recently_used(base, lm_adapters, dist_run):
     with Engine(base, HSDP2, workers=dist_run.group(2), lora=lm_adapters, max_loras=1) as engine:
         for name in ("a", "b", "a", "a"):
             _check_lm(engine, dist_run, base, lm_adapters[name], name, 1.0)
+        with pytest.raises(ValueError, match=r"2 adapters composed, and this engine holds 1 adapter slot.*max_loras=2"):
+            engine.generate(PROMPT, GREEDY, adapter=["a", "b"])
         stats = engine.adapter_stats
     assert (stats["loads"], stats["evictions"], stats["resident"]) == (3, 2, ["a"])
 
@@ -119,6 +129,23 @@ def test_unknown_adapter_and_adapter_for_another_base(base, lm_adapters, tmp_pat
         cache.add(a, "load_lora_adapter")
 
 
+@pytest.mark.unit
+def test_a_composed_call_keeps_its_own_adapters(base, lm_adapters):
+    """Loading the second adapter of a composed call evicts the least recently used adapter that the call does not
+    use; scales and names are checked before any rank runs."""
+    a, b = (describe_adapter(n, lm_adapters[n], base, "--lora") for n in "ab")
+    cache = AdapterCache(slot_spec([a, b], base, count=2, rank=None), [a, b])
+    cache.loaded("a", 0)
+    cache.loaded("b", 1)
+    assert cache.free_slot(keep=["a"]) == 1  # b goes, though a is the least recently used
+    cache.loaded("b", 1)
+    assert cache.free_slot() == 0 and cache.stats()["resident"] == ["b"]
+    [first, second] = cache.use([("b", 1, 0.5), ("a", 0, 2.0)])
+    assert (first.slot, second.slot) == (1, 0)
+    assert first.scaling == {m: s * 0.5 for m, (_, s) in b.layers.items()}
+    assert second.scaling == {m: s * 2.0 for m, (_, s) in a.layers.items()}
+
+
 # -- a diffusion denoiser ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory) -> Path:
@@ -132,24 +159,43 @@ def wan_adapters(wan, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("wan-lora")
     # A str path: peft writes the base's _name_or_path into the adapter's model card, and a Path breaks its YAML.
     transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
+    # ``comfyui`` and ``kohya``: LoRA files of other tools (ComfyUI's keys, musubi-tuner's kohya keys) holding one
+    # adapter of every block's linear layers, as users have them (issue 26 item 4).
+    files = kohya_files(save_adapter(transformer, folder / "k", WAN_BLOCK_LINEARS, seed=5), transformer, folder)
     return {
         "x": save_adapter(
             transformer, folder / "x", ["to_q", "to_k", "to_v", "to_out.0", "proj_out"], seed=3
         ),
         "y": save_adapter(transformer, folder / "y", ["to_q", "to_v", "proj_out"], seed=4),
+        **files,
     }
 
 
 def test_denoiser_adapters_mixed_with_the_base(wan, wan_adapters, dist_run):
+    """Single adapters equal peft's. Issue 26 item 4: two composed equal diffusers' ``load_lora_weights`` of each
+    and ``set_adapters([x, y], adapter_weights=[1, 0.5])`` in one process, in either order; LoRA files of ComfyUI
+    and musubi-tuner (kohya keys) equal diffusers' ``load_lora_weights(file)``, alone and composed."""
+    composed = [(["x", "y"], [1.0, 0.5]), (["y", "x"], [0.5, 1.0]), ("comfyui", 1.0), (["x", "kohya"], [1.0, 0.5])]
     with Engine(wan, HSDP2, workers=dist_run.group(2), lora=wan_adapters) as engine:
         defaults = engine.info.defaults
         outputs = {}
-        for name, scale in (("x", 1.0), (None, 1.0), ("y", 0.5), ("x", 1.0)):
+        for name, scale in (("x", 1.0), (None, 1.0), ("y", 0.5), *composed, ("x", 1.0)):
             [out] = engine.generate("a red fox", VIDEO, adapter=name, adapter_scale=scale)
-            expected = video_reference(wan, wan_adapters.get(name), scale, "a red fox", VIDEO, defaults)
+            if isinstance(name, list) or name in ("comfyui", "kohya"):
+                names, scales = (name, scale) if isinstance(name, list) else ([name], [scale])
+                loras = [
+                    (wan_adapters[n] if wan_adapters[n].is_file() else diffusers_folder(wan_adapters[n]), s)
+                    for n, s in zip(names, scales, strict=True)
+                ]
+                expected = diffusers_video_reference(wan, loras, "a red fox", VIDEO, defaults)
+            else:
+                expected = video_reference(wan, wan_adapters.get(name), scale, "a red fox", VIDEO, defaults)
             np.testing.assert_array_equal(out.frames, expected, err_msg=f"adapter {name} scale {scale}")
-            outputs[name] = expected
-    assert (
-        np.abs(outputs["x"] - outputs[None]).max() > 0.05
-        and np.abs(outputs["y"] - outputs[None]).max() > 0.05
-    )
+            outputs[str(name)] = expected
+        stats = engine.adapter_stats
+    assert (stats["loads"], stats["evictions"]) == (4, 0)
+    base = outputs["None"]
+    assert np.abs(outputs["x"] - base).max() > 0.05 and np.abs(outputs["y"] - base).max() > 0.05
+    both = outputs[str(["x", "y"])]
+    assert np.abs(both - outputs["x"]).max() > 0.05 and np.abs(both - outputs["y"]).max() > 0.05
+    assert np.abs(outputs["comfyui"] - base).max() > 0.05

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from hsdp.cli import main as cli_main
 from hsdp.engine import SamplingParams
@@ -30,7 +32,14 @@ from hsdp.serve.schemas import ApiError
 from hsdp.serve.service import Server
 from hsdp.serve.settings import ServeSettings
 from tests.engine_refs import builtin
-from tests.lora_refs import lm_reference, save_adapter, video_reference
+from tests.lora_refs import (
+    diffusers_folder,
+    diffusers_video_reference,
+    kohya_files,
+    lm_reference,
+    save_adapter,
+    video_reference,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -150,17 +159,24 @@ def wan_root(wan, tmp_path_factory) -> Path:
     targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
     save_adapter(transformer, folder / "x", targets, seed=3)
     save_adapter(transformer, folder / "y", targets, seed=4)
+    # A ComfyUI LoRA file (on the layers the adapter slots cover), and one whose keys name no layer of the model
+    # (issue 26 item 4).
+    kohya_files(save_adapter(transformer, folder / "k", targets, seed=5), transformer, folder / "files")
+    down, up = torch.zeros(4, 32), torch.zeros(32, 4)
+    save_file({"transformer.nope.lora_A.weight": down, "transformer.nope.lora_B.weight": up}, folder / "nothing.safetensors")
     return folder
 
 
 def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
-    args = [*HSDP2, "--lora", f"x={wan_root / 'x'}", "--lora-root", str(wan_root), "--max-loras", "2"]
+    # --max-batch-size 2: requests queued together may share an engine call only when their adapters are the same.
+    args = [*HSDP2, "--lora", f"x={wan_root / 'x'}", "--lora-root", str(wan_root), "--max-loras", "2", "--max-batch-size", "2"]
     bodies = [
         {"lora": {"name": "x"}},
         {},
         {"lora": {"name": "y", "local_path": "y", "scale": 0.5}},  # loaded under its name on first use
         {"model": "x"},
         {"lora": {"name": "y", "scale": 0.5}},
+        {"lora": [{"name": "x"}, {"name": "y", "scale": 0.5}]},  # composed (issue 26 item 4)
     ]
     common = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 2}
     with (
@@ -171,6 +187,15 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
             responses = list(
                 pool.map(lambda b: client.post("/v1/images/generations", json={**common, **b}), bodies)
             )
+        # A composed request beside a single-adapter one, queued together behind a longer one: never one batch.
+        busy = {"num_inference_steps": 12}
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for body in (busy, *bodies[-2:]):  # in this order: the longer one runs while the others queue
+                futures.append(pool.submit(client.post, "/v1/images/generations", json={**common, **body}))
+                time.sleep(0.3)
+            busy_response, *beside = [f.result() for f in futures]
+        assert busy_response.status_code == 200, busy_response.text
         # Chat on a diffusion server resolves the adapter as the images route does, and names what served it.
         chat = {"messages": [{"role": "user", "content": "a red fox"}], "seed": 1, "num_inference_steps": 2}
         chats = {
@@ -179,34 +204,52 @@ def test_lora_request_field_on_image_generations(wan, wan_root, tmp_path):
                 "model": {"model": "x", "num_frames": 1},
                 "lora": {"extra_body": {"lora": {"name": "x"}, "num_frames": 1}},
                 "base": {"num_frames": 1},
+                "composed": {"extra_body": {"lora": [{"name": "x"}, {"name": "y", "scale": 0.5}], "num_frames": 1}},
             }.items()
         }
+        # A ComfyUI LoRA file loaded at run time (vLLM's route), then served by name; one binding nothing is refused.
+        kohya = client.post("/v1/load_lora_adapter", json={"lora_name": "k", "lora_path": "files/comfyui.safetensors"})
+        by_kohya = client.post("/v1/images/generations", json={**common, "model": "k"})
+        nothing = client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "nothing.safetensors"})
         unknown = client.post("/v1/images/generations", json={**common, "lora": {"name": "nope"}})
+        composed_unknown = client.post(
+            "/v1/images/generations", json={**common, "lora": [{"name": "x"}, {"name": "nope"}]}
+        )
         outside = client.post(
             "/v1/images/generations", json={**common, "lora": {"name": "z", "local_path": str(wan)}}
         )
         metrics = client.get("/metrics").text
     defaults = inspect_model(wan).defaults
     params = SamplingParams(seed=1, num_inference_steps=2, num_frames=1)
-    for body, response in zip(bodies, responses, strict=True):
+    for body, response in zip(bodies + bodies[-2:], responses + beside, strict=True):
         assert response.status_code == 200, response.text
         lora = body.get("lora") or ({"name": body["model"]} if "model" in body else None)
-        adapter = wan_root / lora["name"] if lora else None
-        frame = video_reference(
-            wan, adapter, lora.get("scale", 1.0) if lora else 1.0, "a red fox", params, defaults
-        )
+        if isinstance(lora, list):  # diffusers' set_adapters over its own load_lora_weights, in one process
+            loras = [(diffusers_folder(wan_root / item["name"]), item.get("scale", 1.0)) for item in lora]
+            frame = diffusers_video_reference(wan, loras, "a red fox", params, defaults)
+        else:
+            adapter = wan_root / lora["name"] if lora else None
+            frame = video_reference(
+                wan, adapter, lora.get("scale", 1.0) if lora else 1.0, "a red fox", params, defaults
+            )
         got = base64.b64decode(response.json()["data"][0]["b64_json"])
         assert got == encode_image(frame[0], ".png"), body
     assert all(r.status_code == 200 for r in chats.values()), {k: r.text[:300] for k, r in chats.items()}
     videos = {k: r.json()["choices"][0]["message"]["content"][0]["image_url"]["url"] for k, r in chats.items()}
-    assert videos["model"] == videos["lora"] != videos["base"]
-    assert [chats[k].json()["model"] for k in ("model", "lora", "base")] == ["x", "x", str(wan)]
+    assert videos["model"] == videos["lora"] != videos["base"] != videos["composed"] != videos["model"]
+    assert [chats[k].json()["model"] for k in chats] == ["x", "x", str(wan), "x+y"]
     images = [r.json()["data"][0]["b64_json"] for r in responses]
-    assert len({images[0], images[1], images[2]}) == 3, "an adapter changes nothing"
-    assert unknown.status_code == 404 and "'x', 'y'" in unknown.json()["error"]["message"]
+    assert len({images[0], images[1], images[2], images[-1]}) == 4, "an adapter changes nothing"
+    assert kohya.status_code == 200 and by_kohya.status_code == 200, (kohya.text, by_kohya.text)
+    frame = diffusers_video_reference(wan, [(wan_root / "files" / "comfyui.safetensors", 1.0)], "a red fox", params, defaults)
+    assert base64.b64decode(by_kohya.json()["data"][0]["b64_json"]) == encode_image(frame[0], ".png")
+    message = nothing.json()["error"]["message"]
+    assert nothing.status_code == 400 and "binds no layer" in message and "found base_model.model.nope.lora_A" in message
+    assert unknown.status_code == 404 and "'k', 'x', 'y'" in unknown.json()["error"]["message"]
+    assert composed_unknown.status_code == 404 and composed_unknown.json()["error"]["param"] == "lora.1.name"
     assert outside.status_code == 400 and "outside --lora-root" in outside.json()["error"]["message"]
     assert (
-        _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 2
+        _metric(metrics, "hsdp_base_loads_total") == 1 and _metric(metrics, "hsdp_adapter_loads_total") == 3
     )
 
 

@@ -222,7 +222,7 @@ class _FakeEngine:
         self.poison = poison
         """Only a batch holding this prompt fails (a job that breaks the workers every time)."""
         self.kind, self.body = kind, body
-        self.call_id, self.cancels, self.batches = 0, [], []
+        self.call_id, self.cancels, self.batches, self.adapters = 0, [], [], []
         self.last_heard: float | None = None
         self.killed = threading.Event()
         self.cancel_gate: threading.Event | None = None
@@ -230,10 +230,13 @@ class _FakeEngine:
     def ping(self, timeout_s):
         pass
 
-    def generate(self, prompts, params, on_progress=None, on_token=None, on_start=None, batch_size=1):
+    def generate(
+        self, prompts, params, on_progress=None, on_token=None, on_start=None, batch_size=1, **adapter
+    ):
         from hsdp.engine import GenerationOutput, Timings
 
         self.call_id += 1
+        self.adapters.append(adapter)
         if on_start is not None:
             on_start(self.call_id)
         self.calls.append((list(prompts), list(params.seed)))
@@ -546,6 +549,59 @@ def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
         kind = {int(p[1:]) % 3 for p in prompts}
         assert len(kind) == 1 and batch_size == 2, prompts
         assert negative == (["blurry"] * 4 if kind == {1} else None)
+
+
+def test_max_batch_size_batches_each_set_of_adapters_apart(tmp_path):
+    """Issue 26 item 4: a request composing adapters (``lora`` a list) never shares an engine call with one naming
+    another adapter, the same ones in another order or other scales, or none; each call gets its jobs' set."""
+    store = JobStore(tmp_path, capacity=32)
+    choices = [
+        {},
+        {"adapter": "x", "adapter_scale": 1.0},
+        {"adapter": ["x", "y"], "adapter_scale": [1.0, 0.5]},
+        {"adapter": ["y", "x"], "adapter_scale": [0.5, 1.0]},
+        {"adapter": ["x", "y"], "adapter_scale": [1.0, 1.0]},
+    ]
+    jobs = [_text_job(f"p{i}", i, meta=dict(choices[i % 5])) for i in range(20)]
+    store.submit(jobs)
+    runner, engines = _runner(tmp_path, store, kind="diffusion")
+    runner.max_batch_size = 2
+    runner.start()
+    try:
+        _wait_finished(jobs)
+    finally:
+        runner.stop()
+    assert all(j.status == "completed" for j in jobs)
+    assert len(engines[0].calls) == 5
+    for (prompts, _), adapter in zip(engines[0].calls, engines[0].adapters, strict=True):
+        [choice] = {json.dumps(choices[int(p[1:]) % 5]) for p in prompts}
+        assert adapter == json.loads(choice), prompts
+
+
+def test_lora_field_takes_one_adapter_or_a_list():
+    """Issue 26 item 4: ``lora`` is one adapter or a list composed (a JSON string in multipart forms); errors name
+    the list item's field, as the one adapter's."""
+    from pydantic import ValidationError
+
+    from hsdp.serve.http import describe_validation_errors
+    from hsdp.serve.schemas import MAX_COMPOSED_LORAS, ImageRequest, VideoRequest
+
+    def problem(lora) -> tuple[str, str | None]:
+        with pytest.raises(ValidationError) as info:
+            VideoRequest.model_validate({"prompt": "x", "lora": lora})
+        return describe_validation_errors(list(info.value.errors()))
+
+    composed = VideoRequest.model_validate({"prompt": "x", "lora": '[{"name": "a"}, {"name": "b", "scale": 0.5}]'})
+    assert [(x.name, x.scale) for x in composed.lora] == [("a", 1.0), ("b", 0.5)]
+    assert ImageRequest.model_validate({"prompt": "x", "lora": {"name": "a"}}).lora.name == "a"
+    assert problem({"nam": "a"}) == ("lora.nam: unknown field; did you mean name?", "lora.nam")
+    assert problem([{"name": "a"}, {"name": "b", "sclae": 2}])[1] == "lora.1.sclae"
+    assert problem([{"name": "a"}, {"name": "a"}]) == (
+        "lora: Value error, names the adapter 'a' twice; give each once",
+        "lora",
+    )
+    assert "at least 1 item" in problem([])[0]
+    assert "at most 16 items" in problem([{"name": f"a{i}"} for i in range(MAX_COMPOSED_LORAS + 1)])[0]
 
 
 def test_a_full_disk_fails_the_job_and_the_engine_thread_goes_on(tmp_path, monkeypatch):

@@ -108,10 +108,10 @@ def adapter_injector(folder: str | Path) -> Callable[[nn.Module], None]:
     return injector(LoraConfig.from_pretrained(_peft_folder(folder)))
 
 
-def _peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
-    """``folder``, or the peft adapter folder converted from it when it holds diffusers' LoRA format
-    (:func:`hsdp.lora_formats.as_peft_folder`)."""
-    return as_peft_folder(folder, flag)
+def _peft_folder(folder: str | Path, flag: str = "--lora", model_dir: Path | None = None) -> Path:
+    """``folder``, or the peft adapter folder converted from it when it holds diffusers' LoRA format, or from a
+    LoRA file for the denoiser in ``model_dir`` (:func:`hsdp.lora_formats.as_peft_folder`)."""
+    return as_peft_folder(folder, flag, model_dir)
 
 
 def _meta_model(model_dir: Path) -> nn.Module:
@@ -142,18 +142,27 @@ def check_targets(config: LoraConfig, model_dir: Path, flag: str) -> None:
         ) from exc
 
 
-def adapter_config(folder: str | Path, model_dir: Path, flag: str) -> LoraConfig:
+def adapter_config(folder: str | Path, model_dir: Path, flag: str, *, lora_file: bool = False) -> LoraConfig:
     """The ``peft.LoraConfig`` of a peft adapter folder, checked against the base model in ``model_dir``: the
     folder holds a LoRA ``adapter_config.json`` whose targets match the base, and its tensors are exactly the
-    adapter tensors of that base, in the same shapes. Reads only small files (configs and safetensors headers);
-    problems are ``ValueError`` naming ``flag``."""
-    if not Path(folder).is_dir():
+    adapter tensors of that base, in the same shapes; an adapter that binds no layer is refused with the keys
+    expected and a sample of those found. ``lora_file``: ``folder`` may be a LoRA ``.safetensors`` file for a
+    pipeline's denoiser (converted by :func:`hsdp.lora_formats.as_peft_folder`; inference only). Reads only
+    small files (configs and safetensors headers, a LoRA file whole); problems are ``ValueError`` naming ``flag``."""
+    is_file = Path(folder).is_file() and Path(folder).suffix == ".safetensors"
+    if is_file and not lora_file:
         raise ValueError(
-            f"{flag} {folder}: no such folder; pass a peft adapter folder (adapter_config.json and "
-            f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or hsdp train --export write) or a diffusers LoRA "
-            "folder (pytorch_lora_weights.safetensors)"
+            f"{flag} {folder}: a LoRA file; {flag} takes a peft adapter folder or a diffusers LoRA folder (hsdp "
+            "generate and hsdp serve --lora read LoRA files)"
         )
-    path = _peft_folder(folder, flag)
+    if not Path(folder).is_dir() and not is_file:
+        raise ValueError(
+            f"{flag} {folder}: no such folder (nor a .safetensors file); pass a peft adapter folder "
+            f"(adapter_config.json and {ADAPTER_WEIGHTS}, as PeftModel.save_pretrained or hsdp train --export "
+            "write), a diffusers LoRA folder (pytorch_lora_weights.safetensors) or, for a pipeline, a LoRA file "
+            "(kohya / ComfyUI / diffusers keys, as the pipeline's load_lora_weights reads it)"
+        )
+    path = _peft_folder(folder, flag, model_dir)
     if not (path / "adapter_config.json").is_file():
         raise ValueError(
             f"{flag} {folder}: no adapter_config.json, so not a peft adapter folder (nor pytorch_lora_weights"
@@ -173,31 +182,58 @@ def adapter_config(folder: str | Path, model_dir: Path, flag: str) -> LoraConfig
         injector(config)(model)
     except ValueError as exc:
         raise ValueError(
-            f"{flag} {folder} does not fit the model {model_dir}: its target modules {config.target_modules} "
-            f"match no layer of {type(model).__name__} ({exc}), whose linear layers are named "
-            f"{_linear_names(model)}. Pass the base model it was trained on "
+            f"{flag} {folder} does not fit the model {model_dir}: it binds no layer of {type(model).__name__} (an "
+            f"adapter that binds nothing changes nothing): its target modules {config.target_modules} match none. "
+            f"Expected keys like {_expected_keys(model_dir)} (its linear layers are named "
+            f"{_linear_names(model)}); found {_found_keys(path)}. Pass the base model it was trained on "
             f"({config.base_model_name_or_path or 'unknown'})"
         ) from exc
-    problem = _fit_problem(flag, str(folder), model, model_dir, config.base_model_name_or_path)
+    problem = _fit_problem(flag, str(folder), path, model, model_dir, config.base_model_name_or_path)
     if problem:
         raise ValueError(problem)
     return config
 
 
-def _fit_problem(
-    flag: str, folder: str, model: nn.Module, model_dir: Path, trained_on: str | None
-) -> str | None:
-    """Why the adapter file in ``folder`` does not fit the adapters injected into ``model``, or None."""
+def _expected_keys(model_dir: Path, count: int = 3) -> str:
+    """A sample of the adapter keys a LoRA on every linear layer of the model in ``model_dir`` has (peft's names)."""
+    from peft import LoraConfig
+
+    model = _meta_model(model_dir)
+    injector(LoraConfig(target_modules="all-linear"))(model)
+    keys = [peft_key(n) for n, _ in model.named_parameters() if ".lora_A." in n]
+    return ", ".join(keys[:count]) + (f" ... ({len(keys)} in all)" if len(keys) > count else "")
+
+
+def _found_keys(peft_folder: Path, count: int = 3) -> str:
+    """A sample of the tensor keys of the adapter in ``peft_folder`` (a LoRA file's as converted to peft's names)."""
     from safetensors import safe_open
 
-    path = _peft_folder(folder) / ADAPTER_WEIGHTS
+    path = peft_folder / ADAPTER_WEIGHTS
+    if not path.is_file():
+        return f"no {ADAPTER_WEIGHTS}"
+    with safe_open(path, framework="pt") as handle:
+        keys = sorted(handle.keys())  # noqa: SIM118
+    return ", ".join(keys[:count]) + (f" ... ({len(keys)} in all)" if len(keys) > count else "")
+
+
+def _fit_problem(
+    flag: str, folder: str, peft_folder: Path, model: nn.Module, model_dir: Path, trained_on: str | None
+) -> str | None:
+    """Why the adapter file in ``peft_folder`` (``folder`` as given, converted) does not fit the adapters injected
+    into ``model``, or None."""
+    from safetensors import safe_open
+
+    path = peft_folder / ADAPTER_WEIGHTS
     if not path.is_file():
         return f"{flag} {folder}: no {ADAPTER_WEIGHTS} (not a peft adapter folder)"
     with safe_open(path, framework="pt") as handle:
         stored = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
     expected = {peft_key(n): tuple(p.shape) for n, p in model.named_parameters() if LORA_KEY.search(n)}
+    unmatched = sorted(stored.keys() - expected.keys())
     problems = [f"missing {k}" for k in sorted(expected.keys() - stored.keys())][:3]
-    problems += [f"unexpected {k}" for k in sorted(stored.keys() - expected.keys())][:3]
+    if unmatched:  # a partial binding would silently drop these tensors
+        problems.append(f"{len(unmatched)} of its {len(stored)} tensors match no layer of the model")
+    problems += [f"unexpected {k}" for k in unmatched][:3]
     problems += [
         f"{k}: adapter {list(stored[k])}, model {list(v)}"
         for k, v in expected.items()

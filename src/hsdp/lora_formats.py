@@ -16,7 +16,10 @@ Three formats, all from the gathered adapters only (:func:`hsdp.lora.adapter_sta
   anything is written. A family without a converter is refused with the reason.
 
 :func:`as_peft_folder` goes the other way for ``--lora`` / ``--lora-adapter``: a diffusers-format folder becomes a
-peft adapter folder (converted once, cached by content).
+peft adapter folder (converted once, cached by content). For ``--lora`` (inference) a single LoRA ``.safetensors``
+file does too: kohya / musubi-tuner / ComfyUI / diffusers keys, read by the pipeline's own
+``<Pipeline>.lora_state_dict`` (diffusers' converters for the family, so no key map is written here) and configured
+as diffusers' ``load_lora_adapter`` configures it (``get_peft_kwargs``: ranks from the tensors, the file's alphas).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +57,8 @@ __all__ = [
     "as_peft_folder",
     "adapter_parts",
 ]
+
+logger = logging.getLogger("hsdp")
 
 FORMATS = ("peft", "diffusers", "comfyui")
 DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -291,27 +297,47 @@ def _named_target(path: Path, targets: list[str]) -> str:
     return next((t for t in targets if named == {t}), targets[0])
 
 
-def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
+def as_peft_folder(folder: str | Path, flag: str = "--lora", model_dir: Path | None = None) -> Path:
     """``folder`` itself when it is a peft adapter folder (or anything else: the caller's checks name the problem);
     for a diffusers-format folder (``pytorch_lora_weights.safetensors``, no ``adapter_config.json``), a peft adapter
     folder converted from it: keys ``base_model.model.<module>.lora_X.weight``, the ``LoraConfig`` from the file's
-    metadata (else diffusers' convention, alpha = r). Converted once into the hsdp cache, keyed by the file's
-    content; every rank may call it (the folder is written to a temporary sibling and renamed). A file that cannot
-    be read is a ``ValueError`` naming ``flag``."""
+    metadata (else diffusers' convention, alpha = r). A LoRA ``.safetensors`` file is converted by the pipeline of
+    ``model_dir`` (the denoiser folder the adapter is for; :func:`_converted_file`). Converted once into the hsdp
+    cache, keyed by the file's content (and the pipeline); every rank may call it (the folder is written to a
+    temporary sibling and renamed). A file that cannot be read is a ``ValueError`` naming ``flag``."""
     path = Path(folder)
+    if path.is_file() and path.suffix == ".safetensors":
+        if model_dir is None:
+            raise ValueError(
+                f"{flag} {path}: a single LoRA file is read by hsdp generate and hsdp serve --lora (through the "
+                "pipeline's converters); here pass a peft adapter folder"
+            )
+        pipeline = _pipeline_class(path, model_dir, flag)
+        key = f"{pipeline.__name__}/{model_dir.name}".encode()
+        return _cached(path, key, lambda: _converted_file(path, pipeline, model_dir.name, flag))
     source = path / DIFFUSERS_WEIGHTS
     if (path / "adapter_config.json").is_file() or not source.is_file():
         return path
-    from peft import LoraConfig
 
+    def convert() -> tuple[dict[str, torch.Tensor], LoraConfig]:
+        from peft import LoraConfig
+
+        _, tensors, kwargs = _denoiser_tensors(source, flag)
+        return tensors, LoraConfig(**(kwargs or _inferred_config(tensors)))
+
+    return _cached(source, b"", convert)
+
+
+def _cached(source: Path, key: bytes, convert: Callable[[], tuple[dict[str, torch.Tensor], LoraConfig]]) -> Path:
+    """The peft adapter folder ``convert()`` gives (``<module>.lora_X.weight`` tensors and their config), written
+    once into the hsdp cache under the digest of ``source``'s bytes and ``key``."""
     from hsdp.models.tiny import default_cache_dir
 
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + key).hexdigest()[:16]
     out = default_cache_dir() / "lora-from-diffusers" / digest
     if (out / ADAPTER_WEIGHTS).is_file():
         return out
-    _, tensors, kwargs = _denoiser_tensors(source, flag)
-    config = LoraConfig(**(kwargs or _inferred_config(tensors)))
+    tensors, config = convert()
     peft_state = {_PEFT_PREFIX + k: v for k, v in tensors.items()}
     tmp = out.with_name(f".tmp-{digest}-{os.getpid()}")
     _write(tmp, {ADAPTER_WEIGHTS: (peft_state, {"format": "pt"})}, [""], config)
@@ -320,3 +346,71 @@ def as_peft_folder(folder: str | Path, flag: str = "--lora") -> Path:
     except OSError:  # another rank renamed its copy first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _pipeline_class(path: Path, model_dir: Path, flag: str) -> type:
+    """The diffusers pipeline class of the denoiser folder ``model_dir`` (its parent's ``model_index.json``), which
+    must read LoRA files (``lora_state_dict``)."""
+    index = model_dir.parent / "model_index.json"
+    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    import diffusers
+
+    pipeline = getattr(diffusers, name, None) if name else None
+    if pipeline is None or not hasattr(pipeline, "lora_state_dict"):
+        what = f"the pipeline {name}" if name else f"the model {model_dir} (not a diffusers pipeline's denoiser)"
+        raise ValueError(
+            f"{flag} {path}: a LoRA file is read by the pipeline's lora_state_dict (diffusers' converters), and "
+            f"{what} has none; pass a peft adapter folder"
+        )
+    return pipeline
+
+
+def _converted_file(
+    path: Path, pipeline: type, component: str, flag: str
+) -> tuple[dict[str, torch.Tensor], LoraConfig]:
+    """``<module>.lora_X.weight`` tensors and the ``LoraConfig`` of the LoRA file ``path`` for the pipeline's
+    ``component``, as diffusers' ``load_lora_weights`` reads it: ``lora_state_dict`` (the family's converters:
+    kohya, musubi-tuner, ComfyUI...), peft key names, then ``get_peft_kwargs`` (ranks from the tensors, the file's
+    network alphas, else alpha = rank). Keys of other components (a text encoder's) are named in a warning and
+    not applied; a file with none for ``component`` is refused with the keys it has and the keys expected."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+    from diffusers.utils.peft_utils import get_peft_kwargs
+    from peft import LoraConfig
+
+    try:
+        out = pipeline.lora_state_dict(str(path))
+    except Exception as exc:  # noqa: BLE001 - diffusers' converters raise many kinds on keys they do not know
+        raise ValueError(
+            f"{flag} {path}: diffusers' {pipeline.__name__}.lora_state_dict does not read this file ({exc!r}); pass "
+            "a LoRA file of this model family (kohya, ComfyUI or diffusers keys) or a peft adapter folder"
+        ) from exc
+    state, alphas = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
+    prefix = f"{component}."
+    mine = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    if not mine:
+        raise ValueError(
+            f"{flag} {path}: none of its {len(state)} LoRA keys (as diffusers' {pipeline.__name__} converters read "
+            f"them) is for the {component}: found {_sample(state)}; expected keys like "
+            f"{prefix}<module>.lora_A.weight. Pass a LoRA trained for this model family"
+        )
+    others = sorted(set(state) - {prefix + k for k in mine})
+    if others:
+        logger.warning(
+            "%s %s: %d LoRA keys for other components than the %s are not applied (%s)",
+            flag, path, len(others), component, _sample(others),
+        )
+    if not any(".lora_A." in k for k in mine):
+        mine = convert_unet_state_dict_to_peft(mine)
+    ranks = {f"^{k}": v.shape[1] for k, v in mine.items() if ".lora_B." in k and v.ndim > 1}
+    if not ranks:  # LoKr, LoHa, ...: other factorizations than B @ A
+        raise ValueError(
+            f"{flag} {path}: no LoRA pair (lora_A / lora_B, lora_down / lora_up) among its keys for the {component}: "
+            f"found {_sample(mine)}; hsdp applies LoRA adapters only"
+        )
+    alphas = {k.removeprefix(prefix): v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
+    return mine, LoraConfig(**get_peft_kwargs(ranks, network_alpha_dict=alphas, peft_state_dict=mine))
+
+
+def _sample(keys: Iterable[str], count: int = 3) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:count]) + (f" ... ({len(keys)} in all)" if len(keys) > count else "")

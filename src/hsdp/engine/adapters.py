@@ -7,9 +7,11 @@ slot, rank ``--max-lora-rank``, on the union of the layers the adapters adapt. E
 the layer it adapts, sharded as that layer is. Filling a slot from a peft adapter folder (:func:`fill`) copies each
 rank's slice of the zero-padded ``lora_A`` (rows past the adapter's rank are zero) and ``lora_B`` (columns past it
 are zero): ``B_pad @ A_pad == B @ A``, so any adapter of rank <= the slot's fits; no communication, no re-sharding,
-the base is never reloaded. Before each call :func:`activate` makes one slot active with the adapter's own per-layer
-``lora_alpha / r`` (peft's, rsLoRA and rank/alpha patterns included) times the request's scale, and layers the
-adapter does not adapt run the base alone; no adapter means every slot is off, the base exactly.
+the base is never reloaded. Before each call :func:`activate` makes the call's slots active, each with its
+adapter's own per-layer ``lora_alpha / r`` (peft's, rsLoRA and rank/alpha patterns included) times the request's
+scale for it, and layers no active adapter adapts run the base alone; no adapter means every slot is off, the base
+exactly. Several adapters at once are peft's multi-adapter forward (each active adapter's ``B @ A`` term added in
+the order given), which is what diffusers' ``set_adapters([a, b], adapter_weights=[wa, wb])`` activates.
 
 A padded slot computes the same sum as peft with the adapter alone, with zeros added: equal to peft exactly when
 the adapter's rank is the slot's, and within float rounding (measured: relative 1e-6) when it is smaller, because
@@ -20,7 +22,8 @@ them: an export of both experts (one subfolder per denoiser, :func:`hsdp.lora_fo
 denoiser's slot from its own part, and an adapter of one denoiser leaves the others' layers off (the base).
 
 The caller side (:class:`AdapterCache`) keeps which adapter sits in which slot, evicts the least recently used
-when a new one is needed, and counts loads and switches; a call uses one adapter and one scale.
+when a new one is needed (never one the same call uses), and counts loads and switches; a call uses one
+adapter, or several composed, each with its scale.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,12 +78,17 @@ class AdapterSpec:
 
     name: str
     path: Path
-    """The folder given (``--lora``)."""
+    """The folder or LoRA file given (``--lora``)."""
     layers: dict[tuple[str, str], tuple[int, float]]
     """(adapted model, module's qualified name in it) -> (rank, peft's scaling ``lora_alpha / r``); the adapted
     models are named as :func:`hsdp.engine.checks.lora_target` names them (a pipeline's denoisers by component)."""
     weights: dict[str, Path]
-    """Adapted model -> the peft adapter folder holding its tensors."""
+    """Adapted model -> the peft adapter folder holding its tensors (a diffusers folder's or LoRA file's conversion,
+    :func:`hsdp.lora_formats.as_peft_folder`)."""
+
+    @property
+    def given(self) -> Path:
+        return self.path
 
     @property
     def rank(self) -> int:
@@ -115,19 +123,19 @@ class SlotSpec:
             param.requires_grad_(is_slot)
             if is_slot and param.dtype != torch.float32:
                 param.data = param.data.float()
-        activate({"": model}, None)
+        activate({"": model}, ())
 
     def problem(self, adapter: AdapterSpec, flag: str) -> str | None:
         """Why ``adapter`` does not fit these slots (rank or layers), or None."""
         if adapter.rank > self.rank:
             return (
-                f"{flag} {adapter.path}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
+                f"{flag} {adapter.given}: rank {adapter.rank} exceeds the adapter slots' rank {self.rank}; restart "
                 f"the server with --max-lora-rank {adapter.rank} (or more)"
             )
         outside = sorted(adapter.modules - set(self.targets))
         if outside:
             return (
-                f"{flag} {adapter.path} adapts {len(outside)} layer(s) the adapter slots do not cover "
+                f"{flag} {adapter.given} adapts {len(outside)} layer(s) the adapter slots do not cover "
                 f"({', '.join(outside[:3])}...); the slots cover the layers of the adapters given at start "
                 "(--lora); give one adapter with these layers at start"
             )
@@ -136,7 +144,7 @@ class SlotSpec:
 
 @dataclass(frozen=True)
 class ActiveAdapter:
-    """The slot a call uses and each adapted layer's scaling (the adapter's ``lora_alpha / r`` x the scale)."""
+    """A slot a call uses and each layer's scaling there (the adapter's ``lora_alpha / r`` x the scale)."""
 
     slot: int
     scaling: dict[tuple[str, str], float]
@@ -162,9 +170,9 @@ def _targets(targets: Targets) -> dict[str, Path]:
 
 def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str, owner: str = "the model") -> AdapterSpec:
     """Check ``folder`` against the models it adapts (its parts, :func:`hsdp.lora_formats.adapter_parts`, each
-    checked by :func:`hsdp.lora.adapter_config`: a peft or diffusers LoRA folder whose tensors are exactly that
-    model's adapter tensors) and read its adapted layers, ranks and scalings by injecting each part into its model
-    on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
+    checked by :func:`hsdp.lora.adapter_config`: a peft LoRA folder, a diffusers one or a LoRA file, whose tensors
+    are exactly that model's adapter tensors) and read its adapted layers, ranks and scalings by injecting each part
+    into its model on meta, as peft would. ``ValueError`` naming ``flag`` otherwise."""
     from peft import inject_adapter_in_model
 
     from hsdp.loading import build_empty_model, model_class_for
@@ -174,7 +182,7 @@ def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str,
     weights: dict[str, Path] = {}
     for target, part in adapter_parts(folder, list(targets), owner, flag).items():
         model_dir = targets[target]
-        config = adapter_config(part, model_dir, flag)
+        config = adapter_config(part, model_dir, flag, lora_file=True)
         used = [f for f in _UNSUPPORTED if getattr(config, f, None)]
         if used:
             raise ValueError(
@@ -185,8 +193,8 @@ def describe_adapter(name: str, folder: str | Path, targets: Targets, flag: str,
         inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
         for n, m in _lora_layers(model).items():
             layers[target, n] = (m.r["default"], float(m.scaling["default"]))
-        # A diffusers-format folder is read from its peft conversion (hsdp.lora_formats.as_peft_folder).
-        weights[target] = as_peft_folder(part).resolve()
+        # A diffusers-format folder or a LoRA file is read from its peft conversion (as_peft_folder).
+        weights[target] = as_peft_folder(part, flag, model_dir).resolve()
     return AdapterSpec(name=name, path=Path(folder).resolve(), layers=layers, weights=weights)
 
 
@@ -219,13 +227,15 @@ def _all_linear(model_dir: Path) -> set[str]:
 
 
 def parse_adapters(values: Iterable[str | Path], flag: str = "--lora") -> dict[str, Path]:
-    """``NAME=PATH`` or ``PATH`` (named after its folder) -> {name: path}; duplicate names are an error."""
+    """``NAME=PATH`` or ``PATH`` (named after its folder, or a LoRA file's stem) -> {name: path}; duplicate names
+    are an error."""
     adapters: dict[str, Path] = {}
     for value in values:
         text = str(value)
         name, sep, path = text.partition("=")
         if not sep or not name or "/" in name:  # a bare path (which may itself hold an "=")
-            name, path = Path(text).resolve().name, text
+            given = Path(text).resolve()
+            name, path = given.stem if given.suffix == ".safetensors" else given.name, text
         if name in adapters:
             raise ValueError(
                 f"{flag} {text}: the name {name!r} is given twice; name them apart with NAME=PATH"
@@ -277,32 +287,32 @@ def fill(models: Mapping[str, nn.Module], slot: int, adapter: AdapterSpec) -> in
     return copied
 
 
-def activate(models: Mapping[str, nn.Module], active: ActiveAdapter | None) -> None:
-    """Make ``active``'s slot the one adapter of every LoRA layer it adapts (with its scaling); every other layer,
-    and all of them when ``active`` is None, runs the base alone."""
+def activate(models: Mapping[str, nn.Module], active: Sequence[ActiveAdapter]) -> None:
+    """Make ``active``'s slots, in that order, the adapters of every LoRA layer they adapt (each with its scaling);
+    a layer none of them adapts, and every layer when ``active`` is empty, runs the base alone."""
     for target, model in models.items():
         for module_name, layer in _lora_layers(model).items():
-            scaling = active.scaling.get((target, module_name)) if active is not None else None
-            if scaling is None:
-                layer._active_adapter = []
-                continue
-            name = slot_name(active.slot)
-            layer.scaling[name] = scaling
-            layer._active_adapter = [name]
+            names = []
+            for adapter in active:
+                scaling = adapter.scaling.get((target, module_name))
+                if scaling is not None:
+                    names.append(slot_name(adapter.slot))
+                    layer.scaling[names[-1]] = scaling
+            layer._active_adapter = names
             layer._disable_adapters = False
 
 
 # -- caller side -------------------------------------------------------------------------------------------------
 class AdapterCache:
     """Which adapter sits in which slot, least recently used first; counts loads (slot fills) and switches (calls
-        whose adapter, None for the base, differs from the previous call's). Thread-safe: adapters are added and removed
+    whose adapters, none for the base, differ from the previous call's). Thread-safe: adapters are added and removed
     from request handlers while the engine's thread runs calls."""
 
     def __init__(self, slots: SlotSpec, adapters: Iterable[AdapterSpec] = (), flag: str = "--lora"):
         self.slots = slots
         self.known: dict[str, AdapterSpec] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()
-        self.current: str | None = None
+        self.current: tuple[str, ...] = ()
         self.loads = 0
         self.switches = 0
         self.evictions = 0
@@ -343,31 +353,36 @@ class AdapterCache:
                 return self.resident[name]
             return None
 
-    def free_slot(self) -> int:
-        """An empty slot, or the least recently used one (evicted)."""
+    def free_slot(self, keep: Iterable[str] = ()) -> int:
+        """An empty slot, or the least recently used one (evicted) whose adapter is not in ``keep`` (the others
+        the same call uses; callers check that the call's adapters fit the slots)."""
         with self._lock:
             used = set(self.resident.values())
             empty = [s for s in range(self.slots.count) if s not in used]
             if empty:
                 return empty[0]
+            victim = next(name for name in self.resident if name not in set(keep))
             self.evictions += 1
-            return self.resident.popitem(last=False)[1]
+            return self.resident.pop(victim)
 
     def loaded(self, name: str, slot: int) -> None:
         with self._lock:
             self.resident[name] = slot
             self.loads += 1
 
-    def use(self, name: str | None, slot: int | None, scale: float) -> ActiveAdapter | None:
-        """Count the switch (if any) and the per-layer scalings for a call with ``name`` in ``slot``."""
+    def use(self, chosen: Sequence[tuple[str, int, float]]) -> tuple[ActiveAdapter, ...]:
+        """Count the switch (if any) and the per-layer scalings for a call with each ``(name, slot, scale)`` of
+        ``chosen`` (none: the base)."""
         with self._lock:
-            layers = self.spec(name).layers if name is not None else {}  # removed meanwhile: refused
-            if name != self.current:
+            layers = [self.spec(name).layers for name, _, _ in chosen]  # removed meanwhile: refused
+            current = tuple(name for name, _, _ in chosen)
+            if current != self.current:
                 self.switches += 1
-                self.current = name
-        if name is None or slot is None:
-            return None
-        return ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in layers.items()})
+                self.current = current
+        return tuple(
+            ActiveAdapter(slot, {m: scaling * scale for m, (_, scaling) in adapter.items()})
+            for (_, slot, scale), adapter in zip(chosen, layers, strict=True)
+        )
 
     def stats(self) -> dict:
         with self._lock:

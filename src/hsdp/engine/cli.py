@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -103,6 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_engine_arguments(parser)
     parser.add_argument(
+        "--lora-scale",
+        action="append",
+        type=float,
+        default=None,
+        metavar="W",
+        help="the weight of each --lora, in their order (default 1 each; one value for all): several --lora are "
+        "composed, as diffusers' set_adapters([a, b], adapter_weights=[wa, wb])",
+    )
+    parser.add_argument(
         "--comm-stats",
         action="store_true",
         help="count every collective and compare with the minimum (slower: the counter sees every op)",
@@ -144,8 +154,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="[NAME=]PATH",
         help="a peft LoRA adapter folder (hsdp train --export, PeftModel.save_pretrained) for the sharded causal LM "
-        "or a pipeline's one denoiser: unmerged, in fp32 as peft loads it, sharded with the base (hsdp serve: "
-        "repeatable, each served under NAME, default the folder's name)",
+        "or a pipeline's one denoiser, or a diffusers LoRA folder or kohya / ComfyUI .safetensors file (read by the "
+        "pipeline's converters): unmerged, in fp32 as peft loads it, sharded with the base (hsdp generate: "
+        "repeatable, composed with --lora-scale; hsdp serve: repeatable, each served under NAME, default the "
+        "folder's name)",
     )
     parser.add_argument(
         "--cache",
@@ -200,7 +212,7 @@ def _output_paths(output: str | None, count: int, kind: str) -> list[Path | None
     return [path] if count == 1 else [numbered(path, i) for i in range(count)]
 
 
-def _summary(engine, outputs: list, written: list[Path | None]) -> str:
+def _summary(engine, outputs: list, written: list[Path | None], composed: list[str]) -> str:
     first = outputs[0]
     per_rank = ", ".join(f"rank{r} {b / 2**20:.0f} MiB" for r, b in enumerate(first.peak_memory_bytes))
     unit = "s/step" if engine.kind == "diffusion" else "s/token"
@@ -209,6 +221,7 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
         f"layout: {engine.config.describe()}",
         f"model: {engine.model_path} ({engine.info.class_name})"
         + (f" with the LoRA adapter {engine.lora}" if engine.lora else "")
+        + (f" with the LoRA adapters {', '.join(composed)} composed" if composed else "")
         + f", loaded in {engine.load_s:.1f}s",
         f"{unit} (median per request): {steps}; total {sum(o.timings.total_s for o in outputs):.2f}s",
         f"peak memory ({first.memory_kind}): {per_rank}",
@@ -221,6 +234,24 @@ def _summary(engine, outputs: list, written: list[Path | None]) -> str:
         )
     lines += [f"wrote {p}" for p in written]
     return "\n".join(lines)
+
+
+def _lora_scales(scales: list[float] | None, count: int) -> list[float] | float:
+    """``--lora-scale``: one weight per ``--lora`` (or one for all; default 1)."""
+    if not scales:
+        return 1.0
+    if not count:
+        raise ValueError("--lora-scale needs --lora (the adapter it weighs)")
+    if not all(math.isfinite(s) for s in scales):
+        raise ValueError(f"--lora-scale {scales}: each must be a finite number (1: the adapter as trained)")
+    if len(scales) == 1:
+        return scales[0]
+    if len(scales) != count:
+        raise ValueError(
+            f"--lora-scale is given {len(scales)} times for {count} --lora adapters; give one per --lora, in "
+            "the same order, or one for all"
+        )
+    return scales
 
 
 def run(args: argparse.Namespace) -> int:
@@ -269,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
 
             if problems := compile_problems(device_type(), args.cache):
                 raise ValueError("; ".join(problems))
-        if args.lora and len(args.lora) > 1:
-            raise ValueError(f"--lora is given {len(args.lora)} times; hsdp generate applies one adapter")
+        adapters = parse_adapters(args.lora or ())
+        scales = _lora_scales(args.lora_scale, len(adapters))
     except (ValueError, FileNotFoundError) as exc:
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
@@ -283,12 +314,17 @@ def run(args: argparse.Namespace) -> int:
             progress=True,
             weight_dtype=args.weight_dtype,
             device_memory=args.device_memory,
-            lora=next(iter(parse_adapters(args.lora).values())) if args.lora else None,
+            lora=next(iter(adapters.values())) if len(adapters) == 1 else adapters or None,
             compile=args.compile,
             attention_backend=args.attention_backend,
         ) as engine:
             outputs = engine.generate(
-                args.prompt, params, measure_comm=args.comm_stats, batch_size=args.batch_size
+                args.prompt,
+                params,
+                measure_comm=args.comm_stats,
+                batch_size=args.batch_size,
+                adapter=list(adapters) if len(adapters) > 1 else None,
+                adapter_scale=scales,
             )
     except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks
         print(f"hsdp generate: {exc}", file=sys.stderr)
@@ -302,7 +338,8 @@ def run(args: argparse.Namespace) -> int:
             print(output.text)
         else:
             written += output.save(path, fps=video_fps(info, args.fps), with_audio=not args.no_audio)
-    print(_summary(engine, outputs, written), file=sys.stderr)
+    composed = [str(p) for p in adapters.values()] if len(adapters) > 1 else []
+    print(_summary(engine, outputs, written, composed), file=sys.stderr)
     if engine.last_comm and engine.last_comm[0]:
         print(_comm_line(engine.last_comm[0]), file=sys.stderr)
     return 0

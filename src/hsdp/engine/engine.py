@@ -178,7 +178,7 @@ class Engine:
         self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
-        self.lora = specs[self.default_adapter].path if self.default_adapter else None
+        self.lora = specs[self.default_adapter].given if self.default_adapter else None
         self.memory_plan = memory_plan(
             self.info, self.config, device_memory, dtype, weight_dtype, forward_prefetch
         )
@@ -287,8 +287,8 @@ class Engine:
         on_progress: Callable[[int, int, int], None] | None = None,
         on_token: Callable[[int, int], None] | None = None,
         batch_size: int = 1,
-        adapter: str | None = None,
-        adapter_scale: float = 1.0,
+        adapter: str | Sequence[str] | None = None,
+        adapter_scale: float | Sequence[float] = 1.0,
         on_start: Callable[[int], None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate one output per prompt, in prompt order. Thread-safe: concurrent calls run one after another.
@@ -303,14 +303,15 @@ class Engine:
         (:func:`hsdp.engine.params.lockstep_rounds`), so request-parallel ranks always run the same forwards;
         requests giving an input the pipeline takes one of per call (Wan image-to-video's image) run one at a time.
         ``adapter``: the LoRA adapter (by name) every request of the call uses, its ``lora_alpha / r`` times
-        ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too).
+        ``adapter_scale`` (None: :attr:`default_adapter`, the base when that is None too); a list of names
+        composes them, each with its ``adapter_scale`` (a list as long, or one scale for all), as diffusers'
+        ``set_adapters(names, adapter_weights=scales)`` does. The engine needs a slot for each.
         ``on_start(call_id)`` is called once the call has its id, before the ranks start: :meth:`cancel` with
         that id reaches this call's requests and no other's.
         """
         if self._closed:
             raise RuntimeError("this Engine is closed; start a new one")
-        adapter = adapter or self.default_adapter
-        self._check_adapter(adapter, adapter_scale)
+        chosen = self._adapter_choice(adapter, adapter_scale)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         problem = batch_size_problem(self.kind, batch_size)
         if problem:
@@ -321,7 +322,7 @@ class Engine:
             if on_start is not None:
                 on_start(self._call_id)
             try:
-                active = self._activate(adapter, adapter_scale)
+                active = self._activate(chosen)
                 results = self._group.run(
                     worker.generate,
                     requests,
@@ -375,34 +376,56 @@ class Engine:
             )
         return params
 
-    def _check_adapter(self, name: str | None, scale: float) -> None:
-        if name is None:
-            return
+    def _adapter_choice(
+        self, adapter: str | Sequence[str] | None, scale: float | Sequence[float]
+    ) -> list[tuple[str, float]]:
+        """``generate``'s ``adapter`` / ``adapter_scale`` as ``(name, scale)`` pairs (none: the base), checked."""
+        adapter = adapter or self.default_adapter
+        names = [adapter] if isinstance(adapter, str) else list(adapter or ())
+        scales = list(scale) if isinstance(scale, Sequence) else [scale] * len(names)
+        if not names:
+            return []
         if self.adapters is None:
             raise ValueError(
-                f"adapter={name!r}: this engine holds no LoRA adapters; start it with lora= (--lora NAME=PATH)"
+                f"adapter={adapter!r}: this engine holds no LoRA adapters; start it with lora= (--lora NAME=PATH)"
             )
-        self.adapters.spec(name)
-        if not math.isfinite(scale):
-            raise ValueError(f"adapter_scale={scale} must be a finite number (1.0: the adapter as trained)")
+        if len(scales) != len(names):
+            raise ValueError(
+                f"adapter_scale has {len(scales)} values for {len(names)} adapters ({', '.join(names)}); give one "
+                "scale for each, or one for all"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter={names}: an adapter is named twice; name each once (its scale adds up)")
+        if len(names) > self.adapters.slots.count:
+            raise ValueError(
+                f"adapter={names}: {len(names)} adapters composed, and this engine holds {self.adapters.slots.count} "
+                f"adapter slot(s); start it with max_loras={len(names)} or more (--max-loras {len(names)})"
+            )
+        for name, value in zip(names, scales, strict=True):
+            self.adapters.spec(name)
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"adapter_scale={value} (adapter {name!r}) must be a finite number (1.0: the adapter as trained)"
+                )
+        return list(zip(names, scales, strict=True))
 
-    def _slot_for(self, name: str) -> int:
+    def _slot_for(self, name: str, keep: Sequence[str] = ()) -> int:
         """The slot holding adapter ``name``, filled on the ranks first when it is in none (evicting the least
-        recently used). Caller holds the lock."""
+        recently used that is not in ``keep``, the call's other adapters). Caller holds the lock."""
         assert self.adapters is not None
         slot = self.adapters.lookup(name)
         if slot is None:
-            slot = self.adapters.free_slot()
+            slot = self.adapters.free_slot(keep)
             self._group.run(worker.load_adapter, slot, self.adapters.spec(name), timeout_s=self.call_timeout_s)
             self.adapters.loaded(name, slot)
         return slot
 
-    def _activate(self, name: str | None, scale: float) -> adapters.ActiveAdapter | None:
-        """What the ranks activate for a call with adapter ``name`` (loading it into a slot when needed)."""
+    def _activate(self, chosen: list[tuple[str, float]]) -> tuple[adapters.ActiveAdapter, ...]:
+        """What the ranks activate for a call with the adapters ``chosen`` (loading each into a slot as needed)."""
         if self.adapters is None:
-            return None
-        slot = self._slot_for(name) if name is not None else None
-        return self.adapters.use(name, slot, scale)
+            return ()
+        names = [name for name, _ in chosen]
+        return self.adapters.use([(name, self._slot_for(name, names), scale) for name, scale in chosen])
 
     def add_adapter(self, name: str, path: str | os.PathLike, flag: str = "lora") -> None:
         """Serve the peft LoRA adapter folder ``path`` as ``name`` from now on (checked like ``lora=``; loaded

@@ -116,7 +116,7 @@ def generate(
     measure_comm: bool = False,
     call_id: int = 0,
     batch_size: int = 1,
-    adapter: adapters.ActiveAdapter | None = None,
+    active: tuple[adapters.ActiveAdapter, ...] = (),
     single_inputs: frozenset[str] = frozenset(),
 ) -> RankResult:
     """Generate this rank's share of ``requests`` in lockstep with the other ranks, ``batch_size`` at a time.
@@ -125,11 +125,11 @@ def generate(
     request-parallel HSDP the rank with data-parallel index ``d`` takes group ``d`` of each of
     :func:`hsdp.engine.params.lockstep_rounds` (requests ``d, d + N, d + 2N, ...`` when their inputs are alike).
     A request cancelled on the caller's board (``call_id``) stops at the next forward and reports
-    ``cancelled``. ``adapter``: the LoRA slot and scalings the call uses (None: the base alone).
+    ``cancelled``. ``active``: the LoRA slots and scalings the call uses, in order (none: the base alone).
     ``single_inputs``: inputs the pipeline takes one of per call (requests giving one are not batched).
     """
     runner, config, meshes, watch = _loaded()
-    adapters.activate(runner.adapted(), adapter)
+    adapters.activate(runner.adapted(), active)
     slots = request_slots(config)
     slot = meshes.data_parallel_rank if slots > 1 else 0
     reports = slots > 1 or rank() == 0

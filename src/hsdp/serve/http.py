@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hsdp.serve.schemas import UNKNOWN_FIELD, ApiError, unknown_fields_problem
+from hsdp.serve.schemas import UNION_TAGS, UNKNOWN_FIELD, ApiError, unknown_fields_problem
 
 __all__ = ["GuardMiddleware", "install_error_handlers", "describe_validation_errors", "OPEN_PATHS"]
 
@@ -99,7 +99,7 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     """pydantic errors as one line per field (``num_frames: Input should be ...``) and the first field's name."""
     parts, first = [], None
     for error in errors:
-        loc = [str(p) for p in error.get("loc", ()) if p not in ("body",)]
+        loc = [str(p) for p in error.get("loc", ()) if p not in ("body", *UNION_TAGS)]
         if error.get("type") == UNKNOWN_FIELD:  # raised by the body itself: its fields are in ctx
             prefix, ctx = "".join(f"{p}." for p in loc), error["ctx"]
             first = first or prefix + next(iter(ctx["closest"]))

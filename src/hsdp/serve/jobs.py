@@ -38,9 +38,20 @@ from typing import Any
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["Job", "JobStore", "QueueFull", "Unavailable", "FINISHED"]
+__all__ = ["Job", "JobStore", "QueueFull", "Unavailable", "FINISHED", "answered_by"]
 
 FINISHED = ("completed", "failed", "cancelled")
+
+
+def answered_by(meta: dict, base: str) -> str:
+    """The ``model`` a response names: the adapter of the job's ``meta`` (composed ones joined by ``+``), else
+    ``base``."""
+    adapter = meta.get("adapter")
+    if adapter is None:
+        return base
+    return "+".join(adapter) if isinstance(adapter, list) else adapter
+
+
 _PERSISTED = (
     "id",
     "kind",
@@ -117,7 +128,8 @@ class Job:
     def batch_key(self) -> str:
         if self.solo:
             return self.id
-        # One adapter and one scale per engine call (hsdp.engine.adapters): they are part of the key.
+        # One set of adapters and scales per engine call (hsdp.engine.adapters): they are part of the key, so a
+        # composed request never shares a batch with one naming another set (or the same in another order).
         adapter = [self.meta.get("adapter"), self.meta.get("adapter_scale")]
         # Given-or-absent per-request inputs change the forwards a request runs (see the module docstring).
         given = [self.negative_prompt is not None, sorted(self.inputs)]

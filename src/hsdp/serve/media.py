@@ -113,7 +113,8 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
         if merged.get(name) is None and getattr(body, name) is not None:
             merged[name] = getattr(body, name)
     if "lora" not in merged and body.lora is not None:
-        merged["lora"] = body.lora.model_dump()
+        lora = body.lora
+        merged["lora"] = [x.model_dump() for x in lora] if isinstance(lora, list) else lora.model_dump()
     prompt = " ".join(m.text(" ") for m in body.messages if m.role == "user").strip()
     if not prompt:
         raise ApiError(

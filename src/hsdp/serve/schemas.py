@@ -13,7 +13,16 @@ import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from hsdp.serve.settings import ServeLimits
@@ -118,6 +127,42 @@ class LoraRequest(_Strict):
     scale: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False)
 
 
+MAX_COMPOSED_LORAS = 16
+"""The most adapters one request may compose (each needs an adapter slot; ``--max-loras`` bounds them too)."""
+
+
+def _names_once(value: list[LoraRequest]) -> list[LoraRequest]:
+    names = [item.name for item in value]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"names the adapter {', '.join(map(repr, twice))} twice; give each once")
+    return value
+
+
+UNION_TAGS = ("one", "list")
+"""The tags of :data:`LoraField`'s branches, which pydantic puts in an error's location (error messages drop
+them: ``lora.0.scale``, not ``lora.list.0.scale``)."""
+
+LoraField = (
+    Annotated[
+        Annotated[LoraRequest, Tag("one")]
+        | Annotated[
+            list[LoraRequest],
+            Field(min_length=1, max_length=MAX_COMPOSED_LORAS),
+            AfterValidator(_names_once),
+            Tag("list"),  # outermost: the tag names the branch as validated
+        ],
+        Discriminator(lambda value: "list" if isinstance(value, list) else "one"),
+    ]
+    | None
+)
+"""``lora``: one adapter, or a list of them composed with their scales (diffusers' ``set_adapters``)."""
+LORA_DESCRIPTION = (
+    "vLLM-Omni: the LoRA adapter (and scale) for this request; a list composes several, each with its scale (a "
+    "JSON string in multipart forms)"
+)
+
+
 class LoadLoraAdapterRequest(_Strict):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 
@@ -159,22 +204,22 @@ class DiffusionFields(_Strict):
         None, gt=0.0, le=3600.0, allow_inf_nan=False, description="Audio pipelines: seconds of audio"
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="None: a random seed, reported back")
-    lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
+    lora: LoraField = Field(None, description=LORA_DESCRIPTION)
     extra_args: dict[str, Any] | None = Field(
         None,
         description="Other arguments of the pipeline's __call__ by name, e.g. {\"strength\": 0.6} (checked "
         "against its signature); a JSON string in multipart forms",
     )
 
-    @field_validator("extra_args", mode="before")
+    @field_validator("extra_args", "lora", mode="before")
     @classmethod
     def _form_json(cls, value: Any) -> Any:
-        """Multipart forms carry ``extra_args`` as JSON text."""
+        """Multipart forms carry ``extra_args`` and ``lora`` as JSON text."""
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except ValueError as exc:
-                raise ValueError(f"not valid JSON ({exc}); give a JSON object") from exc
+                raise ValueError(f"not valid JSON ({exc}); give a JSON object (lora: or a list of them)") from exc
         return value
 
 
@@ -335,7 +380,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text ends before the first")
     n: int = Field(1, ge=1, le=1, description="One choice per prompt")
     user: str | None = Field(None, max_length=512)
-    lora: LoraRequest | None = Field(None, description="vLLM-Omni: the LoRA adapter (and scale) for this request")
+    lora: LoraField = Field(None, description=LORA_DESCRIPTION)
 
 
 class CompletionRequest(_SamplingFields):

@@ -27,7 +27,7 @@ from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
 from hsdp.models.builtin import resolve_model
-from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable
+from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable, answered_by
 from hsdp.serve.media import Upload
 from hsdp.serve.runner import EngineRunner
 from hsdp.serve.schemas import (
@@ -321,21 +321,37 @@ class Server:
             )
 
     # -- adapters --------------------------------------------------------------------------------------------
-    def adapter_choice(self, model: str | None, lora: LoraRequest | None) -> dict:
+    def adapter_choice(self, model: str | None, lora: LoraRequest | list[LoraRequest] | None) -> dict:
         """The job ``meta`` naming a request's adapter and scale (empty for the base): ``model`` naming an
-        adapter (vLLM), or the ``lora`` field (vLLM-Omni), whose ``local_path`` loads it under its name."""
+        adapter (vLLM), or the ``lora`` field (vLLM-Omni), whose ``local_path`` loads it under its name; a list
+        composes its adapters (``adapter`` and ``adapter_scale`` are lists then, as ``Engine.generate`` takes
+        them)."""
         adapter = model if model in self.adapter_paths else None
         if lora is None:
             return {"adapter": adapter, "adapter_scale": 1.0} if adapter else {}
-        if adapter is not None and adapter != lora.name:
+        chosen = lora if isinstance(lora, list) else [lora]
+        names = [item.name for item in chosen]
+        if adapter is not None and [adapter] != names:
             raise ApiError(
-                400, f"model names the adapter {adapter!r} and lora.name {lora.name!r}; give one", param="lora"
+                400, f"model names the adapter {adapter!r} and lora names {', '.join(names)}; give one", param="lora"
             )
-        if lora.local_path is not None:
-            self.load_adapter(lora.name, lora.local_path, "lora.local_path")
-        elif lora.name not in self.adapter_paths:
-            raise self._not_served(lora.name, "lora.name")
-        return {"adapter": lora.name, "adapter_scale": lora.scale}
+        slots = self._slots.count if self._slots is not None else None
+        if slots is not None and len(names) > slots:
+            raise ApiError(
+                400,
+                f"lora composes {len(names)} adapters and this server holds {slots} adapter slot(s); restart it "
+                f"with --max-loras {len(names)} (or more), or compose fewer",
+                param="lora",
+            )
+        for i, item in enumerate(chosen):
+            field = "lora" if len(chosen) == 1 and not isinstance(lora, list) else f"lora.{i}"
+            if item.local_path is not None:
+                self.load_adapter(item.name, item.local_path, f"{field}.local_path")
+            elif item.name not in self.adapter_paths:
+                raise self._not_served(item.name, f"{field}.name")
+        if not isinstance(lora, list):
+            return {"adapter": lora.name, "adapter_scale": lora.scale}
+        return {"adapter": names, "adapter_scale": [item.scale for item in chosen]}
 
     def check_adapter_admin(self, flag: str) -> None:
         """Loading adapters from paths is refused off loopback without ``--api-key`` (anyone could point the
@@ -566,7 +582,7 @@ class Server:
             )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
         adapter = self.adapter_choice(request.model, request.lora)
-        meta = {"fps": fps, "model": adapter.get("adapter", self.name), "format": output_format, **adapter}
+        meta = {"fps": fps, "model": answered_by(adapter, self.name), "format": output_format, **adapter}
         inputs = {u.engine_field: u.data for u in (image, mask) if u is not None}
         return [
             Job(

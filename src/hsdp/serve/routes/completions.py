@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hsdp.serve.jobs import Job
+from hsdp.serve.jobs import Job, answered_by
 from hsdp.serve.media import chat_audio_body, chat_generation, chat_media_body, data_url
 from hsdp.serve.routes.common import ServerDep, run_jobs
 from hsdp.serve.schemas import ApiError, ChatCompletionRequest, ChatImageParams, CompletionRequest
@@ -43,7 +43,7 @@ def _text_choices(body: CompletionRequest | ChatCompletionRequest, jobs: list[Jo
 def _answered_by(server: Server, jobs: list[Job]) -> str:
     """The ``model`` of the response: the adapter that served it (named by ``model``, vLLM's convention, or by
     the ``lora`` field, vLLM-Omni's), else the base."""
-    return jobs[0].meta.get("adapter", server.name) if jobs else server.name
+    return answered_by(jobs[0].meta, server.name) if jobs else server.name
 
 
 async def _stream_text(
