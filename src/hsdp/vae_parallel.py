@@ -8,8 +8,9 @@ with one that runs diffusers' own method twice on every rank of a group:
 
 1. tile ``t`` is computed by rank ``t % world`` (round-robin); the other ranks run the same calls on the meta device,
    which gives each call's output shape without computing it. This pass stops at the first blend.
-2. one ``all_gather`` brings every rank's decoded tiles to every rank; the method then runs again with each
-   ``decoder`` call answered from the gathered tiles, so the cropping and blending are diffusers' own.
+2. ``all_gather`` brings every rank's decoded tiles to every rank, one collective per round of ``world`` tiles (so
+   each tile's buffer can be freed once used); the method then runs again with each ``decoder`` call answered
+   from the gathered tiles, so the cropping and blending are diffusers' own.
 
 Tile geometry, blending and the per-class call structure stay in diffusers. What this module knows of the
 classes: which method tiles and which child it calls (``_TILED``), and that a call handed cached tensors
@@ -27,17 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TileSplit", "enable_vae_parallel", "is_tiled_vae", "vae_memory_options"]
+__all__ = ["TileSplit", "enable_vae_parallel", "vae_memory_options"]
 
 _TILED = (("tiled_decode", "decoder"), ("_tiled_encode", "encoder"), ("tiled_encode", "encoder"))
 """(tiled method, the child it runs per tile): AutoencoderKL encodes through ``_tiled_encode`` (its public
 ``tiled_encode`` is a deprecated copy); the first of the two encode names a class has is the one it uses."""
 _BLENDS = ("blend_v", "blend_h", "blend_t")
-
-
-def is_tiled_vae(vae: object) -> bool:
-    """Whether ``vae`` tiles its decode the way diffusers' VAEs do (``enable_tiling`` and ``tiled_decode``)."""
-    return callable(getattr(vae, "enable_tiling", None)) and callable(getattr(vae, "tiled_decode", None))
 
 
 def vae_memory_options(vae: nn.Module, *, tiling: bool, slicing: bool) -> None:
@@ -79,6 +75,7 @@ class TileSplit:
 
 @dataclass
 class _Call:
+    tile: int
     owner: int
     tuple_len: int | None
     """The child returned a tuple of this length (sample, cache): the sample is its first item."""
@@ -94,7 +91,8 @@ class _TileWork:
         self.forward = child.forward
         self.tile = -1
         self.calls: list[_Call] = []
-        self.mine: list[torch.Tensor] = []
+        self.mine: dict[int, torch.Tensor] = {}
+        """Call index -> the sample this rank computed."""
         self._meta_state: dict[str, torch.Tensor] | None = None
         self._sized_calls: dict[object, tuple] = {}
         self._sizing = False
@@ -109,9 +107,11 @@ class _TileWork:
         owner = self.tile % self.world
         out = self.forward(*args, **kwargs) if owner == self.rank else self._sized(args, kwargs)
         sample = out[0] if isinstance(out, tuple) else out
-        self.calls.append(_Call(owner, len(out) if isinstance(out, tuple) else None, sample.shape, sample.dtype))
         if owner == self.rank:
-            self.mine.append(sample)
+            self.mine[len(self.calls)] = sample
+        self.calls.append(
+            _Call(self.tile, owner, len(out) if isinstance(out, tuple) else None, sample.shape, sample.dtype)
+        )
         return out
 
     def _sized(self, args: tuple, kwargs: dict):
@@ -136,30 +136,42 @@ class _TileWork:
             value[:] = content
         return out
 
-    def gather(self, group: dist.ProcessGroup | None, device: torch.device) -> list[torch.Tensor]:
-        """Every call's sample, from one all_gather of each rank's samples flattened into one padded buffer."""
+    def gather(self, group: dist.ProcessGroup | None, device: torch.device) -> list[torch.Tensor | None]:
+        """Every call's sample: this rank's own, and the others' from one all_gather per round of ``world`` tiles
+        (each rank's next tile, flattened and padded to the round's largest). Gathering tile by tile instead of
+        all at once lets a tile's buffer go as soon as the tiled method is done with it, so a rank holds each
+        tile once, as diffusers' own tiled method does."""
+        samples: list[torch.Tensor | None] = [self.mine.pop(i, None) for i in range(len(self.calls))]
         dtype = self.calls[0].dtype
-        sizes = [sum(c.shape.numel() for c in self.calls if c.owner == r) for r in range(self.world)]
-        flat = torch.cat([s.reshape(-1).to(dtype) for s in self.mine]) if self.mine else torch.empty(0, dtype=dtype)
-        self.mine = []
-        buffers = [torch.empty(max(sizes), dtype=dtype, device=device) for _ in range(self.world)]
-        dist.all_gather(buffers, torch.nn.functional.pad(flat.to(device), (0, max(sizes) - flat.numel())), group)
-        offsets = [0] * self.world
-        samples = []
-        for call in self.calls:
-            start = offsets[call.owner]
-            offsets[call.owner] += call.shape.numel()
-            samples.append(buffers[call.owner][start : offsets[call.owner]].view(call.shape))
+        for first in range(0, self.tile + 1, self.world):
+            tiles = range(first, min(first + self.world, self.tile + 1))
+            calls = [[i for i, c in enumerate(self.calls) if c.tile == t] for t in tiles]
+            width = max(sum(self.calls[i].shape.numel() for i in group_calls) for group_calls in calls)
+            own = [samples[i].reshape(-1).to(dtype) for i in calls[self.rank]] if self.rank < len(tiles) else []
+            flat = torch.cat(own).to(device) if own else torch.empty(0, dtype=dtype, device=device)
+            buffers = [torch.empty(width, dtype=dtype, device=device) for _ in range(self.world)]
+            dist.all_gather(buffers, torch.nn.functional.pad(flat, (0, width - flat.numel())), group)
+            del own, flat
+            for owner, group_calls in enumerate(calls):
+                if owner == self.rank:
+                    continue
+                offset = 0
+                for i in group_calls:
+                    size = self.calls[i].shape.numel()
+                    samples[i] = buffers[owner][offset : offset + size].view(self.calls[i].shape)
+                    offset += size
         return samples
 
-    def replay(self, samples: list[torch.Tensor]) -> Callable:
+    def replay(self, samples: list[torch.Tensor | None]) -> Callable:
         """The child's forward in the second pass: each call answered with its gathered sample, in call order
         (the tiled method makes the same calls again). A cache the call would return is not needed any more."""
-        answers = iter(zip(self.calls, samples, strict=True))
+        order = iter(range(len(self.calls)))
 
         def forward(*args, **kwargs):
-            call, sample = next(answers)
-            return sample if call.tuple_len is None else (sample, *[None] * (call.tuple_len - 1))
+            i = next(order)
+            sample, samples[i] = samples[i], None  # held by the tiled method from here on, as its own would be
+            tuple_len = self.calls[i].tuple_len
+            return sample if tuple_len is None else (sample, *[None] * (tuple_len - 1))
 
         return forward
 
