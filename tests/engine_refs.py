@@ -88,13 +88,18 @@ def builtin(name: str, cache_dir: Path) -> Path:
     return resolve_model(name, cache_dir=cache_dir)
 
 
-def reference_pipeline(path: Path, prompt: str, seed: int, **call_kwargs) -> np.ndarray:
+def reference_pipeline(path: Path, prompt: str, seed: int, *, vae_tiling: bool = False, **call_kwargs) -> np.ndarray:
     """Frames (video pipelines), images or waveforms (audio pipelines) of the pipeline's own ``__call__`` in this
-    process, given every argument explicitly."""
-    with one_thread(), torch.no_grad():
-        result = _pipeline(path)(
-            prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **call_kwargs
-        )
+    process, given every argument explicitly; ``vae_tiling``: with diffusers' ``vae.enable_tiling()``."""
+    pipe = _pipeline(path)
+    if vae_tiling:
+        pipe.vae.enable_tiling()
+    try:
+        with one_thread(), torch.no_grad():
+            result = pipe(prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **call_kwargs)
+    finally:
+        if vae_tiling:
+            pipe.vae.disable_tiling()
     if hasattr(result, "frames"):
         return result.frames[0]
     return result.audios if hasattr(result, "audios") else result.images

@@ -28,6 +28,8 @@ __all__ = [
     "load_options",
     "lora_target",
     "check_lora",
+    "vae_problems",
+    "vae_parallel_default",
 ]
 
 
@@ -183,3 +185,47 @@ def check_lora(
         name: adapters.describe_adapter(name, path, lora_target(info), "--lora", info.class_name)
         for name, path in named.items()
     }
+
+
+def _vae_parallel_blocker(info: ModelInfo, config: ParallelConfig) -> str | None:
+    """Why this layout cannot split the VAE's tiles over its ranks, or None when it can."""
+    if config.world_size == 1:
+        return "this layout has one rank"
+    if config.request_parallel:
+        return "--request-parallel ranks each decode their own request"
+    sharded = [name for name in info.autoencoders if config.use_hsdp and name in info.shardable]
+    if sharded:
+        return (f"the engine shards {', '.join(sharded)} (as large as the denoiser), and a sharded VAE's every "
+                "layer all-gathers on all ranks together")  # fmt: skip
+    return None
+
+
+def vae_parallel_default(info: ModelInfo, config: ParallelConfig, requested: bool | None) -> bool:
+    """``--vae-parallel``'s value: as given, else on wherever it can run (more than one rank shares each request,
+    and a VAE tiles). Whether a given output is split is diffusers' own size test at decode time: it tiles
+    (at least 2 tiles) only when the latents are larger than one tile."""
+    if requested is not None:
+        return requested
+    tiled = any("tiling" in info.vae_options[name] for name in info.autoencoders)
+    return info.kind == "diffusion" and tiled and _vae_parallel_blocker(info, config) is None
+
+
+def vae_problems(
+    info: ModelInfo, config: ParallelConfig, parallel: bool | None, tiling: bool, slicing: bool
+) -> list[str]:
+    """``--vae-parallel`` / ``--vae-tiling`` / ``--vae-slicing`` against the model's autoencoders and the layout."""
+    flags = {"--vae-parallel": bool(parallel), "--vae-tiling": tiling, "--vae-slicing": slicing}
+    given = [flag for flag, on in flags.items() if on]
+    if not given:
+        return []
+    if info.kind != "diffusion" or not info.autoencoders:
+        return [f"{', '.join(given)}: {info.path.name} has no VAE (diffusers autoencoder); drop the flag"]
+    problems = []
+    for flag, option in (("--vae-parallel", "tiling"), ("--vae-tiling", "tiling"), ("--vae-slicing", "slicing")):
+        if flags[flag] and not any(option in info.vae_options[name] for name in info.autoencoders):
+            problems.append(f"{flag}: this pipeline's autoencoder ({', '.join(info.autoencoders)}) has no diffusers "
+                            f"{option} (enable_{option}); drop {flag}")  # fmt: skip
+    if parallel and (blocker := _vae_parallel_blocker(info, config)) is not None:
+        problems.append(f"--vae-parallel splits the VAE's tiles over the ranks that share a request, but {blocker}; "
+                        "drop --vae-parallel (or use --vae-tiling to save memory on each rank)")  # fmt: skip
+    return problems

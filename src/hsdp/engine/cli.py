@@ -179,6 +179,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.compile each repeated denoiser block (regional; FSDP hooks stay outside the graph), once per "
         "input shape; needs inductor's compiler (g++ on CPU, Triton on GPU)",
     )
+    parser.add_argument(
+        "--vae-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split the VAE's tiled decode (and encode) over the ranks that share a request, tiles round-robin, "
+        "blended as diffusers' enable_tiling does; default: on with more than one such rank, for outputs of 2 tiles "
+        "or more (--no-vae-parallel: rank 0 decodes whole)",
+    )
+    parser.add_argument(
+        "--vae-tiling", action="store_true", help="diffusers' enable_tiling of the VAE: less memory on each rank"
+    )
+    parser.add_argument(
+        "--vae-slicing",
+        action="store_true",
+        help="diffusers' enable_slicing of the VAE: a batch decoded one sample at a time",
+    )
 
 
 def video_fps(info, fps: int | None) -> int:
@@ -317,6 +333,9 @@ def run(args: argparse.Namespace) -> int:
             lora=next(iter(adapters.values())) if len(adapters) == 1 else adapters or None,
             compile=args.compile,
             attention_backend=args.attention_backend,
+            vae_parallel=args.vae_parallel,
+            vae_tiling=args.vae_tiling,
+            vae_slicing=args.vae_slicing,
         ) as engine:
             outputs = engine.generate(
                 args.prompt,

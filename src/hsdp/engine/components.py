@@ -41,6 +41,12 @@ class LoadSpec:
     """``--compile``: regional compilation of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`)."""
     attention_backend: str | None = None
     """``--attention-backend``: the denoisers' or the causal LM's attention kernel (:mod:`hsdp.attention`)."""
+    vae_parallel: bool = False
+    """``--vae-parallel``: the VAE's tiled decode and encode split over the ranks (:mod:`hsdp.vae_parallel`)."""
+    vae_tiling: bool = False
+    """``--vae-tiling``: diffusers' ``enable_tiling`` of the VAE."""
+    vae_slicing: bool = False
+    """``--vae-slicing``: diffusers' ``enable_slicing`` of the VAE."""
     lora: adapters.SlotSpec | None = None
     """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
     denoiser before sharding; the caller fills them (:func:`hsdp.engine.worker.load_adapter`) and picks one per call."""

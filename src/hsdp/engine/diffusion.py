@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hsdp.attention import set_attention_backend
 from hsdp.context_parallel import enable_ulysses
@@ -29,6 +30,7 @@ from hsdp.engine.parallel import CFGParallelTransformer
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
 from hsdp.launch import emit_event, heartbeat
 from hsdp.mesh import ParallelMeshes
+from hsdp.vae_parallel import enable_vae_parallel, vae_memory_options
 
 logger = logging.getLogger("hsdp")
 
@@ -109,6 +111,7 @@ class DiffusionRunner:
         for name, module in self.pipe.components.items():
             if isinstance(module, torch.nn.Module) and name not in components:
                 _own_memory(module.to(self.device))
+        self._vae_options(spec)
         self.cfg_wrappers: list[CFGParallelTransformer] = []
         for component in self.modules():
             for module in component.modules():
@@ -134,6 +137,18 @@ class DiffusionRunner:
             self.info.family,
             ", ".join(self.sharded) or "none",
         )
+
+    def _vae_options(self, spec: LoadSpec) -> None:
+        """``--vae-tiling`` / ``--vae-slicing`` on the autoencoders that have them; ``--vae-parallel`` on those that
+        tile, with every rank decoding (each computes its share of the tiles; a smaller output, one tile, whole)."""
+        for name in self.info.autoencoders:
+            options, vae = self.info.vae_options[name], getattr(self.pipe, name)
+            vae_memory_options(vae, tiling=spec.vae_tiling and "tiling" in options,
+                               slicing=spec.vae_slicing and "slicing" in options)  # fmt: skip
+            if spec.vae_parallel and "tiling" in options:
+                enable_vae_parallel(vae, dist.group.WORLD)
+                self.decode_everywhere = True
+                logger.info("%s: tiled decode and encode split over %d ranks", name, dist.get_world_size())
 
     def modules(self) -> list[torch.nn.Module]:
         """The pipeline's models, each as loaded: a denoiser that CFG parallel wraps is listed itself, so its

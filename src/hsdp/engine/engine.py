@@ -36,6 +36,8 @@ from hsdp.engine.checks import (
     load_options,
     lora_target,
     memory_plan,
+    vae_parallel_default,
+    vae_problems,
     weight_dtype_problems,
 )
 from hsdp.engine.control import CancelBoard
@@ -124,6 +126,9 @@ class Engine:
         cache_config: dict | None = None,
         compile: bool = False,
         attention_backend: str | None = None,
+        vae_parallel: bool | None = None,
+        vae_tiling: bool = False,
+        vae_slicing: bool = False,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -148,7 +153,10 @@ class Engine:
         None (:mod:`hsdp.engine.cache`; skip decisions agreed across ranks). ``compile``: regional
         ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`). ``attention_backend``:
         the denoisers' diffusers attention backend, or the causal LM's transformers attention implementation
-        (:mod:`hsdp.attention`)."""
+        (:mod:`hsdp.attention`). ``vae_parallel``: split the VAE's tiled decode and encode over the ranks that
+        share a request (:mod:`hsdp.vae_parallel`; None: on wherever the layout and the VAE allow, see
+        :attr:`vae_parallel`). ``vae_tiling`` / ``vae_slicing``: diffusers' ``enable_tiling`` / ``enable_slicing``
+        of the VAE (memory on each rank)."""
         from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems
@@ -164,6 +172,7 @@ class Engine:
             problems += attention_backend_problems(
                 attention_backend, self.info.kind, distributed.device_type(), self.config.sequence_parallel_size > 1
             )
+        problems += vae_problems(self.info, self.config, vae_parallel, vae_tiling, vae_slicing)
         if problems:
             raise ValueError(
                 "cannot run this model with this layout:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -179,6 +188,8 @@ class Engine:
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
         """The adapter of every call that names none (a single ``lora`` folder), else None (the base)."""
         self.lora = specs[self.default_adapter].given if self.default_adapter else None
+        self.vae_parallel = vae_parallel_default(self.info, self.config, vae_parallel)
+        """Whether the VAE's tiles are split over the ranks (``vae_parallel``, resolved)."""
         self.memory_plan = memory_plan(
             self.info, self.config, device_memory, dtype, weight_dtype, forward_prefetch
         )
@@ -217,6 +228,9 @@ class Engine:
             lora=self.adapters.slots if self.adapters else None,
             compile=compile,
             attention_backend=attention_backend,
+            vae_parallel=self.vae_parallel,
+            vae_tiling=vae_tiling,
+            vae_slicing=vae_slicing,
         )
         try:
             self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)

@@ -94,6 +94,9 @@ class ModelInfo:
     autoencoders: tuple[str, ...] = ()
     """Components that are diffusers autoencoders (``vae``): when one is sharded, every rank of its shard group
     must decode, since decoding all-gathers its weights."""
+    vae_options: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Autoencoder -> the memory options its class has: ``tiling`` (diffusers' ``enable_tiling`` and
+    ``tiled_decode``: what ``--vae-tiling`` and ``--vae-parallel`` use) and ``slicing`` (``enable_slicing``)."""
     separate_uncond_pass: bool = False
     """Guidance runs the unconditional branch as its own denoiser call (what CFG parallel splits off)."""
     cfg_scale_param: str = "guidance_scale"
@@ -143,6 +146,14 @@ def _is_autoencoder(cls: type) -> bool:
     from diffusers.models.autoencoders.vae import AutoencoderMixin
 
     return issubclass(cls, AutoencoderMixin)
+
+
+def _vae_options(cls: type) -> frozenset[str]:
+    """diffusers' ``enable_tiling`` / ``enable_slicing`` work where ``__init__`` sets ``use_tiling`` /
+    ``use_slicing`` (the mixin's own test, made on the class instead of an instance)."""
+    source = inspect.getsource(cls.__init__)
+    tiling = "self.use_tiling" in source and callable(getattr(cls, "tiled_decode", None))
+    return frozenset(name for name, ok in (("tiling", tiling), ("slicing", "self.use_slicing" in source)) if ok)
 
 
 def _is_denoiser(cls: type) -> bool:
@@ -300,6 +311,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         denoisers=denoisers,
         shardable=shardable,
         autoencoders=tuple(name for name, cls in modules.items() if _is_autoencoder(cls)),
+        vae_options={name: _vae_options(cls) for name, cls in modules.items() if _is_autoencoder(cls)},
         separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
         cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
         ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),

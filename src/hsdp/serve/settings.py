@@ -74,6 +74,12 @@ class ServeSettings:
     """Regional compilation of the denoiser's blocks (``--compile``), each shape compiled once for all requests."""
     attention_backend: str | None = None
     """The attention kernel (``--attention-backend``, :mod:`hsdp.attention`)."""
+    vae_parallel: bool | None = None
+    """The VAE's tiles split over the ranks (``--vae-parallel``; None: where it can run, :mod:`hsdp.vae_parallel`)."""
+    vae_tiling: bool = False
+    """diffusers' ``enable_tiling`` of the VAE (``--vae-tiling``)."""
+    vae_slicing: bool = False
+    """diffusers' ``enable_slicing`` of the VAE (``--vae-slicing``)."""
     max_queue: int = 64
     """Requests waiting for the engine; one more is refused with 429 and a ``Retry-After`` header."""
     job_timeout_s: float = 600.0

@@ -1,0 +1,106 @@
+"""``--vae-parallel``: the VAE's tiled decode and encode split over the ranks (:mod:`hsdp.vae_parallel`) equal
+diffusers' own tiled decode and encode in one process, for an image VAE (``AutoencoderKL``) and a video VAE
+(``AutoencoderKLWan``), alone and through the engine under HSDP 2, CFG 2 (image) and Ulysses 2 (video; there the denoiser's own rounding bounds the
+comparison, see ``ULYSSES``).
+
+Each tile is computed by the same diffusers code on the same input in another process, and blended by diffusers'
+own code from the gathered tiles, so the outputs are expected to be identical; ``TILED`` allows float32 rounding of
+a convolution computed by another rank's kernels (a few ulp of values within [-1, 1] or latents of order 1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hsdp import ParallelConfig
+from hsdp.engine import Engine, SamplingParams
+from hsdp.engine.checks import vae_parallel_default, vae_problems
+from hsdp.engine.model_info import inspect_model
+from hsdp.models.builtin import resolve_model
+from tests.engine_refs import reference_pipeline
+from tests.vae_fns import split_and_alone, vae_split
+
+TILED = 1e-6
+ULYSSES = 1e-5
+"""Ulysses' split denoiser rounds differently from one process at these sizes (measured 1.6e-6 on the frames of a
+288 x 288 tiny-wan, whose 162 tokens per rank take other matrix-product blockings): the bound the engine's
+layout tests use for such layouts (``NOT_BITWISE`` in ``tests/test_engine_families.py``)."""
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, size, frames", [("image", 128, 1), ("video", 64, 9)])
+def test_split_tiles_equal_diffusers_tiled(kind, size, frames, dist_run):
+    ranks = dist_run(2, split_and_alone, kind, size, frames)
+    for result in ranks:
+        assert result["encode_diff"] <= TILED and result["decode_diff"] <= TILED, result
+        assert result["tiling_changes"] > 0.1  # the tiled path ran (its blending changes the output)
+    for method in ranks[0]["replaced"]:
+        tiles = ranks[0]["split"][method].tiles
+        assert tiles >= 9, method
+        # round-robin: rank 0 the even tiles, rank 1 the odd ones
+        assert [r["split"][method].computed for r in ranks] == [(tiles + 1) // 2, tiles // 2], method
+
+
+CASES = {
+    # tiny-flux's AutoencoderKL tiles at 64 pixels: 128 x 128 is 3 x 3 tiles
+    "image-hsdp2": ("tiny-flux", HSDP2, {"height": 128, "width": 128, "num_inference_steps": 2}),
+    "image-cfg2": ("tiny-flux", ParallelConfig(use_hsdp=True, cfg_parallel_size=2),
+                   {"height": 128, "width": 128, "num_inference_steps": 2, "true_cfg_scale": 4.0,
+                    "negative_prompt": "blurry"}),
+    # AutoencoderKLWan tiles at 256 pixels: 288 x 288 is 2 x 2 tiles
+    "video-hsdp2": ("tiny-wan", HSDP2, {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
+    "video-ulysses2": ("tiny-wan", ParallelConfig(use_hsdp=True, ulysses_degree=2),
+                       {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_decode_split_equals_one_process_tiled(case, dist_run):
+    model, config, call = CASES[case]
+    path = resolve_model(model)
+    group = dist_run.group(2)
+    with Engine(path, config, workers=group) as engine:  # on by default at world 2
+        assert engine.vae_parallel
+        [out] = engine.generate("A cat", SamplingParams(seed=3, **call))
+        splits = group.run(vae_split)
+    assert [s.computed for s in splits] == [(splits[0].tiles + 1) // 2, splits[0].tiles // 2] and splits[0].tiles >= 4
+    defaults = {k: v for k, v in engine.info.defaults.items() if k in engine.info.call_params}
+    expected = reference_pipeline(path, "A cat", 3, vae_tiling=True, **{**defaults, **call})
+    got = out.frames if engine.info.output == "video" else out.images
+    assert got.shape == expected.shape and expected.std() > 0
+    np.testing.assert_allclose(got, expected, atol=ULYSSES if config.ulysses_degree > 1 else TILED, rtol=0)
+
+
+@pytest.mark.unit
+def test_default_and_refusals():
+    wan = inspect_model(resolve_model("tiny-wan"))
+    assert vae_parallel_default(wan, HSDP2.resolved(), None)
+    assert not vae_parallel_default(wan, ParallelConfig().resolved(), None)
+    request_parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True).resolved()
+    assert not vae_parallel_default(wan, request_parallel, None)
+    assert not vae_parallel_default(wan, HSDP2.resolved(), False)
+    assert vae_problems(wan, HSDP2.resolved(), True, True, True) == []
+    [one_rank] = vae_problems(wan, ParallelConfig().resolved(), True, False, False)
+    assert one_rank.startswith("--vae-parallel") and "this layout has one rank" in one_rank
+    [own_requests] = vae_problems(wan, request_parallel, True, False, False)
+    assert "--request-parallel ranks each decode their own request" in own_requests
+    llama = inspect_model(resolve_model("tiny-llama"))
+    [no_vae] = vae_problems(llama, HSDP2.resolved(), None, True, False)
+    assert no_vae.startswith("--vae-tiling: ") and "has no VAE" in no_vae
+
+
+@pytest.mark.slow
+def test_generate_refuses_before_loading(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "hsdp.cli", "generate", "--model", "tiny-wan", "--prompt", "x", "--vae-parallel",
+         "--output", str(tmp_path / "x.mp4")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--vae-parallel splits the VAE's tiles over the ranks that share a request" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
