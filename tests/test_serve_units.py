@@ -528,12 +528,10 @@ def _text_job(prompt: str, seed: int = 0, **fields) -> Job:
     return Job("text", prompt, {"max_new_tokens": 4}, seed=seed, **fields)
 
 
-def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
-    """Issue 21 items 1 and 10: a job without a negative prompt (or without an image) among jobs with one used to
-    make the whole batch run one request at a time (or, request-parallel, ranks run different forwards)."""
-    store = JobStore(tmp_path, capacity=16)
-    kinds = [{}, {"negative_prompt": "blurry"}, {"inputs": {"image": b"png"}}]
-    jobs = [_text_job(f"p{i}", i, **kinds[i % 3]) for i in range(12)]
+def _run_in_batches_of_two(tmp_path, jobs: list[Job]):
+    """Run ``jobs`` through a diffusion runner with ``--max-batch-size 2`` on a fake engine; all must complete.
+    Returns the engine, which recorded its calls."""
+    store = JobStore(tmp_path, capacity=len(jobs))
     store.submit(jobs)
     runner, engines = _runner(tmp_path, store, kind="diffusion")
     runner.max_batch_size = 2
@@ -543,9 +541,17 @@ def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
     finally:
         runner.stop()
     assert all(j.status == "completed" for j in jobs)
-    calls = engines[0].calls
+    return engines[0]
+
+
+def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
+    """Issue 21 items 1 and 10: a job without a negative prompt (or without an image) among jobs with one used to
+    make the whole batch run one request at a time (or, request-parallel, ranks run different forwards)."""
+    kinds = [{}, {"negative_prompt": "blurry"}, {"inputs": {"image": b"png"}}]
+    engine = _run_in_batches_of_two(tmp_path, [_text_job(f"p{i}", i, **kinds[i % 3]) for i in range(12)])
+    calls = engine.calls
     assert len(calls) == 3 and all(len(prompts) == 4 for prompts, _ in calls)  # 2 slots x batch 2, no padding
-    for (prompts, _), (batch_size, negative) in zip(calls, engines[0].batches, strict=True):
+    for (prompts, _), (batch_size, negative) in zip(calls, engine.batches, strict=True):
         kind = {int(p[1:]) % 3 for p in prompts}
         assert len(kind) == 1 and batch_size == 2, prompts
         assert negative == (["blurry"] * 4 if kind == {1} else None)
@@ -554,7 +560,6 @@ def test_max_batch_size_batches_given_and_absent_inputs_apart(tmp_path):
 def test_max_batch_size_batches_each_set_of_adapters_apart(tmp_path):
     """Issue 26 item 4: a request composing adapters (``lora`` a list) never shares an engine call with one naming
     another adapter, the same ones in another order or other scales, or none; each call gets its jobs' set."""
-    store = JobStore(tmp_path, capacity=32)
     choices = [
         {},
         {"adapter": "x", "adapter_scale": 1.0},
@@ -562,18 +567,9 @@ def test_max_batch_size_batches_each_set_of_adapters_apart(tmp_path):
         {"adapter": ["y", "x"], "adapter_scale": [0.5, 1.0]},
         {"adapter": ["x", "y"], "adapter_scale": [1.0, 1.0]},
     ]
-    jobs = [_text_job(f"p{i}", i, meta=dict(choices[i % 5])) for i in range(20)]
-    store.submit(jobs)
-    runner, engines = _runner(tmp_path, store, kind="diffusion")
-    runner.max_batch_size = 2
-    runner.start()
-    try:
-        _wait_finished(jobs)
-    finally:
-        runner.stop()
-    assert all(j.status == "completed" for j in jobs)
-    assert len(engines[0].calls) == 5
-    for (prompts, _), adapter in zip(engines[0].calls, engines[0].adapters, strict=True):
+    engine = _run_in_batches_of_two(tmp_path, [_text_job(f"p{i}", i, meta=dict(choices[i % 5])) for i in range(20)])
+    assert len(engine.calls) == 5
+    for (prompts, _), adapter in zip(engine.calls, engine.adapters, strict=True):
         [choice] = {json.dumps(choices[int(p[1:]) % 5]) for p in prompts}
         assert adapter == json.loads(choice), prompts
 
