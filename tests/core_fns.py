@@ -100,6 +100,9 @@ def load_and_compare(paths: dict, shard: int, replicate: int) -> dict:
         out["llama-offload"] = (
             (load_pretrained(paths["llama-fp32"], offload)(ids).logits - want).abs().max().item()
         )
+        layerwise = load_pretrained(paths["llama-fp32"], dataclasses.replace(config, offload_layers=1))
+        out["llama-offload-layers"] = (layerwise(ids).logits - want).abs().max().item()
+        out["offload-layers-placement"] = offload_placement(layerwise)
         model = load_pretrained(paths["llama-bf16"], config, dtype=torch.float32)
         reference = AutoModelForCausalLM.from_pretrained(paths["llama-bf16"], dtype=torch.float32)
         out["llama-bf16-as-fp32"] = (model(ids).logits - reference(ids).logits).abs().max().item()
@@ -117,6 +120,24 @@ def load_and_compare(paths: dict, shard: int, replicate: int) -> dict:
         args = (x.bfloat16(), t, context.bfloat16())
         out["wan-bf16"] = (model(*args).sample.float() - reference(*args).sample.float()).abs().max().item()
     return out
+
+
+def offload_placement(model: torch.nn.Module) -> dict:
+    """Per FSDP unit: whether FSDP2 offloads it, and the devices of its sharded parameters; and the report."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from hsdp.sharding import fsdp_units
+
+    units = {}
+    for name, unit in fsdp_units(model):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        units[name] = (
+            isinstance(group.offload_policy, CPUOffloadPolicy),
+            sorted({str(p.sharded_param.device) for p in group.fsdp_params}),
+        )
+    report = model.hsdp_report
+    return {"units": units, "offloaded": report.offloaded_modules, "host_bytes": report.host_param_bytes,
+            "local_bytes": report.local_param_bytes}
 
 
 def load_expecting_error(path: str, shard: int) -> str:

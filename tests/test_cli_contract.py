@@ -39,7 +39,7 @@ def test_train_help_lists_only_training_parallel_flags():
     text = _help("train")
     for flag in INFERENCE_ONLY_FLAGS:
         assert flag not in text
-    for flag in ("--use-hsdp", "--hsdp-shard-size", "--strategy", "--cpu-offload", "--tensor-parallel-size"):
+    for flag in ("--use-hsdp", "--hsdp-shard-size", "--strategy", "--cpu-offload", "--offload-layers", "--tensor-parallel-size"):
         assert flag in text
     assert "--ulysses-degree" in text and "--usp" in text  # diffusion denoisers train sequence-parallel
 

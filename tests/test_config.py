@@ -76,6 +76,16 @@ def test_mixed_precision_reduces_in_fp32_by_default():
             "--frozen-whole keeps the frozen weights on the device, --cpu-offload in host memory",
         ),
         (dict(ulysses_degree=2, param_dtype="bf16"), "add --use-hsdp (HSDP then overlays the 2"),
+        (dict(offload_layers=2), "--offload-layers=2 has no effect without --use-hsdp"),
+        (dict(use_hsdp=True, hsdp_shard_size=2, offload_layers=-1), "--offload-layers=-1 must be an integer >= 0"),
+        (
+            dict(use_hsdp=True, hsdp_shard_size=2, offload_layers=2, cpu_offload=True),
+            "--offload-layers 2 keeps the first 2 blocks on the device and offloads the rest, but --cpu-offload",
+        ),
+        (
+            dict(use_hsdp=True, hsdp_shard_size=2, offload_layers=0, frozen_whole=True),
+            "--frozen-whole keeps the frozen weights whole on the device: drop one",
+        ),
     ],
 )
 def test_bad_configs_name_the_flag_and_fix(kwargs, fragment):

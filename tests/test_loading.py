@@ -10,10 +10,20 @@ from tests import core_fns
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("shard, replicate", [(2, 1), (2, 2)], ids=["fsdp2", "hsdp2x2"])
+@pytest.mark.parametrize("shard, replicate", [(1, 1), (2, 1), (2, 2)], ids=["one-process", "fsdp2", "hsdp2x2"])
 def test_loaded_outputs_equal_saved_model(dist_run, tiny_checkpoints, shard, replicate):
     for out in dist_run(shard * replicate, core_fns.load_and_compare, tiny_checkpoints, shard, replicate):
         assert out["llama-fp32"] == 0.0 and out["llama-sharded"] == 0.0 and out["llama-offload"] == 0.0
+        # --offload-layers 1: the same logits; blocks 1-3 of 4 offloaded by FSDP2 (their shards in host memory),
+        # block 0 and the root (embeddings, final norm, head) not.
+        assert out["llama-offload-layers"] == 0.0
+        placement = out["offload-layers-placement"]
+        assert placement["offloaded"] == ["model.layers.1", "model.layers.2", "model.layers.3"]
+        assert {name: offloaded for name, (offloaded, _) in placement["units"].items()} == {
+            "model.layers.3": True, "model.layers.2": True, "model.layers.1": True, "model.layers.0": False, "": False,
+        }
+        assert all(devices == ["cpu"] for offloaded, devices in placement["units"].values() if offloaded)
+        assert 0.6 * placement["local_bytes"] < placement["host_bytes"] < 0.7 * placement["local_bytes"]
         assert out["llama-bf16-as-fp32"] == 0.0
         assert out["llama-bf16-dtype"] == "torch.bfloat16" and out["llama-bf16"] == 0.0
         assert out["wan-fp32"] == 0.0 and out["wan-bf16"] == 0.0

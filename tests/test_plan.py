@@ -34,10 +34,10 @@ class Block(nn.Module):
 class Toy(nn.Module):
     """Three blocks of 5 rows (so every shard size > 1 pads), an embedding on the root, a 0-d scale."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(7, 8)
-        self.blocks = nn.ModuleList(Block(5) for _ in range(3))
+        self.blocks = nn.ModuleList(Block(5) for _ in range(blocks))
         self.scale = nn.Parameter(torch.ones(()))
         self._hsdp_shard_conditions = [lambda name, module: isinstance(module, Block)]
 
@@ -341,3 +341,34 @@ def test_train_takes_the_planned_layout_of_its_mesh(capsys):
     full = planned_layout(lora.replace(lora_r=0), device_memory=64 * 2**20)
     assert not full.cfg.parallel.frozen_whole
     assert planned_layout(lora.replace(parallel=ParallelConfig())) is None  # one process: nothing to choose
+
+
+def test_offload_layers_moves_the_blocks_after_k_to_the_host_and_is_recommended_when_nothing_else_fits():
+    """--offload-layers K: the device holds the root's and K blocks' shards, the host the rest, which are copied in
+    once per inference step (twice per training step, their gradient shards out); the plan recommends the largest K
+    that fits when no layout fits without offload, before whole CPU offload."""
+    from hsdp.planning import plan
+
+    profile = profile_module(Toy())
+    work = Workload(seq_len=4)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2).resolved()
+    block = profile.blocks[0].shard_bytes(2)
+    for k in range(4):
+        layered = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=k).resolved()
+        got = estimate([profile], Layout(layered, 1), work, Hardware(2**30))
+        want = estimate([profile], Layout(config, 1), work, Hardware(2**30))
+        offloaded = max(0, 3 - k) * block
+        assert (got.weights, got.host, got.host_copy_bytes) == (want.weights - offloaded, offloaded, offloaded)
+        assert got.allgather_bytes == want.allgather_bytes
+        assert got.layout.label == f"hsdp 1x2 offload-layers {k} prefetch 1"
+        trained = estimate([profile], Layout(layered), Workload(training=True, seq_len=4), Hardware(2**30))
+        assert trained.host_copy_bytes == 2 * offloaded + offloaded  # in for forward and backward, gradients out
+        assert trained.host == 4 * offloaded  # the shards, their gradients and two AdamW states
+    # One device, 40 blocks: the whole model does not fit, 30 on the device (the rest streamed) do, 31 do not.
+    profile = profile_module(Toy(40))
+    one = ParallelConfig(use_hsdp=True, hsdp_shard_size=1, offload_layers=30).resolved()
+    budget = estimate([profile], Layout(one, 1), work, Hardware(1)).total
+    result = plan([profile], 1, work, Hardware(budget))
+    labels = [e.layout.label for e in result.estimates]
+    assert labels == ["hsdp 1x1", "hsdp 1x1 offload-layers 30 prefetch 1", "hsdp 1x1 offload"]
+    assert not result.estimates[0].fits and result.recommended is result.estimates[1]

@@ -8,6 +8,7 @@ rounding in tiny gradients, as in test_train_parity).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -102,13 +103,15 @@ def world2(dist_run, base, tmp_path_factory):
         export=str(root / "adapter"),
         export_merged=str(root / "merged"),
     )
-    runs = dist_run(2, train_lora, [full])
+    # --offload-layers 1: the blocks after the first in host memory (FSDP2's CPU offload per block)
+    offloaded = base.replace(parallel=dataclasses.replace(_fsdp(2), offload_layers=1))
+    runs = dist_run(2, train_lora, [full, offloaded])
     resumed = dist_run(
         2,
         train_lora,
         [full.replace(resume=str(root / "run" / "step-00000004"), export=None, export_merged=None)],
     )
-    return {"root": root, "ranks": [r[0] for r in runs], "resumed": resumed[0][0]}
+    return {"root": root, "ranks": [r[0] for r in runs], "offloaded": [r[1] for r in runs], "resumed": resumed[0][0]}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +129,16 @@ def _assert_matches(run: dict, ref: dict) -> None:
 def test_lora_world2_matches_one_process_peft(world2, reference):
     _assert_matches(world2["ranks"][0], reference)
     assert reference["losses"][-1] < reference["losses"][0] - 0.1  # it learned
+
+
+def test_lora_with_offloaded_layers_equals_resident(world2):
+    """--offload-layers 1 moves where the shards of blocks 1.. live, not the math: the same losses and adapters."""
+    for run, offloaded in zip(world2["ranks"], world2["offloaded"], strict=True):
+        assert offloaded["losses"] == run["losses"]
+        assert offloaded["offloaded"] == ["model.layers.1", "model.layers.2", "model.layers.3"]
+        assert run["offloaded"] == [] and 0 < offloaded["host_bytes"] < offloaded["base_bytes"]
+    for key, tensor in world2["ranks"][0]["adapter"].items():
+        assert torch.equal(world2["offloaded"][0]["adapter"][key], tensor), key
 
 
 def test_lora_world4_matches_one_process_peft(world4, reference):

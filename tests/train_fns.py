@@ -119,6 +119,7 @@ def train_lora(configs: list[TrainConfig]) -> list[dict]:
         result = trainer.fit()
         params = list(trainer.model.parameters())
         adapters = adapter_state(trainer.model)
+        report = getattr(trainer.model, "hsdp_report", None)
         out.append(
             {
                 "losses": result.losses,
@@ -129,6 +130,8 @@ def train_lora(configs: list[TrainConfig]) -> list[dict]:
                     v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"
                 ),
                 "checkpoint": result.checkpoint,
+                "offloaded": report.offloaded_modules if report else [],
+                "host_bytes": report.host_param_bytes if report else 0,
             }
         )
         del trainer

@@ -69,6 +69,14 @@ def _add_sharding_flags(group: argparse._ArgumentGroup) -> None:
         "--reduce-dtype", default=None, help="gradient reduction dtype (default fp32 with mixed precision)"
     )
     group.add_argument("--cpu-offload", action="store_true", help="keep sharded weights in host memory")
+    group.add_argument(
+        "--offload-layers",
+        type=int,
+        default=None,
+        metavar="K",
+        help="keep the first K blocks of the denoiser / LM on the device; the rest stay in pinned host memory "
+        "and are copied in one block ahead of use (docs/performance.md)",
+    )
 
 
 def _add_ulysses_flags(group: argparse._ArgumentGroup) -> None:

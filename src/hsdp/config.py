@@ -102,6 +102,11 @@ class ParallelConfig:
     """Dtype of gradient reduce-scatter / all-reduce; None = ``param_dtype``."""
     cpu_offload: bool = False
     """Keep sharded params (and grads, optimizer state) in host memory between uses."""
+    offload_layers: int | None = None
+    """Layerwise offload (``--offload-layers K``): the first ``K`` repeated blocks of the model sharded for compute
+    (a pipeline's denoisers, a causal LM) keep their shards on the device; the blocks after them keep theirs (and, in
+    training, their gradients and optimizer state) in pinned host memory, each copied in one block ahead of its use
+    by FSDP2's prefetch. ``K`` at or above the model's block count offloads nothing. None = no layerwise offload."""
     frozen_whole: bool = False
     """Training: parameters that train nothing (a LoRA's frozen base) stay whole on every rank, outside FSDP, at the
     compute dtype: never gathered, while what trains is sharded as the strategy says (``--frozen-whole``; always so
@@ -174,6 +179,7 @@ class ParallelConfig:
         out += self._hsdp_problems()
         if self.frozen_whole and self.cpu_offload:
             out.append("--frozen-whole keeps the frozen weights on the device, --cpu-offload in host memory: drop one")
+        out += self._offload_layers_problems()
         out += self._strategy_problems()
         out += self._needs_hsdp_problems()
         if self.tensor_parallel_size > 1 and self.compute_parallel_size > 1:
@@ -238,6 +244,7 @@ class ParallelConfig:
             )
         given = {
             "--cpu-offload": self.cpu_offload or None,
+            "--offload-layers": self.offload_layers,
             "--frozen-whole": self.frozen_whole or None,
             "--param-dtype": self.param_dtype,
             "--reduce-dtype": self.reduce_dtype,
@@ -248,6 +255,28 @@ class ParallelConfig:
             for flag, value in given.items()
             if value is not None
         ]
+        return out
+
+    def _offload_layers_problems(self) -> list[str]:
+        k = self.offload_layers
+        if k is None:
+            return []
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            return [
+                f"--offload-layers={k} must be an integer >= 0: the number of blocks kept on the device (the "
+                "blocks after them stream from host memory); e.g. --offload-layers 4"
+            ]
+        out = []
+        if self.cpu_offload:
+            out.append(
+                f"--offload-layers {k} keeps the first {k} blocks on the device and offloads the rest, but "
+                "--cpu-offload offloads every block: drop one of them"
+            )
+        if self.frozen_whole:
+            out.append(
+                f"--offload-layers {k} offloads the blocks after the first {k}, but --frozen-whole keeps the frozen "
+                "weights whole on the device: drop one of them"
+            )
         return out
 
     def _strategy_problems(self) -> list[str]:

@@ -32,7 +32,7 @@ from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes
 from hsdp.safetensors_index import CheckpointError, CheckpointIndex, read_checkpoint_index
 from hsdp.shard_rules import ShardPlan
-from hsdp.sharding import apply_hsdp_to_model, parameter_bytes
+from hsdp.sharding import apply_hsdp_to_model, fsdp_units, host_params, parameter_bytes
 
 if TYPE_CHECKING:
     from hsdp.conversions import FusedParam, KeyPlan
@@ -355,16 +355,40 @@ def _run_prepare(model: nn.Module, prepare: Callable[[nn.Module], None]) -> dict
     }
 
 
-def _allocate(model: nn.Module, device: torch.device) -> None:
-    """Give the empty model real (uninitialised) storage on ``device``, keeping what it computed at build time."""
+def _allocate(model: nn.Module, device: torch.device, host: Collection[nn.Parameter] = ()) -> None:
+    """Give the empty model real (uninitialised) storage on ``device``, keeping what it computed at build time;
+    the ``host`` parameters (the shards of layerwise-offloaded blocks) in host memory, so the device never holds
+    them, not even while loading."""
     computed_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}  # e.g. rotary inv_freq
-    model.to_empty(device=device)
+    if host:
+        _to_empty_split(model, device, {id(p) for p in host})
+    else:
+        model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives each alias of a tied parameter its own storage
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in computed_buffers:
                 buffer.copy_(computed_buffers[name])
+
+
+def _to_empty_split(model: nn.Module, device: torch.device, host: set[int]) -> None:
+    """``model.to_empty(device=device)``, except the parameters whose ids are in ``host``, which go to host memory:
+    module by module (``to_empty`` swaps each parameter for a new one, as here), then FSDP2 re-reads every unit's
+    new shards (what ``FSDPModule._apply`` does after ``to_empty``; it also pins the host ones where it should)."""
+    cpu = torch.device("cpu")
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                target = cpu if id(param) in host else device
+                module._parameters[key] = nn.Parameter(torch.empty_like(param, device=target), param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device=device)
+    for _, unit in fsdp_units(model):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            fsdp_param.reset_sharded_param()
 
 
 def load_pretrained(
@@ -428,9 +452,12 @@ def load_pretrained(
             weight_dtype=weight_dtype,
         )
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
-    # still belong on the device (moved after filling).
+    # still belong on the device (moved after filling). Layerwise offload allocates each parameter where it lives.
     offload = config.use_hsdp and config.cpu_offload and device.type != "cpu"
-    _allocate(model, torch.device("cpu") if offload else device)
+    if report is not None and report.offloaded_modules:
+        _allocate(model, device, host=host_params(model))
+    else:
+        _allocate(model, torch.device("cpu") if offload else device)
     read = _fill(model, keys, index, moved)
     if offload:
         _move_unsharded_state(model, device)

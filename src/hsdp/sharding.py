@@ -56,6 +56,8 @@ __all__ = [
     "parameter_bytes",
     "fsdp_units",
     "unwrapped_class",
+    "offloaded_blocks",
+    "host_params",
 ]
 
 
@@ -79,6 +81,10 @@ class ShardReport:
     replicated_params: list[str] = field(default_factory=list)
     local_param_bytes: int = 0
     total_param_bytes: int = 0
+    offloaded_modules: list[str] = field(default_factory=list)
+    """Units whose shards live in host memory (``--offload-layers``: the blocks after the first K)."""
+    host_param_bytes: int = 0
+    """Of ``local_param_bytes``, those FSDP2 keeps in host memory (``--cpu-offload``, ``--offload-layers``)."""
 
     @property
     def num_sharded(self) -> int:
@@ -104,6 +110,34 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
 def fsdp_units(model: nn.Module) -> list[tuple[str, FSDPModule]]:
     """Every module FSDP manages, leaf-first order as applied, root last."""
     return [(n, m) for n, m in reversed(list(model.named_modules())) if isinstance(m, FSDPModule)]
+
+
+def host_params(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters FSDP2 keeps in host memory: those of every unit with a ``CPUOffloadPolicy``."""
+    out = []
+    for _, unit in fsdp_units(model):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy):
+            out += [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+    return out
+
+
+def offloaded_blocks(targets: list[tuple[str, nn.Module]], config: ParallelConfig) -> list[str]:
+    """The units ``--offload-layers K`` keeps in host memory: the plan's blocks after the first K in forward order
+    (the reverse of ``targets``' leaf-first order; the root, with the embeddings and norms, stays on the device)."""
+    k = config.offload_layers
+    if k is None:
+        return []
+    order = [name for name, _ in reversed(targets)]
+    if k >= len(order):
+        logger.warning(
+            "--offload-layers %d: the model has %d blocks, so all of them stay on the device and nothing is "
+            "offloaded; use --offload-layers %d or less to offload",
+            k,
+            len(order),
+            max(0, len(order) - 1),
+        )
+    return order[k:]
 
 
 def _dominant_dtype(model: nn.Module, trainable_only: bool = False) -> torch.dtype | None:
@@ -149,9 +183,10 @@ def _frozen_whole(config: ParallelConfig, training: bool) -> bool:
     """Whether training keeps the frozen parameters (a LoRA's base) out of FSDP, plain and whole on every rank:
     ``config.frozen_whole``, and always under NO_SHARD, where they never communicate but FSDP2's ``replicate`` would
     still copy each unit into an unsharded buffer at every forward and hold it to the backward (a second whole copy
-    of the base per rank, and the time of copying it). Not with CPU offload, which keeps them on the host."""
+    of the base per rank, and the time of copying it). Not with CPU or layerwise offload, which keep them (or the
+    offloaded blocks' share) on the host."""
     wanted = config.frozen_whole or config.sharding_strategy is ShardingStrategy.NO_SHARD
-    return training and wanted and not config.cpu_offload
+    return training and wanted and not config.cpu_offload and config.offload_layers is None
 
 
 def _cast_frozen(keep: Collection[nn.Parameter], config: ParallelConfig) -> None:
@@ -165,14 +200,16 @@ def _cast_frozen(keep: Collection[nn.Parameter], config: ParallelConfig) -> None
             param.data = param.data.to(dtype)
 
 
-def _policies(config: ParallelConfig, device: torch.device) -> dict:
+def _policies(config: ParallelConfig, device: torch.device, offload: bool) -> dict:
+    """``fully_shard`` policies of one unit; ``offload``: its shards in host memory (whole or layerwise offload)."""
     kwargs: dict = {}
     if config.param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=config.param_torch_dtype, reduce_dtype=config.reduce_torch_dtype
         )
-    if config.cpu_offload:
-        # Pinned host memory needs an accelerator; pinning on a CPU-only host fails.
+    if offload:
+        # Pinned host memory needs an accelerator; pinning on a CPU-only host fails. FSDP2 copies a unit's shards in
+        # as part of its all-gather, so the forward prefetch that starts the next unit's all-gather copies it too.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
     else:
         kwargs["offload_policy"] = OffloadPolicy()
@@ -269,25 +306,32 @@ def apply_fsdp(
     *,
     keep: Collection[nn.Parameter] = (),
     resident: Collection[str] = (),
+    offloaded: Collection[str] = (),
 ) -> None:
     """``fully_shard`` each target leaf-first, then the root (NO_SHARD: FSDP2's composable ``replicate``).
-    ``resident`` units (``""`` for the root) keep their gathered weights between forwards."""
-    kwargs = {**_policies(config, local_device()), "ignored_params": set(keep)}
+    ``resident`` units (``""`` for the root) keep their gathered weights between forwards; ``offloaded`` units
+    (``--offload-layers``) keep their shards in host memory, as ``--cpu-offload`` keeps every unit's."""
+    device = local_device()
+    ignored = set(keep)
+
+    def kwargs(name: str) -> dict:
+        return {**_policies(config, device, config.cpu_offload or name in offloaded), "ignored_params": ignored}
+
     if config.sharding_strategy is ShardingStrategy.NO_SHARD:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate_mesh = mesh["replicate"] if mesh.ndim == 2 else mesh
-        for _, module in targets:
-            replicate(module, mesh=replicate_mesh, **kwargs)
-        replicate(model, mesh=replicate_mesh, **kwargs)
+        for name, module in targets:
+            replicate(module, mesh=replicate_mesh, **kwargs(name))
+        replicate(model, mesh=replicate_mesh, **kwargs(""))
         return
     for name, module in targets:
         reshard = False if name in resident else config.reshard_after_forward
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs(name))
     # Passed explicitly: left as None, FSDP2 keeps the root gathered after forward, and inference wants the
     # memory back unless the layout asks to keep weights gathered (reshard_after_forward=False).
     root_reshard = False if "" in resident else config.reshard_after_forward
-    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, **kwargs)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, **kwargs(""))
 
 
 def apply_prefetch(model: nn.Module, targets: list[tuple[str, nn.Module]], depth: int) -> None:
@@ -371,8 +415,10 @@ def shard_report(
     plan: ShardPlan,
     targets: list[tuple[str, nn.Module]],
     keep: dict[str, nn.Parameter],
+    offloaded: list[str],
 ) -> ShardReport:
     local, total = parameter_bytes(model)
+    host = sum(p.to_local().numel() * p.element_size() for p in host_params(model))
     return ShardReport(
         rank=rank,
         world_size=config.world_size,
@@ -384,6 +430,8 @@ def shard_report(
         replicated_params=sorted(keep),
         local_param_bytes=local,
         total_param_bytes=total,
+        offloaded_modules=offloaded,
+        host_param_bytes=host,
     )
 
 
@@ -435,8 +483,16 @@ def apply_hsdp_to_model(
         config.world_size,
         meshes.rank,
     )
-    apply_fsdp(model, targets, meshes.fsdp, config, keep=keep.values(), resident=resident)
-    if config.sharding_strategy is ShardingStrategy.NO_SHARD and (resident or forward_prefetch):
+    offloaded = offloaded_blocks(targets, config)
+    if overlap := resident & set(offloaded):
+        raise ValueError(
+            f"--offload-layers {config.offload_layers} offloads {sorted(overlap)[0]!r}, which the residency plan keeps "
+            "gathered on the device: use a larger --offload-layers or drop --device-memory"
+        )
+    apply_fsdp(model, targets, meshes.fsdp, config, keep=keep.values(), resident=resident, offloaded=offloaded)
+    # Under NO_SHARD nothing gathers, but offloaded units are still copied in per use, ahead of it with prefetch.
+    moves = config.sharding_strategy is not ShardingStrategy.NO_SHARD or config.cpu_offload or bool(offloaded)
+    if not moves and (resident or forward_prefetch):
         logger.warning("resident_modules / forward_prefetch have no effect with NO_SHARD (nothing gathers)")
     elif forward_prefetch > 0:
         apply_prefetch(model, targets, forward_prefetch)
@@ -452,4 +508,6 @@ def apply_hsdp_to_model(
     logger.debug("Methods that gather like forward: %s", ", ".join(entry_points) or "none")
     if keep:
         logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))
-    return shard_report(model, config, meshes.rank, plan, targets, keep)
+    if offloaded:
+        logger.info("--offload-layers %d: %d blocks in host memory", config.offload_layers, len(offloaded))
+    return shard_report(model, config, meshes.rank, plan, targets, keep, offloaded)

@@ -132,6 +132,12 @@ def memory_plan(
             "--device-memory plans which sharded blocks stay gathered between forwards: add --use-hsdp with "
             f"--hsdp-shard-size 2 or more (the layout is {config.describe()})"
         )
+    if config.offload_layers is not None:
+        raise ValueError(
+            f"--device-memory keeps blocks gathered on the device, --offload-layers {config.offload_layers} streams "
+            "the blocks after the first K from host memory: drop one (hsdp plan recommends --offload-layers when the "
+            "model does not fit otherwise)"
+        )
     budget = parse_size(device_memory, "--device-memory")
     # One request at the planner's default length (1,024 tokens). Pipelines that batch both guidance branches
     # into one denoiser call hold twice the activations; those that run them as separate passes do not.

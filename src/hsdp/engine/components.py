@@ -9,7 +9,7 @@ trainer loads its text encoders through it too.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,17 +59,22 @@ def load_component(
     component: str | None = None,
     *,
     lora: adapters.SlotSpec | None = None,
+    denoiser: bool = True,
 ) -> torch.nn.Module:
     """Load the model of ``spec`` (a causal LM), or its pipeline's ``component`` folder, as a runner holds it.
 
     With HSDP it is sharded over ``meshes`` with explicit forward prefetch (``spec.forward_prefetch``), the
     8-bit ``spec.weight_dtype`` and the component's ``spec.load_options`` (a causal LM's are under ``model``);
     without, it loads whole through the same loader (fresh memory, the same dtype conversion). ``lora``: adapter
-    slots injected on meta before sharding, all off (:meth:`hsdp.engine.adapters.SlotSpec.inject`)."""
+    slots injected on meta before sharding, all off (:meth:`hsdp.engine.adapters.SlotSpec.inject`). ``--offload-layers``
+    offloads the blocks of the model that runs every step (the causal LM, a ``denoiser``), not a text encoder's or
+    a VAE's (``denoiser=False``), which run once per request."""
     from hsdp.engine.parallel import overlap_options
     from hsdp.loading import load_pretrained
 
     config = spec.config
+    if not denoiser and config.offload_layers is not None:
+        config = replace(config, offload_layers=None).resolved()
     shard = {}
     if config.use_hsdp:
         shard = {

@@ -104,7 +104,13 @@ class DiffusionRunner:
         # --lora adapts the denoisers (both of Wan 2.2's experts): each holds the slots (the engine checked the
         # adapters against them).
         components = {
-            name: load_component(spec, meshes, name, lora=spec.lora if name in self.info.denoisers else None)
+            name: load_component(
+                spec,
+                meshes,
+                name,
+                lora=spec.lora if name in self.info.denoisers else None,
+                denoiser=name in self.info.denoisers,
+            )
             for name in self.info.shardable
         }
         self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(spec.path, **components)

@@ -30,8 +30,9 @@ __all__ = ["overlap_options", "CFGParallelTransformer"]
 
 def overlap_options(config: ParallelConfig, *, forward_prefetch: bool) -> dict:
     """Sharding options for :func:`hsdp.loading.load_pretrained`: explicit forward prefetch one unit ahead
-    (nothing to prefetch when weights are replicated)."""
-    prefetch = forward_prefetch and config.sharding_strategy is not ShardingStrategy.NO_SHARD
+    (nothing to prefetch when weights are replicated, unless they are copied in from host memory)."""
+    moves = config.sharding_strategy is not ShardingStrategy.NO_SHARD or config.offload_layers is not None
+    prefetch = forward_prefetch and moves
     return {"forward_prefetch": 1 if prefetch else 0}
 
 

@@ -341,11 +341,13 @@ def _parallel_flags(chosen: Estimate, skip_replicas: bool, training: bool) -> li
         parts += ["--param-dtype", c.param_dtype]
     if c.cpu_offload:
         parts.append("--cpu-offload")
+    if c.offload_layers is not None:
+        parts += ["--offload-layers", str(c.offload_layers)]
     if c.frozen_whole:
         parts.append("--frozen-whole")
     if layout.weight_dtype:
         parts += ["--weight-dtype", layout.weight_dtype]
-    if not training and (layout.resident or layout.prefetch):
+    if not training and (layout.resident or layout.prefetch) and c.offload_layers is None:
         budget = chosen.device_memory
         parts += ["--device-memory", f"{budget // 2**20}MiB" if budget % 2**20 == 0 else str(budget)]
     return parts

@@ -92,6 +92,8 @@ class Layout:
                 parts.append(f"{flag}{value}")
         if c.cpu_offload:
             parts.append("offload")
+        if c.offload_layers is not None:
+            parts.append(f"offload-layers {c.offload_layers}")
         if c.frozen_whole:
             parts.append("frozen-whole")
         if self.weight_dtype:
@@ -124,6 +126,9 @@ class Estimate:
     early_grads: int = 0
     """Training with a traced step: the part of ``grads`` already reduce-scattered (the blocks whose backward
     ended) in the phase where the step peaks, held beside that phase's ``gather`` and ``activations``."""
+    host_copy_bytes: int = 0
+    """``--offload-layers``: bytes copied between host and device per step and rank (the offloaded blocks' shards
+    in, per forward and again per backward when they are resharded in between; their gradient shards out)."""
 
     @property
     def total(self) -> int:
@@ -187,23 +192,32 @@ def _forward_window(p: ModelProfile, shard: int, elem: int | None, layout: Layou
     return compute, copy_out
 
 
-def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[str, int]:
-    """Exact per-rank bytes of one component: sharded storage, gather buffers, grads, optimizer, comm."""
+def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload, main: bool = True) -> dict[str, int]:
+    """Exact per-rank bytes of one component: sharded storage, gather buffers, grads, optimizer, comm.
+    ``main``: the component ``--offload-layers`` offloads the blocks of (the denoiser, the LM)."""
     c = layout.config
     s, r = _shard_size(c), (c.hsdp_replicate_size if c.use_hsdp else 1)
     ce = DTYPES[c.param_dtype].itemsize if c.param_dtype else None
     re_ = DTYPES[c.reduce_dtype].itemsize if c.reduce_dtype else ce
     training = work.training
-    if training and not c.cpu_offload and (c.frozen_whole or c.sharding_strategy is ShardingStrategy.NO_SHARD):
+    whole_frozen = c.frozen_whole or c.sharding_strategy is ShardingStrategy.NO_SHARD
+    if training and not c.cpu_offload and c.offload_layers is None and whole_frozen:
         p = p.with_frozen_whole(ce)  # as hsdp.sharding lays it out: never gathered
     wd = None if training else layout.weight_dtype
     shards = sum(u.shard_bytes(s, weight_dtype=wd) for u in p.units)
+    # --offload-layers K: the blocks after the first K keep their shards (and trained state) in host memory.
+    offloaded = p.blocks[c.offload_layers :] if main and c.offload_layers is not None else ()
+    host_shards = sum(u.shard_bytes(s, weight_dtype=wd) for u in offloaded)
     out = dict(
-        weights=p.replicated_bytes, host=0, gather=0, copy_out=0, grads=0, optimizer=0, ag=0, rs=0, ar=0
+        weights=p.replicated_bytes, host=0, gather=0, copy_out=0, grads=0, optimizer=0, ag=0, rs=0, ar=0, h2d=0
     )
-    out["host" if c.cpu_offload else "weights"] += shards
+    out["host" if c.cpu_offload else "weights"] += shards - host_shards
+    out["host"] += host_shards
     # A whole model in its stored dtype computes in place; otherwise units are gathered (or copied in) per use.
-    gathers = s > 1 or ce is not None or c.cpu_offload or wd is not None
+    gathers = s > 1 or ce is not None or c.cpu_offload or wd is not None or bool(offloaded)
+    # FSDP2 copies an offloaded unit's shards to the device before its all-gather: one such copy per unit in
+    # flight (the computing one and those prefetched).
+    staged = max((u.shard_bytes(s, weight_dtype=wd) for u in offloaded), default=0) * (1 + layout.prefetch)
     frac = (s - 1) / s
     if not training:
         if c.reshard_after_forward is False:  # every unit keeps its weights gathered between steps
@@ -212,16 +226,19 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[s
         if gathers:
             held = sum(u.unsharded_bytes(ce) for u in resident) + p.root.unsharded_bytes(ce)
             compute, copy_out = _forward_window(p, s, ce, layout)
-            out["gather"], out["copy_out"] = held + compute, held + copy_out
+            out["gather"], out["copy_out"] = held + compute + staged, held + copy_out + staged
             moving = moving if c.reshard_after_forward is not False else []
             out["ag"] = int(frac * sum(u.gathered_bytes(s, ce, wd) for u in moving))
+            out["h2d"] = host_shards if moving else 0
         return out
 
     # Training: sharded grads (param dtype) and two AdamW states per sharded trained value (LoRA: the adapters).
     trained = [u.trained() for u in p.units]
     state = sum(u.shard_bytes(s) for u in trained) + p.replicated_trained_bytes
-    out["host" if c.cpu_offload else "grads"] += state
-    out["host" if c.cpu_offload else "optimizer"] += 2 * state
+    host_state = sum(u.trained().shard_bytes(s) for u in offloaded)
+    out["host" if c.cpu_offload else "grads"] += state - host_state
+    out["host" if c.cpu_offload else "optimizer"] += 2 * (state - host_state)
+    out["host"] += 3 * host_state
     if gathers:
         # Backward of the largest unit, with every activation still saved: its gathered weights, the next unit's
         # (FSDP2 prefetches it in backward) unless every unit stayed gathered from forward, and its unsharded
@@ -237,6 +254,8 @@ def _weights_and_comm(p: ModelProfile, layout: Layout, work: Workload) -> dict[s
             out["gather"] = root + biggest.unsharded_bytes(ce) + biggest.gathered_bytes(s, ce) + grads
         passes = 1 if c.reshard_after_forward is False else 2
         out["ag"] = int(passes * frac * sum(u.gathered_bytes(s, ce) for u in p.units))
+        out["gather"] += staged
+        out["h2d"] = passes * host_shards + host_state  # shards in (each pass), gradient shards out
         out["rs"] = int(frac * sum(u.gathered_bytes(s, re_) for u in trained))
     if work.activation_trace is not None:
         out["phases"] = _traced_phases(p, work.activation_trace, c, gathers, ce, re_)
@@ -261,9 +280,10 @@ def _traced_phases(
     units = {u.name: u for u in p.blocks}
     s = _shard_size(c)
     kept = c.reshard_after_forward is False
+    host = {u.name for u in p.blocks[c.offload_layers :]} if c.offload_layers is not None else set()
     sharded = [0]  # cumulative, in the order the blocks are reduced
     for name in trace.reduced:
-        unit = None if c.cpu_offload else units.get(name)
+        unit = None if c.cpu_offload or name in host else units.get(name)
         sharded.append(sharded[-1] + (unit.trained().shard_bytes(s) if unit else 0))
     out = []
     resident: dict[str, int] = {}  # kept: the blocks gathered so far and not yet resharded by their post-backward
@@ -320,7 +340,7 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     """
     main = main_component(profiles)
     parts = {
-        p.name: _weights_and_comm(p, layout if p is main else Layout(layout.config), work)
+        p.name: _weights_and_comm(p, layout if p is main else Layout(layout.config), work, main=p is main)
         for p in profiles
     }
     m = parts[main.name]
@@ -340,7 +360,8 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
         * (main.num_params + 2 * work.seq_len * main.hidden * main.layers)
     )
     compute = flops / (hw.device_tflops * 1e12)
-    fsdp_comm = (m["ag"] + m["rs"] + m["ar"]) / (hw.link_gbps * 1e9)
+    # --offload-layers' copies run ahead of use like the all-gathers they feed (FSDP2's prefetch).
+    fsdp_comm = (m["ag"] + m["rs"] + m["ar"]) / (hw.link_gbps * 1e9) + m["h2d"] / (hw.host_gbps * 1e9)
     u = c.sequence_parallel_size
     # Ulysses: four all-to-alls of the activations per layer, on the critical path.
     a2a = (
@@ -355,6 +376,7 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
     )
     # CPU offload copies the shards in every step (and the gradients back in training).
     offload = sum(x["host"] for x in parts.values()) / (hw.host_gbps * 1e9) * (2 if work.training else 1)
+    offload = offload if c.cpu_offload else 0.0  # --offload-layers' copies are in fsdp_comm
     overlap = layout.prefetch > 0 or work.training  # FSDP2 overlaps backward's all-gathers by default
     step = (max(compute, fsdp_comm) if overlap else compute + fsdp_comm) + a2a + offload
     groups = c.data_parallel_size if (c.request_parallel or work.training) else 1
@@ -371,6 +393,7 @@ def estimate(profiles: Sequence[ModelProfile], layout: Layout, work: Workload, h
         allgather_bytes=m["ag"],
         reduce_scatter_bytes=m["rs"],
         allreduce_bytes=m["ar"],
+        host_copy_bytes=m["h2d"],
         step_s=step,
         samples_per_s=work.batch * max(1, groups) / step if step else 0.0,
         device_memory=hw.device_memory,

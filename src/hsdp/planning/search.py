@@ -166,9 +166,25 @@ def candidate_layouts(
             except PlanError:
                 pass
         if config.use_hsdp and not estimate(profiles, layouts[-1], work, hw).fits:
+            if (layerwise := _offload_layers_layout(profiles, config, work, hw, weight_dtype)) is not None:
+                layouts.append(layerwise)
             offload = dataclasses.replace(config, cpu_offload=True, _resolved=False).resolved()
             layouts.append(Layout(offload, weight_dtype=weight_dtype))
     return layouts
+
+
+def _offload_layers_layout(
+    profiles: Sequence[ModelProfile], config: ParallelConfig, work: Workload, hw: Hardware, weight_dtype: str | None
+) -> Layout | None:
+    """``--offload-layers K`` with the most blocks on the device that fits (the fewest bytes copied in per step),
+    prefetching one block ahead for inference as the engine does; None when even K = 0 does not fit."""
+    blocks = len(main_component(profiles).blocks)
+    for k in range(blocks - 1, -1, -1):
+        layered = dataclasses.replace(config, offload_layers=k, _resolved=False).resolved()
+        layout = Layout(layered, 0 if work.training else 1, weight_dtype=weight_dtype)
+        if estimate(profiles, layout, work, hw).fits:
+            return layout
+    return None
 
 
 def _has_frozen(profiles: Sequence[ModelProfile]) -> bool:

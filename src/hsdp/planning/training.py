@@ -98,6 +98,7 @@ def planned_layout(cfg: TrainConfig, device_memory: int | None = None) -> Planne
         for e in plan(profiles, devices, work, hw, cfg.mixed_precision).estimates
         if e.fits
         and not e.layout.config.cpu_offload
+        and e.layout.config.offload_layers is None
         and (e.layout.config.hsdp_shard_size, e.layout.config.hsdp_replicate_size)
         == (parallel.hsdp_shard_size, parallel.hsdp_replicate_size)
     ]

@@ -255,7 +255,8 @@ def _stopped(args: argparse.Namespace) -> str:
 def _names_no_layout(args: argparse.Namespace) -> bool:
     """Sharded, and none of the flags that say how FSDP2 holds the model over the mesh."""
     chosen = (args.sharding_strategy, args.reshard_after_forward)
-    return args.use_hsdp and chosen == (None, None) and not (args.frozen_whole or args.cpu_offload)
+    offloads = args.cpu_offload or args.offload_layers is not None
+    return args.use_hsdp and chosen == (None, None) and not (args.frozen_whole or offloads)
 
 
 def _planned(cfg: TrainConfig) -> TrainConfig:

@@ -53,7 +53,10 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+            # Offloaded shards (--cpu-offload, --offload-layers) have their norm in host memory; reduce it on the
+            # mesh's device, where its collectives run (NCCL has no host tensors).
+            local = norm.to_local().to(norm.device_mesh.device_type)
+            norm = DTensor.from_local(local, norm.device_mesh, norm.placements).full_tensor()
         sq = norm.float() ** 2
         total_sq = sq if total_sq is None else total_sq + sq.to(total_sq.device)
     if total_sq is None:

@@ -98,6 +98,7 @@ def frozen_layout(parallel: ParallelConfig) -> ParallelConfig:
         reshard_after_forward=parallel.sharding_strategy is not ShardingStrategy.NO_SHARD,
         param_dtype=None,
         reduce_dtype=None,
+        offload_layers=None,  # the trained denoiser's blocks are the ones offloaded
     ).resolved()
 
 
