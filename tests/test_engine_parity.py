@@ -30,6 +30,7 @@ LAYOUTS = {
     "hsdp2+ulysses2": ParallelConfig(use_hsdp=True, ulysses_degree=2),
     "hsdp2+cfg2": ParallelConfig(use_hsdp=True, cfg_parallel_size=2),
     "hsdp2x2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
+    "hsdp2+offload-layers1": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=1),
 }
 
 
@@ -136,6 +137,11 @@ def test_video_layout_equals_single_process(layout, model_cache, dist_run):
     assert len(out.peak_memory_bytes) == engine.config.world_size
     expected = reference_video(path, PROMPTS[0], 11, PARAMS, engine.info.defaults)
     np.testing.assert_array_equal(out.frames, expected)
+    if config.offload_layers is not None:  # the denoiser's blocks 1 and 2 of 3 on the host, the text encoder's none
+        for report in engine.load_report:
+            assert report["offloaded"] == {
+                "WanTransformer3DModel": ["blocks.1", "blocks.2"], "UMT5EncoderModel": [],
+            }
 
 
 # -- CFG parallel: the wrapper's risks (issue 21 item 9) ---------------------------------------------------------

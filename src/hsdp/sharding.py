@@ -509,5 +509,12 @@ def apply_hsdp_to_model(
     if keep:
         logger.debug("Kept %d parameters replicated: %s", len(keep), ", ".join(sorted(keep)[:8]))
     if offloaded:
-        logger.info("--offload-layers %d: %d blocks in host memory", config.offload_layers, len(offloaded))
+        logger.info(
+            "--offload-layers %d: %d of %d blocks keep their shards in host memory (%s ... %s)",
+            config.offload_layers,
+            len(offloaded),
+            len(targets),
+            offloaded[0],
+            offloaded[-1],
+        )
     return shard_report(model, config, meshes.rank, plan, targets, keep, offloaded)

@@ -77,6 +77,14 @@ def load(spec: LoadSpec) -> dict:
         from hsdp.quantize import quantized_share
 
         report["quantized"] = quantized_share(runner.modules())
+    if spec.config.offload_layers is not None:  # --offload-layers: the blocks each sharded model keeps on the host
+        from hsdp.sharding import unwrapped_class
+
+        report["offloaded"] = {
+            unwrapped_class(m).__name__: m.hsdp_report.offloaded_modules
+            for m in runner.modules()
+            if getattr(m, "hsdp_report", None) is not None
+        }
     return report
 
 
