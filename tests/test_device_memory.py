@@ -112,6 +112,30 @@ def test_generate_cli_refuses_a_budget_below_the_smallest_layout(model_cache, ca
     assert "hsdp generate: --device-memory 64.00 KiB is below what" in capsys.readouterr().err
 
 
+def test_generate_cli_refuses_device_memory_with_offload_layers(model_cache, capsys):
+    from hsdp.cli import main
+
+    path = builtin("tiny-wan", model_cache)
+    argv = ["generate", "--model", str(path), "--prompt", "a cat", "--use-hsdp", "--hsdp-shard-size", "2"]
+    assert main([*argv, "--device-memory", "1GiB", "--offload-layers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memory keeps blocks gathered on the device, --offload-layers 1 streams" in err
+    assert "drop one" in err and "Traceback" not in err
+
+
+def test_offload_layers_at_or_above_the_block_count_offloads_nothing_and_says_so(caplog):
+    from hsdp.sharding import offloaded_blocks
+
+    targets = [(f"blocks.{i}", None) for i in reversed(range(3))]  # leaf-first, as fully_shard is applied
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=1)
+    assert offloaded_blocks(targets, config) == ["blocks.1", "blocks.2"]
+    assert offloaded_blocks(targets, ParallelConfig(use_hsdp=True, hsdp_shard_size=2)) == []
+    with caplog.at_level("WARNING", logger="hsdp"):
+        assert offloaded_blocks(targets, ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=3)) == []
+    assert "--offload-layers 3: the model has 3 blocks, so all of them stay on the device" in caplog.text
+    assert "use --offload-layers 2 or less to offload" in caplog.text
+
+
 def test_plan_prints_the_command_that_runs_its_recommendation(capsys):
     from hsdp.cli import build_parser, main
     from hsdp.planning import command_line, profile_module, residency_for_budget
