@@ -1,7 +1,8 @@
 """``--vae-parallel``: the VAE's tiled decode and encode split over the ranks (:mod:`hsdp.vae_parallel`) equal
-diffusers' own tiled decode and encode in one process, for an image VAE (``AutoencoderKL``) and a video VAE
-(``AutoencoderKLWan``), alone and through the engine under HSDP 2, CFG 2 (image) and Ulysses 2 (video; there the denoiser's own rounding bounds the
-comparison, see ``ULYSSES``).
+diffusers' own tiled decode and encode in one process: for every diffusers autoencoder class that tiles (or it is
+refused), and through the engine for an image VAE (``AutoencoderKL``) under HSDP 2 and CFG 2, a video VAE
+(``AutoencoderKLWan``) under HSDP 2 and Ulysses 2 (there the denoiser's own rounding bounds the comparison, see
+``ULYSSES``) and a held-out family's (CogVideoX) under HSDP 2.
 
 Each tile is computed by the same diffusers code on the same input in another process, and blended by diffusers'
 own code from the gathered tiles, so the outputs are expected to be identical; ``TILED`` allows float32 rounding of
@@ -27,6 +28,7 @@ from tests.vae_fns import (
     TINY_VAES,
     UNTILED_ENCODE,
     class_split_and_alone,
+    small_tile_cogvideox,
     split_and_alone,
     vae_split,
 )
@@ -84,14 +86,18 @@ CASES = {
     "video-hsdp2": ("tiny-wan", HSDP2, {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
     "video-ulysses2": ("tiny-wan", ParallelConfig(use_hsdp=True, ulysses_degree=2),
                        {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
+    # a held-out family: CogVideoX's VAE (conv_cache handed from one frame batch to the next), 3 x 3 tiles
+    "cogvideox-hsdp2": ("cogvideox", HSDP2, {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2}),
 }  # fmt: skip
+FOLDERS = {"cogvideox": small_tile_cogvideox}
+"""Cases whose model is a folder built here rather than a built-in tiny model."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_decode_split_equals_one_process_tiled(case, dist_run):
+def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_factory):
     model, config, call = CASES[case]
-    path = resolve_model(model)
+    path = FOLDERS[model](tmp_path_factory.mktemp(model)) if model in FOLDERS else resolve_model(model)
     group = dist_run.group(2)
     with Engine(path, config, workers=group) as engine:  # on by default at world 2
         assert engine.vae_parallel

@@ -3,6 +3,8 @@ ranks (:mod:`hsdp.vae_parallel`) and alone (diffusers' ``enable_tiling``), on th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from hsdp.launch import worker_state
@@ -61,6 +63,33 @@ def split_and_alone(kind: str, size: int, frames: int = 1) -> dict:
     }
 
 
+def small_tile_cogvideox(root: Path) -> Path:
+    """The held-out CogVideoX folder (``tests/heldout_pipelines.py``) with its VAE's ``sample_height`` /
+    ``sample_width`` at 64 pixels, from which the class sets its tiles (half of them: 32 pixels), so a 64 x 64
+    video is 3 x 3 tiles, and a transformer 4x wider (heads of 32) and 2 layers deep, so that the VAE is small
+    beside it and the engine loads it whole (a sharded VAE is not split); written once under ``root``."""
+    import json
+    import shutil
+
+    from diffusers import CogVideoXTransformer3DModel
+
+    from hsdp.models.tiny_flux import fill_zero_params
+    from tests.heldout_pipelines import build
+
+    folder = root / "cogvideox-small-tiles"
+    if not folder.is_dir():
+        shutil.copytree(build("cogvideox", root), folder)
+        config_file = folder / "vae" / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "sample_height": 64,
+                                           "sample_width": 64}))  # fmt: skip
+        config = CogVideoXTransformer3DModel.load_config(folder / "transformer")
+        torch.manual_seed(0)
+        wider = CogVideoXTransformer3DModel.from_config({**config, "attention_head_dim": 32, "num_layers": 2})
+        shutil.rmtree(folder / "transformer")
+        fill_zero_params(wider).save_pretrained(folder / "transformer")
+    return folder
+
+
 def vae_split() -> dict:
     """How the loaded pipeline's VAE split its last tiled decode on this rank (None: it did not tile)."""
     vae = worker_state()["hsdp.engine.runner"][0].pipe.vae
@@ -104,12 +133,14 @@ TINY_VAES = {
                                 "latent_channels": 4, "layers_per_block": 1, "norm_num_groups": 2,
                                 "temporal_compression_ratio": 4}, (1, 3, 9, 64, 64)),
     "AutoencoderKLFlux2": ({**_KL, "latent_channels": 1}, (1, 3, 64, 64)),
-    "AutoencoderKLHunyuanImage": ({"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (32, 64, 64, 64), "layers_per_block": 1,
+    "AutoencoderKLHunyuanImage": ({"in_channels": 3, "out_channels": 3, "latent_channels": 4,
+                                   "block_out_channels": (32, 64, 64, 64), "layers_per_block": 1,
                                    "spatial_compression_ratio": 8, "sample_size": 32}, (1, 3, 64, 64)),
     "AutoencoderKLHunyuanImageRefiner": ({**_HUNYUAN_3D, "spatial_compression_ratio": 8,
                                           "downsample_match_channel": False, "upsample_match_channel": False},
                                          (1, 3, 5, 64, 64)),
-    "AutoencoderKLHunyuanVideo": ({**_HUNYUAN_3D, "norm_num_groups": 4, "down_block_types": ("HunyuanVideoDownBlock3D",) * 4,
+    "AutoencoderKLHunyuanVideo": ({**_HUNYUAN_3D, "norm_num_groups": 4,
+                                   "down_block_types": ("HunyuanVideoDownBlock3D",) * 4,
                                    "up_block_types": ("HunyuanVideoUpBlock3D",) * 4}, (1, 3, 9, 64, 64)),
     "AutoencoderKLHunyuanVideo15": ({"latent_channels": 4, "block_out_channels": (16, 16), "layers_per_block": 1,
                                      "spatial_compression_ratio": 4, "temporal_compression_ratio": 2,
@@ -132,7 +163,8 @@ TINY_VAES = {
                                "decoder_layers_per_block": (1, 1, 1, 1),
                                "spatio_temporal_scaling": (True, True, True, False),
                                "decoder_spatio_temporal_scaling": (True, True, True),
-                               "decoder_inject_noise": (True, True, True, False), "upsample_residual": (True, True, True),
+                               "decoder_inject_noise": (True, True, True, False),
+                               "upsample_residual": (True, True, True),
                                "upsample_factor": (2, 2, 2), "timestep_conditioning": True, "patch_size": 1,
                                "patch_size_t": 1}, (1, 3, 17, 64, 64)),
     "AutoencoderKLMagvit": ({"latent_channels": 4, "block_out_channels": [8, 8, 8, 8],
@@ -147,7 +179,8 @@ TINY_VAES = {
                                 "temperal_downsample": [False, True], "latents_mean": [0.0] * 4,
                                 "latents_std": [1.0] * 4}, (1, 3, 1, 64, 64)),
     "AutoencoderKLQwenImage21": ({"base_dim": 4, "decoder_base_dim": 4, "z_dim": 4, "dim_mult": [1, 1, 1, 1, 1],
-                                  "num_res_blocks": 1, "attn_scales": [], "temperal_downsample": [False, True, True, True],
+                                  "num_res_blocks": 1, "attn_scales": [],
+                                  "temperal_downsample": [False, True, True, True],
                                   "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}, (1, 4, 1, 128, 128),
                                  {"tile_sample_min_height": 48, "tile_sample_min_width": 48,
                                   "tile_sample_stride_height": 32, "tile_sample_stride_width": 32}),
