@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 __all__ = ["TileSplit", "enable_vae_parallel", "split_refusal", "vae_memory_options"]
 
@@ -90,6 +91,9 @@ class TileSplit:
     tiles: int
     computed: int
     """Of them, the tiles this rank computed."""
+    meta_runs: int = 0
+    """Calls of the child this rank ran on the meta device to size another rank's tile (the others reused a
+    signature's earlier run or this rank's own computed call)."""
 
 
 @dataclass
@@ -120,6 +124,7 @@ class _TileWork:
         self.cleared = False
         self.tile_call = 0
         """Calls made so far in the current tile."""
+        self.meta_runs = 0
 
     def _starts_tile(self, args: tuple, kwargs: dict) -> bool:
         if self.tile < 0:
@@ -137,7 +142,7 @@ class _TileWork:
             self.tile, self.tile_call = self.tile + 1, 0
         self.cleared = False
         owner = self.tile % self.world
-        out = self.forward(*args, **kwargs) if owner == self.rank else self._sized(args, kwargs)
+        out = self._computed(args, kwargs) if owner == self.rank else self._sized(args, kwargs)
         sample = out[0] if isinstance(out, tuple) else out
         if owner == self.rank:
             self.mine[len(self.calls)] = sample
@@ -147,11 +152,22 @@ class _TileWork:
         self.tile_call += 1
         return out
 
+    def _computed(self, args: tuple, kwargs: dict):
+        """The call computed, its output's and caches' shapes kept for :meth:`_sized`: a later tile of the same
+        shape that another rank computes is then sized without running (rank 0 computes the first tile of each
+        shape in a row of equal tiles, so it sizes the others' without a meta run)."""
+        key = (self.tile_call, _signature((args, kwargs)))
+        out = self.forward(*args, **kwargs)
+        if key not in self._sized_calls:
+            self._sized_calls[key] = (tree_map(_to_meta, out), [list(map(_to_meta, v)) for v in _lists(args, kwargs)])
+        return out
+
     def _sized(self, args: tuple, kwargs: dict):
         """The call run on the meta device, once per signature (the shapes and values it is given, the caches
         included): running a decoder on meta costs its Python overhead, a large share of a small tile's work. A
-        repeat gets the first run's output, and its list arguments (Wan's ``feat_cache``) the contents that run
-        left in them, so the next call sees the cache handed on as it would. The call's place in its tile is part
+        repeat (or a call of the same signature this rank computed) gets the first run's output, and its list
+        arguments (Wan's ``feat_cache``) the contents that run left in them, so the next call sees the cache handed
+        on as it would. The call's place in its tile is part
         of the signature: a cache the layers hold themselves (Magvit) is in the state those calls left."""
         key = (self.tile_call, _signature((args, kwargs)))
         if key not in self._sized_calls:
@@ -162,6 +178,7 @@ class _TileWork:
             try:
                 meta_args = tuple(map(_to_meta, args)), {k: _to_meta(v) for k, v in kwargs.items()}
                 out = torch.func.functional_call(self.child, self._meta_state, *meta_args)
+                self.meta_runs += 1
             finally:
                 self._sizing = False
             self._sized_calls[key] = (out, [list(v) for v in _lists(args, kwargs)])
@@ -300,7 +317,8 @@ def _split_over_ranks(vae: nn.Module, tiled: Callable, child_name: str, group: d
         ):
             tiled(*args, **kwargs)
         samples = work.gather(group, next(vae.parameters()).device)
-        call.last_split = TileSplit(tiles=work.tile + 1, computed=len(range(work.rank, work.tile + 1, work.world)))
+        call.last_split = TileSplit(tiles=work.tile + 1, computed=len(range(work.rank, work.tile + 1, work.world)),
+                                    meta_runs=work.meta_runs)  # fmt: skip
         with _child_forward(child, work.replay(samples)):
             return tiled(*args, **kwargs)
 
