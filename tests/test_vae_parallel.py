@@ -1,7 +1,8 @@
 """``--vae-parallel``: the VAE's tiled decode and encode split over the ranks (:mod:`hsdp.vae_parallel`) equal
-diffusers' own tiled decode and encode in one process, for an image VAE (``AutoencoderKL``) and a video VAE
-(``AutoencoderKLWan``), alone and through the engine under HSDP 2, CFG 2 (image) and Ulysses 2 (video; there the denoiser's own rounding bounds the
-comparison, see ``ULYSSES``).
+diffusers' own tiled decode and encode in one process: for every diffusers autoencoder class that tiles (or it is
+refused), and through the engine for an image VAE (``AutoencoderKL``) under HSDP 2 and CFG 2, a video VAE
+(``AutoencoderKLWan``) under HSDP 2 and Ulysses 2 (there the denoiser's own rounding bounds the comparison, see
+``ULYSSES``) and a held-out family's (CogVideoX) under HSDP 2.
 
 Each tile is computed by the same diffusers code on the same input in another process, and blended by diffusers'
 own code from the gathered tiles, so the outputs are expected to be identical; ``TILED`` allows float32 rounding of
@@ -9,16 +10,28 @@ a convolution computed by another rank's kernels (a few ulp of values within [-1
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+from diffusers import AutoencoderKLAllegro
 
 from hsdp import ParallelConfig
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.checks import vae_parallel_default, vae_problems
 from hsdp.engine.model_info import inspect_model
 from hsdp.models.builtin import resolve_model
+from hsdp.vae_parallel import split_refusal
 from tests.engine_refs import reference_pipeline
-from tests.vae_fns import split_and_alone, vae_split
+from tests.vae_fns import (
+    TILED_VAES,
+    TINY_VAES,
+    UNTILED_ENCODE,
+    class_split_and_alone,
+    small_tile_cogvideox,
+    split_and_alone,
+    vae_split,
+)
 
 TILED = 1e-6
 ULYSSES = 1e-5
@@ -40,6 +53,31 @@ def test_split_tiles_equal_diffusers_tiled(kind, size, frames, dist_run):
         assert tiles >= 9, method
         # round-robin: rank 0 the even tiles, rank 1 the odd ones
         assert [r["split"][method].computed for r in ranks] == [(tiles + 1) // 2, tiles // 2], method
+        if kind == "video":
+            # 3 x 3 tiles, the last row and column narrower: rank 0 computes the first tile of each shape, so it
+            # sizes rank 1's from its own calls; rank 1 runs the first of each shape on meta
+            assert ranks[0]["split"][method].meta_runs == 0 < ranks[1]["split"][method].meta_runs, method
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TILED_VAES)
+def test_every_tiled_vae_class_splits_or_is_refused(name, dist_run):
+    """Every diffusers autoencoder with a ``tiled_decode`` (enumerated from diffusers), at its test suite's dummy
+    size with small tiles: the split encode and decode equal its own tiled ones in one process, or
+    ``enable_vae_parallel`` refuses the class naming why."""
+    assert name in TINY_VAES, f"{name}: a tiled diffusers VAE without a tiny config in tests/vae_fns.py"
+    ranks = dist_run(2, class_split_and_alone, name)
+    if "refused" in ranks[0]:
+        assert name == "AutoencoderKLAllegro" and "blends its tiles itself" in ranks[0]["refused"], ranks[0]
+        return
+    for result in ranks:
+        assert result["encode_diff"] <= TILED and result["decode_diff"] <= TILED, result
+    for method in ranks[0]["replaced"]:
+        if method != "tiled_decode" and name in UNTILED_ENCODE:
+            continue
+        tiles = ranks[0]["split"][method].tiles
+        assert tiles >= 4, (name, method)
+        assert [r["split"][method].computed for r in ranks] == [(tiles + 1) // 2, tiles // 2], (name, method)
 
 
 CASES = {
@@ -52,14 +90,18 @@ CASES = {
     "video-hsdp2": ("tiny-wan", HSDP2, {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
     "video-ulysses2": ("tiny-wan", ParallelConfig(use_hsdp=True, ulysses_degree=2),
                        {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2}),
+    # a held-out family: CogVideoX's VAE (conv_cache handed from one frame batch to the next), 3 x 3 tiles
+    "cogvideox-hsdp2": ("cogvideox", HSDP2, {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2}),
 }  # fmt: skip
+FOLDERS = {"cogvideox": small_tile_cogvideox}
+"""Cases whose model is a folder built here rather than a built-in tiny model."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_decode_split_equals_one_process_tiled(case, dist_run):
+def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_factory):
     model, config, call = CASES[case]
-    path = resolve_model(model)
+    path = FOLDERS[model](tmp_path_factory.mktemp(model)) if model in FOLDERS else resolve_model(model)
     group = dist_run.group(2)
     with Engine(path, config, workers=group) as engine:  # on by default at world 2
         assert engine.vae_parallel
@@ -86,6 +128,12 @@ def test_default_and_refusals():
     assert one_rank.startswith("--vae-parallel") and "this layout has one rank" in one_rank
     [own_requests] = vae_problems(wan, request_parallel, True, False, False)
     assert "--request-parallel ranks each decode their own request" in own_requests
+    # a VAE class that tiles but cannot be split (Allegro: no blend_v / blend_h): off by default, refused if asked
+    allegro_like = dataclasses.replace(wan, vae_unsplittable={"vae": split_refusal(AutoencoderKLAllegro)})
+    assert not vae_parallel_default(allegro_like, HSDP2.resolved(), None)
+    [unsplittable] = vae_problems(allegro_like, HSDP2.resolved(), True, False, False)
+    assert unsplittable.startswith("--vae-parallel: AutoencoderKLAllegro's tiled decode blends its tiles itself")
+    assert vae_problems(allegro_like, HSDP2.resolved(), None, True, False) == []
     llama = inspect_model(resolve_model("tiny-llama"))
     [no_vae] = vae_problems(llama, HSDP2.resolved(), None, True, False)
     assert no_vae.startswith("--vae-tiling: ") and "has no VAE" in no_vae

@@ -13,8 +13,11 @@ with one that runs diffusers' own method twice on every rank of a group:
    from the gathered tiles, so the cropping and blending are diffusers' own.
 
 Tile geometry, blending and the per-class call structure stay in diffusers. What this module knows of the
-classes: which method tiles and which child it calls (``_TILED``), and that a call handed cached tensors
-(Wan's ``feat_cache`` list, CogVideoX / Mochi's ``conv_cache``) continues the tile of the previous call.
+classes: which method tiles and which child it calls (``_TILED``), that a call handed cached tensors (Wan's
+``feat_cache`` list, CogVideoX / Mochi's ``conv_cache``) continues the tile of the previous call, and that a VAE
+whose layers keep their causal cache themselves (Magvit) starts a tile after clearing it (``_CLEARS``). A class
+whose tiled method does not blend through ``blend_v`` / ``blend_h`` (Allegro accumulates batched tiles itself)
+cannot be split this way and is refused (:func:`split_refusal`).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
-__all__ = ["TileSplit", "enable_vae_parallel", "vae_memory_options"]
+__all__ = ["TileSplit", "enable_vae_parallel", "split_refusal", "vae_memory_options"]
 
 _TILED = (("tiled_decode", "decoder"), ("_tiled_encode", "encoder"), ("tiled_encode", "encoder"))
 """(tiled method, the child it runs per tile): AutoencoderKL encodes through ``_tiled_encode`` (its public
 ``tiled_encode`` is a deprecated copy); the first of the two encode names a class has is the one it uses."""
 _BLENDS = ("blend_v", "blend_h", "blend_t")
+_CLEARS = ("clear_cache", "_clear_conv_cache")
+"""VAE methods that reset a causal cache its layers hold: a decoder call after one starts a new tile."""
 
 
 def vae_memory_options(vae: nn.Module, *, tiling: bool, slicing: bool) -> None:
@@ -45,10 +51,24 @@ def vae_memory_options(vae: nn.Module, *, tiling: bool, slicing: bool) -> None:
         vae.enable_slicing()
 
 
+def split_refusal(cls: type) -> str | None:
+    """Why ``--vae-parallel`` cannot split ``cls``'s tiled decode, or None when it can: the first pass stops at
+    the first blend, and the second answers each child call from the gathered tiles, so the class must tile
+    through ``tiled_decode`` and blend through diffusers' ``blend_v`` / ``blend_h``."""
+    if not callable(getattr(cls, "tiled_decode", None)):
+        return f"{cls.__name__} has no tiled_decode"
+    if not all(callable(getattr(cls, name, None)) for name in _BLENDS[:2]):
+        return f"{cls.__name__}'s tiled decode blends its tiles itself (no blend_v / blend_h to split it at)"
+    return None
+
+
 def enable_vae_parallel(vae: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
     """Turn on ``vae``'s tiling and split its tiled decode and encode over the ranks of ``group`` (default: all);
     returns the methods replaced. Every rank of the group must make the same VAE calls with the same inputs.
-    Inputs of one tile or less keep diffusers' untiled path (its own size test), so they are computed whole."""
+    Inputs of one tile or less keep diffusers' untiled path (its own size test), so they are computed whole.
+    Raises ValueError for a class that cannot be split (:func:`split_refusal`)."""
+    if (refusal := split_refusal(type(vae))) is not None:
+        raise ValueError(f"--vae-parallel: {refusal}; use --vae-tiling instead")
     vae.enable_tiling()
     replaced = []
     for method, child in _TILED:
@@ -71,6 +91,9 @@ class TileSplit:
     tiles: int
     computed: int
     """Of them, the tiles this rank computed."""
+    meta_runs: int = 0
+    """Calls of the child this rank ran on the meta device to size another rank's tile (the others reused a
+    signature's earlier run or this rank's own computed call)."""
 
 
 @dataclass
@@ -96,30 +119,57 @@ class _TileWork:
         self._meta_state: dict[str, torch.Tensor] | None = None
         self._sized_calls: dict[object, tuple] = {}
         self._sizing = False
+        self.clears = False
+        """The VAE has a cache-clearing method (``_CLEARS``): its calls, not the arguments, mark the tiles."""
+        self.cleared = False
+        self.tile_call = 0
+        """Calls made so far in the current tile."""
+        self.meta_runs = 0
+
+    def _starts_tile(self, args: tuple, kwargs: dict) -> bool:
+        if self.tile < 0:
+            return True
+        if _continues_tile(args, kwargs):
+            return False
+        return self.cleared or not self.clears
 
     def compute(self, *args, **kwargs):
         """The child's forward in the first pass: real on the tile's owner; elsewhere run with its weights and
         inputs on the meta device, which sizes the output without computing it."""
         if self._sizing:  # the call functional_call makes below
             return self.forward(*args, **kwargs)
-        if not _continues_tile(args, kwargs):
-            self.tile += 1
+        if self._starts_tile(args, kwargs):
+            self.tile, self.tile_call = self.tile + 1, 0
+        self.cleared = False
         owner = self.tile % self.world
-        out = self.forward(*args, **kwargs) if owner == self.rank else self._sized(args, kwargs)
+        out = self._computed(args, kwargs) if owner == self.rank else self._sized(args, kwargs)
         sample = out[0] if isinstance(out, tuple) else out
         if owner == self.rank:
             self.mine[len(self.calls)] = sample
         self.calls.append(
             _Call(self.tile, owner, len(out) if isinstance(out, tuple) else None, sample.shape, sample.dtype)
         )
+        self.tile_call += 1
+        return out
+
+    def _computed(self, args: tuple, kwargs: dict):
+        """The call computed, its output's and caches' shapes kept for :meth:`_sized`: a later tile of the same
+        shape that another rank computes is then sized without running (rank 0 computes the first tile of each
+        shape in a row of equal tiles, so it sizes the others' without a meta run)."""
+        key = (self.tile_call, _signature((args, kwargs)))
+        out = self.forward(*args, **kwargs)
+        if key not in self._sized_calls:
+            self._sized_calls[key] = (tree_map(_to_meta, out), [list(map(_to_meta, v)) for v in _lists(args, kwargs)])
         return out
 
     def _sized(self, args: tuple, kwargs: dict):
         """The call run on the meta device, once per signature (the shapes and values it is given, the caches
         included): running a decoder on meta costs its Python overhead, a large share of a small tile's work. A
-        repeat gets the first run's output, and its list arguments (Wan's ``feat_cache``) the contents that run
-        left in them, so the next call sees the cache handed on as it would."""
-        key = _signature((args, kwargs))
+        repeat (or a call of the same signature this rank computed) gets the first run's output, and its list
+        arguments (Wan's ``feat_cache``) the contents that run left in them, so the next call sees the cache handed
+        on as it would. The call's place in its tile is part
+        of the signature: a cache the layers hold themselves (Magvit) is in the state those calls left."""
+        key = (self.tile_call, _signature((args, kwargs)))
         if key not in self._sized_calls:
             if self._meta_state is None:
                 named = (*self.child.named_parameters(), *self.child.named_buffers())
@@ -128,6 +178,7 @@ class _TileWork:
             try:
                 meta_args = tuple(map(_to_meta, args)), {k: _to_meta(v) for k, v in kwargs.items()}
                 out = torch.func.functional_call(self.child, self._meta_state, *meta_args)
+                self.meta_runs += 1
             finally:
                 self._sizing = False
             self._sized_calls[key] = (out, [list(v) for v in _lists(args, kwargs)])
@@ -219,6 +270,29 @@ def _child_forward(child: nn.Module, forward: Callable) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _watch_clears(vae: nn.Module, work: _TileWork) -> Iterator[None]:
+    """Note each call of the VAE's cache-clearing method (``_CLEARS``) in ``work``: the next child call starts a
+    tile."""
+    present = [name for name in _CLEARS if callable(getattr(vae, name, None))]
+    work.clears = bool(present)
+
+    def watched(method: Callable) -> Callable:
+        def clear(*args, **kwargs):
+            work.cleared = True
+            return method(*args, **kwargs)
+
+        return clear
+
+    for name in present:
+        setattr(vae, name, watched(getattr(vae, name)))
+    try:
+        yield
+    finally:
+        for name in present:
+            delattr(vae, name)
+
+
+@contextlib.contextmanager
 def _stop_at_blend(vae: nn.Module) -> Iterator[None]:
     def stop(*args, **kwargs):
         raise _TilesDone
@@ -238,10 +312,13 @@ def _split_over_ranks(vae: nn.Module, tiled: Callable, child_name: str, group: d
     def call(*args, **kwargs):
         child = getattr(vae, child_name)
         work = _TileWork(child, dist.get_rank(group), dist.get_world_size(group))
-        with _child_forward(child, work.compute), _stop_at_blend(vae), contextlib.suppress(_TilesDone):
+        with _child_forward(child, work.compute), _watch_clears(vae, work), _stop_at_blend(vae), contextlib.suppress(
+            _TilesDone
+        ):
             tiled(*args, **kwargs)
         samples = work.gather(group, next(vae.parameters()).device)
-        call.last_split = TileSplit(tiles=work.tile + 1, computed=len(range(work.rank, work.tile + 1, work.world)))
+        call.last_split = TileSplit(tiles=work.tile + 1, computed=len(range(work.rank, work.tile + 1, work.world)),
+                                    meta_runs=work.meta_runs)  # fmt: skip
         with _child_forward(child, work.replay(samples)):
             return tiled(*args, **kwargs)
 

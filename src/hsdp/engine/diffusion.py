@@ -151,7 +151,7 @@ class DiffusionRunner:
             options, vae = self.info.vae_options[name], getattr(self.pipe, name)
             vae_memory_options(vae, tiling=spec.vae_tiling and "tiling" in options,
                                slicing=spec.vae_slicing and "slicing" in options)  # fmt: skip
-            if spec.vae_parallel and "tiling" in options:
+            if spec.vae_parallel and "tiling" in options and name not in self.info.vae_unsplittable:
                 enable_vae_parallel(vae, dist.group.WORLD)
                 self.decode_everywhere = True
                 logger.info("%s: tiled decode and encode split over %d ranks", name, dist.get_world_size())

@@ -24,6 +24,7 @@ from typing import Literal
 
 from hsdp.families import family_for
 from hsdp.generation_defaults import DEFAULTS_FILE
+from hsdp.vae_parallel import split_refusal
 
 __all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION", "AUDIO_LENGTH_PARAMS"]
 
@@ -97,6 +98,9 @@ class ModelInfo:
     vae_options: dict[str, frozenset[str]] = field(default_factory=dict)
     """Autoencoder -> the memory options its class has: ``tiling`` (diffusers' ``enable_tiling`` and
     ``tiled_decode``: what ``--vae-tiling`` and ``--vae-parallel`` use) and ``slicing`` (``enable_slicing``)."""
+    vae_unsplittable: dict[str, str] = field(default_factory=dict)
+    """Autoencoder that tiles -> why ``--vae-parallel`` cannot split its tiles
+    (:func:`hsdp.vae_parallel.split_refusal`)."""
     separate_uncond_pass: bool = False
     """Guidance runs the unconditional branch as its own denoiser call (what CFG parallel splits off)."""
     cfg_scale_param: str = "guidance_scale"
@@ -312,6 +316,8 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         shardable=shardable,
         autoencoders=tuple(name for name, cls in modules.items() if _is_autoencoder(cls)),
         vae_options={name: _vae_options(cls) for name, cls in modules.items() if _is_autoencoder(cls)},
+        vae_unsplittable={name: why for name, cls in modules.items() if _is_autoencoder(cls)
+                          and "tiling" in _vae_options(cls) and (why := split_refusal(cls))},  # fmt: skip
         separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
         cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
         ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),
