@@ -142,3 +142,15 @@ def test_json_flags_take_an_object(argv, needle):
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
         cli.build_parser().parse_args(argv)
     assert exited.value.code == 2 and needle in err.getvalue()
+
+
+def test_a_command_imports_only_its_own_subcommand_module(monkeypatch, capsys):
+    """``hsdp plan`` builds the parser of ``plan`` only: the other subcommands' modules (the engine, the trainer
+    with torch's DCP) are not imported, as every ``hsdp`` command once paid for."""
+    imported = []
+    real = cli.importlib.import_module
+    monkeypatch.setattr(cli, "importlib", types.SimpleNamespace(import_module=lambda n: imported.append(n) or real(n)))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--help"])
+    assert exited.value.code == 0 and "--device-memory" in capsys.readouterr().out
+    assert imported == ["hsdp.planning.cli"]

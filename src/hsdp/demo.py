@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = parallel_config_from_args(args)
     model_dir = str(resolve_model(args.model))
-    with WorkerGroup(config.world_size) as group:
+    with WorkerGroup(config.world_size, packages=["transformers"]) as group:
         results = group.run(_rank_forward, model_dir, config)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

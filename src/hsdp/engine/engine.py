@@ -41,7 +41,7 @@ from hsdp.engine.checks import (
     weight_dtype_problems,
 )
 from hsdp.engine.control import CancelBoard
-from hsdp.engine.model_info import inspect_model
+from hsdp.engine.model_info import MODEL_PACKAGES, inspect_model
 from hsdp.engine.outputs import GenerationOutput
 from hsdp.engine.params import (
     SamplingParams,
@@ -253,7 +253,9 @@ class Engine:
             return workers
         if distributed.launched_by_torchrun():
             return _TorchrunRanks()
-        return WorkerGroup(self.config.world_size, start_timeout_s=start_timeout_s)
+        return WorkerGroup(
+            self.config.world_size, start_timeout_s=start_timeout_s, packages=[MODEL_PACKAGES[self.info.kind]]
+        )
 
     @property
     def model_path(self) -> Path:

@@ -57,6 +57,8 @@ _CONFIG_GATE = re.compile(r"self\.config\.(\w+) is None and (\w+) is not None")
 ``boundary_ratio``, which only Wan 2.2's two-expert folders set)."""
 _SINGLE_INPUT = re.compile(r"not isinstance\((\w+), torch\.Tensor\) and not isinstance\(\1, PIL\.Image\.Image\)")
 """A pipeline's input check taking one tensor or image for an input, never a list (Wan image-to-video)."""
+MODEL_PACKAGES = {"diffusion": "diffusers", "causal_lm": "transformers"}
+"""The library each :attr:`ModelInfo.kind` is built with on the ranks (what their forkserver preloads)."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,16 @@ PRELOAD_PACKAGES = (
 )
 """Packages whose modules the forkserver imports when the caller has imported them (what the ranks will need)."""
 
+RANK_MODULES: dict[str, tuple[str, ...]] = {
+    "transformers": ("transformers.modeling_utils",),
+    "diffusers": ("diffusers.models.modeling_utils", "diffusers.pipelines.pipeline_utils"),
+}
+"""Modules every rank imports to build a model with a package, which the caller (reading configs, tokenizing)
+need not import itself: for the ``packages`` a :class:`WorkerGroup` names, the forkserver imports them once for
+all ranks rather than each rank on its own (``transformers.modeling_utils``, with ``torch._dynamo`` and scipy
+under it, is about 1.9 s of CPU). Only for those: a diffusers pipeline's caller has transformers imported, while
+its ranks may never need transformers' model classes."""
+
 
 class WorkerError(RuntimeError):
     """A function raised on one or more ranks."""
@@ -95,13 +105,16 @@ PRELOAD_LIST_CHARS = 96 * 1024
 line, where Linux allows 128 KiB per argument (a caller with everything imported lists about 70 KiB)."""
 
 
-def preload_modules() -> list[str]:
-    """What the forkserver imports before it forks ranks: the launcher (torch, torch.distributed), then the
-    caller's modules of :data:`PRELOAD_PACKAGES` in the order the caller imported them -- what the job needs and
-    what imported cleanly here (an LM job's caller never imports diffusers, so neither does its forkserver), up
-    to :data:`PRELOAD_LIST_CHARS`. Imports only: none of these modules initializes a device at import."""
+def preload_modules(packages: Iterable[str] = ()) -> list[str]:
+    """What the forkserver imports before it forks ranks: the launcher (torch, torch.distributed), the
+    :data:`RANK_MODULES` of ``packages`` (what the ranks will build models with), then the caller's modules of
+    :data:`PRELOAD_PACKAGES` in the order the caller imported them -- what the job needs and what imported cleanly
+    here (an LM job's caller never imports diffusers, so neither does its forkserver), up to
+    :data:`PRELOAD_LIST_CHARS`. Imports only: none of these modules initializes a device at import (one that is
+    not installed is passed over by the forkserver)."""
     wanted = set(PRELOAD_PACKAGES)
-    names, chars = ["hsdp.launch"], len(repr(["hsdp.launch"]))
+    names = ["hsdp.launch", *(m for p in packages for m in RANK_MODULES.get(p, ()) if m not in sys.modules)]
+    chars = len(repr(names))
     for name in list(sys.modules):
         if name.partition(".")[0] in wanted:
             chars += len(repr(name)) + 2
@@ -115,14 +128,14 @@ _FORKSERVER_FAILED: list[BaseException] = []
 """Set once the forkserver failed to start ranks in this process: later groups spawn."""
 
 
-def _start_context() -> mp.context.BaseContext:
+def _start_context(packages: Iterable[str] = ()) -> mp.context.BaseContext:
     default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     method = "spawn" if _FORKSERVER_FAILED else os.environ.get(START_METHOD_ENV) or default
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' or 'spawn'")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(preload_modules())  # used when the forkserver starts (once per caller)
+        ctx.set_forkserver_preload(preload_modules(packages))  # used when the forkserver starts (once per caller)
     return ctx
 
 
@@ -164,6 +177,10 @@ class WorkerGroup:
 
     >>> with WorkerGroup(2) as group:
     ...     ranks = group.run(torch.distributed.get_rank)   # [0, 1]
+
+    ``packages`` names the libraries the ranks will build models with (``"transformers"``, ``"diffusers"``) where
+    the caller has not imported them yet, so that a forkserver this group starts preloads their
+    :data:`RANK_MODULES` once instead of every rank importing them.
     """
 
     def __init__(
@@ -174,6 +191,7 @@ class WorkerGroup:
         start_timeout_s: float = 120.0,
         collective_timeout_s: float | None = None,
         poll_s: float = 0.2,
+        packages: Iterable[str] = (),
     ):
         from hsdp.distributed import DEFAULT_TIMEOUT_S
 
@@ -187,7 +205,7 @@ class WorkerGroup:
         self._closed = False
         child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
-        ctx = _start_context()
+        ctx = _start_context(packages)
         try:
             self._start_ranks(ctx, child_env, timeout)
         except (EOFError, OSError) as exc:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsdp.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state
 from hsdp.config import DTYPES, ParallelConfig
 from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
@@ -513,6 +512,10 @@ class Preflight:
 
 
 def resume_target(cfg: TrainConfig, fingerprint: dict[str, Any]) -> Path | None:
+    # Here, not at the top: the command line imports this module to build its parser, and hsdp.checkpoint brings
+    # torch's DCP and DTensor (~1 s of CPU) into every hsdp command.
+    from hsdp.checkpoint import complete_checkpoints, latest_checkpoint, read_trainer_state
+
     root = Path(cfg.output_dir) if cfg.output_dir else None
     if cfg.resume is None:
         if root is not None and complete_checkpoints(root):
