@@ -1,25 +1,35 @@
 """Diffusion fine-tuning, LoRA and full: hsdp vs Accelerate's FSDP2 vs DeepSpeed ZeRO-2 and ZeRO-3, same denoiser.
 
-The model is a Wan-shaped ``WanTransformer3DModel`` (width 1536 = 12 heads of 128, feed-forward 8960, text width
-4096, patch 1x2x2, 16 latent channels: Wan 2.1 1.3B's block, ``--blocks`` of them, random weights) saved with its
-pipeline (``WanPipeline``: the built-in ``tiny-wan``'s byte tokenizer, VAE and scheduler, and a text encoder of one
-UMT5-XXL layer, ~740 MiB, so that the encoders' absence from the training peak can be seen), so every
-contender loads a real checkpoint folder: hsdp through ``hsdp train``'s own ``DiffusionTrainer`` (sharded
-``load_pretrained``), the others through ``WanTransformer3DModel.from_pretrained``.
+Two families (``--family wan``, ``flux`` or ``all``: both, each table in turn, then their figures side by side):
+
+- **wan**: a Wan-shaped ``WanTransformer3DModel`` (width 1536 = 12 heads of 128, feed-forward 8960, text width
+  4096, patch 1x2x2, 16 latent channels: Wan 2.1 1.3B's block, ``--blocks`` of them, random weights) saved with its
+  pipeline (``WanPipeline``: the built-in ``tiny-wan``'s byte tokenizer, VAE and scheduler, and a text encoder of
+  one UMT5-XXL layer, ~740 MiB, so that the encoders' absence from the training peak can be seen);
+- **flux**: a FLUX.1-shaped ``FluxTransformer2DModel`` (the same width in heads of 128, feed-forward 4 x the width,
+  text width 4096, pooled 768, guidance-distilled, 64 packed channels of a 16-channel VAE; ``--blocks`` double-stream
+  and as many single-stream blocks) saved with a ``FluxPipeline`` (the built-in ``tiny-flux``'s tokenizers, VAE and
+  scheduler, a CLIP text encoder of width 768 and a T5 encoder of one T5-XXL layer, ~740 MiB).
+
+Every contender loads a real checkpoint folder: hsdp through ``hsdp train``'s own ``DiffusionTrainer`` (sharded
+``load_pretrained``), the others through the denoiser class's ``from_pretrained``.
 
 Every contender trains on the same latents, caption embeddings, noise and timesteps: a first hsdp run with
 ``--cache-latents`` encodes the media folder (random 256 x 256 images with captions) and writes its latent cache;
 the other contenders read those cached tensors, and draw noise and sigmas the way hsdp's trainer does (one CPU
 generator per step: the caption-dropout draw, then the noise, then diffusers' density sampling and the
 scheduler's flow shift, from ``hsdp.train.diffusion.objective``). The loss is the flow-matching MSE on
-``noise - x0``. fp32 everywhere, AdamW lr 1e-4 without weight decay or clipping, one sample per rank per step.
+``noise - x0``; the contenders call a FLUX denoiser as diffusers' ``train_dreambooth_lora_flux.py`` does (latents
+packed 2 x 2, image ids, zero text ids, guidance 3.5, the timestep / 1000, the prediction unpacked), hsdp as the
+pipeline's own ``__call__`` does. fp32 everywhere, AdamW lr 1e-4 without weight decay or clipping, one sample per rank per step.
 LoRA: rank 16, alpha 32, dropout 0 on ``to_q to_k to_v to_out.0`` (hsdp's default, diffusers' training scripts'
 targets), adapters started from the values hsdp draws (``hsdp.lora.init_adapters``), so the losses compare.
 
 - **hsdp**: ``DiffusionTrainer`` at FULL_SHARD over the world (``--hsdp-strategy`` for another; adapters injected
   before sharding for LoRA; NO_SHARD replicates over the world, the frozen LoRA base kept out of FSDP).
 - **Accelerate FSDP2**: what the diffusers example scripts run under ``accelerate launch`` with an FSDP config:
-  ``FullyShardedDataParallelPlugin(fsdp_version=2)``, each ``WanTransformerBlock`` sharded
+  ``FullyShardedDataParallelPlugin(fsdp_version=2)``, each block (``WanTransformerBlock``; FLUX's
+  ``FluxTransformerBlock`` and ``FluxSingleTransformerBlock``) sharded
   (``transformer_based_wrap``), ``accelerator.prepare`` of the whole model loaded on every rank, peft adapters via
   diffusers' ``add_adapter``. On the CPU Accelerate 1.x would silently train with plain DDP (it enables FSDP for
   accelerators only), so the row sets Accelerate's distributed type to FSDP itself, as Accelerate does for GPUs.
@@ -37,6 +47,7 @@ and during the steps, for the run that encoded and for one that read the cache.
 
     .venv/bin/python benchmarks/train_diffusion.py                      # the issue's shape: 4 blocks of width 1536
     .venv/bin/python benchmarks/train_diffusion.py --blocks 2 --repeat 2 --only lora
+    .venv/bin/python benchmarks/train_diffusion.py --blocks 2 --only lora --family all   # Wan and FLUX
 """
 
 from __future__ import annotations
@@ -70,6 +81,11 @@ TEXT_WIDTH = 4096
 TEXT_ENCODER = dict(d_ff=10240, d_kv=64, num_heads=64, num_layers=1, vocab_size=384)
 """One layer of UMT5-XXL (of its 24): ~740 MiB of weights that encoding reads (an embedding table would be mapped
 but mostly never read, so it would not show in the resident set), on the byte tokenizer's 384 ids."""
+FLUX_POOLED = 768
+FLUX_GUIDANCE = 3.5
+"""FluxPipeline's default ``guidance_scale`` (the embedding hsdp's trainer passes) and the flux script's default."""
+FAMILIES = {"wan": ("WanTransformer3DModel", "Wan"), "flux": ("FluxTransformer2DModel", "FLUX.1")}
+"""``--family`` -> (the denoiser's diffusers class, the name the tables give it)."""
 MODULES = ("diffusers", "peft", "transformers", "hsdp.train.diffusion")
 MODES = {"LoRA": True, "full": False}
 ENCODING_ROW = "hsdp LoRA, encoding in the run"
@@ -78,6 +94,9 @@ ENCODING_ROW = "hsdp LoRA, encoding in the run"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument(
+        "--family", default="wan", choices=(*FAMILIES, "all"), help="the denoiser's shape (all: each in turn)"
+    )
     parser.add_argument("--width", type=int, default=1536, help="denoiser width (heads of 128)")
     parser.add_argument("--blocks", type=int, default=4, help="transformer blocks")
     parser.add_argument(
@@ -107,29 +126,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-def denoiser_shape(width: int, blocks: int) -> dict:
-    """Wan 2.1 1.3B's block at ``width`` (its feed-forward is 35/6 of the width: 8960 at 1536)."""
+def denoiser_shape(family: str, width: int, blocks: int) -> dict:
+    """Wan 2.1 1.3B's block at ``width`` (its feed-forward is 35/6 of the width: 8960 at 1536), or FLUX.1's blocks
+    (``blocks`` double-stream and ``blocks`` single-stream; rotary axes 16 + 56 + 56 of each head's 128)."""
+    if family == "flux":
+        return dict(
+            patch_size=1, in_channels=64, num_layers=blocks, num_single_layers=blocks, attention_head_dim=HEAD_DIM,
+            num_attention_heads=width // HEAD_DIM, joint_attention_dim=TEXT_WIDTH, pooled_projection_dim=FLUX_POOLED,
+            guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+        )  # fmt: skip
     return dict(
         num_attention_heads=width // HEAD_DIM, attention_head_dim=HEAD_DIM, in_channels=16, out_channels=16,
         text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=width * 35 // 6, num_layers=blocks, rope_max_seq_len=1024,
     )  # fmt: skip
 
 
-def write_pipeline(folder: Path, width: int, blocks: int):
+def write_pipeline(folder: Path, family: str, width: int, blocks: int):
     """The benchmark pipeline folder; returns the media spec its denoiser takes."""
     import torch
-    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     import hsdp.models.builtin  # noqa: F401  (first: importing tiny_wan alone is circular)
+    from hsdp.models.tiny_flux import build_tiny_flux_pipeline
     from hsdp.models.tiny_wan import build_tiny_wan_pipeline
     from hsdp.train.diffusion.trainer import media_spec
 
-    pipe = build_tiny_wan_pipeline(SEED, **denoiser_shape(width, blocks))
+    build, encoder, config = {
+        "wan": (build_tiny_wan_pipeline, "text_encoder", (UMT5Config, UMT5EncoderModel)),
+        "flux": (build_tiny_flux_pipeline, "text_encoder_2", (T5Config, T5EncoderModel)),
+    }[family]
+    pipe = build(SEED, **denoiser_shape(family, width, blocks))
     torch.manual_seed(SEED + 1)
-    config = UMT5Config(
-        d_model=TEXT_WIDTH, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, **TEXT_ENCODER
-    )
-    pipe.text_encoder = UMT5EncoderModel(config).eval()
+    text = config[0](
+        d_model=TEXT_WIDTH, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0, feed_forward_proj="gated-gelu",
+        **TEXT_ENCODER,
+    )  # fmt: skip
+    setattr(pipe, encoder, config[1](text).eval())
     pipe.save_pretrained(folder)
     return media_spec(pipe, folder, "transformer")
 
@@ -159,7 +191,8 @@ def _cached_items(cache: Path) -> dict[str, dict]:
 
 
 def write_batches(spec: dict, media) -> None:
-    """Every step's global batch as hsdp's trainer draws it, from the latent cache its first run wrote."""
+    """Every step's global batch as hsdp's trainer draws it, from the latent cache its first run wrote (FLUX: with
+    the pooled CLIP embeddings, encode_prompt's second return)."""
     import torch
     import torch.nn.functional as F
 
@@ -168,7 +201,7 @@ def write_batches(spec: dict, media) -> None:
 
     dataset = MediaDataset.from_source(spec["data"], media, resolution=spec["resolution"])
     cached = _cached_items(Path(spec["cache_dir"]) / "latent-cache")
-    items = [cached[item.key] for item in dataset.items]
+    items = [cached[item.cache_key] for item in dataset.items]
     objective = objective_for(Path(spec["model"]))
     batches = []
     for number in range(spec["warmup"] + spec["steps"]):
@@ -179,8 +212,11 @@ def write_batches(spec: dict, media) -> None:
         prompts = [items[i]["prompt.0.0"] for i in rows]  # encode_prompt's first return (the trainer's cache name)
         length = max(p.shape[0] for p in prompts)
         embeds = torch.stack([F.pad(p, (0, 0, 0, length - p.shape[0])) for p in prompts])
-        batches.append(dict(noisy=noised.noisy, timesteps=noised.timesteps, target=noised.target,
-                            weights=noised.weights, embeds=embeds))  # fmt: skip
+        batch = dict(noisy=noised.noisy, timesteps=noised.timesteps, target=noised.target, weights=noised.weights,
+                     embeds=embeds)  # fmt: skip
+        if spec["family"] == "flux":
+            batch["pooled"] = torch.stack([items[i]["prompt.0.1"] for i in rows])
+        batches.append(batch)
     torch.save(batches, spec["batches"])
 
 
@@ -195,6 +231,24 @@ def _my_batches(spec: dict) -> list[dict]:
     return [{k: v[mine] for k, v in batch.items()} for batch in torch.load(spec["batches"])]
 
 
+def _flux_prediction(model, batch: dict):
+    """train_dreambooth_lora_flux.py's call: latents packed 2 x 2, image ids, zero text ids, guidance, the timestep
+    / 1000, the prediction unpacked to the VAE's layout."""
+    import torch
+    from diffusers import FluxPipeline
+
+    rows, channels, height, width = batch["noisy"].shape
+    packed = FluxPipeline._pack_latents(batch["noisy"], rows, channels, height, width)
+    ids = FluxPipeline._prepare_latent_image_ids(rows, height // 2, width // 2, packed.device, packed.dtype)
+    prediction = model(
+        hidden_states=packed, timestep=batch["timesteps"] / 1000, guidance=torch.full((rows,), FLUX_GUIDANCE),
+        pooled_projections=batch["pooled"], encoder_hidden_states=batch["embeds"],
+        txt_ids=torch.zeros(batch["embeds"].shape[1], 3), img_ids=ids, return_dict=False,
+    )[0]  # fmt: skip
+    scale = 8  # the VAE's factor: the pixel size _unpack_latents takes
+    return FluxPipeline._unpack_latents(prediction, height * scale, width * scale, scale)
+
+
 def _loss(model, batch: dict):
     """hsdp's flow-matching loss: the per-row MSE to ``noise - x0``, weighted, averaged over the rows. The batch
     moves to the rank's device in the step, as hsdp's trainer moves its own."""
@@ -203,10 +257,13 @@ def _loss(model, batch: dict):
     from hsdp.distributed import local_device
 
     batch = {k: v.to(local_device()) for k, v in batch.items()}
-    prediction = model(
-        hidden_states=batch["noisy"], timestep=batch["timesteps"], encoder_hidden_states=batch["embeds"],
-        return_dict=False,
-    )[0]  # fmt: skip
+    if "pooled" in batch:  # FLUX
+        prediction = _flux_prediction(model, batch)
+    else:
+        prediction = model(
+            hidden_states=batch["noisy"], timestep=batch["timesteps"], encoder_hidden_states=batch["embeds"],
+            return_dict=False,
+        )[0]  # fmt: skip
     per_row = F.mse_loss(prediction.float(), batch["target"].float(), reduction="none").flatten(1).mean(1)
     return (per_row * batch["weights"]).mean()
 
@@ -214,15 +271,15 @@ def _loss(model, batch: dict):
 def _load_denoiser(spec: dict, lora: bool):
     """The denoiser as the diffusers scripts load it, with peft adapters through diffusers' ``add_adapter``,
     started from hsdp's adapter values."""
+    import diffusers
     import torch
-    from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
     from hsdp.lora import init_adapters
     from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS
 
     torch.manual_seed(SEED)
-    model = WanTransformer3DModel.from_pretrained(
+    model = getattr(diffusers, FAMILIES[spec["family"]][0]).from_pretrained(
         Path(spec["model"]) / "transformer", torch_dtype=torch.float32
     )
     if lora:
@@ -338,8 +395,9 @@ def rank_accelerate(spec: dict, lora: bool) -> dict:
 
     base = baseline((*MODULES, "accelerate"))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist.get_world_size()))  # one machine: Accelerate asks
+    blocks = {"wan": ["WanTransformerBlock"], "flux": ["FluxTransformerBlock", "FluxSingleTransformerBlock"]}
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["WanTransformerBlock"],
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=blocks[spec["family"]],
         reshard_after_forward=True,
     )  # fmt: skip
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=local_device().type == "cpu")
@@ -526,22 +584,21 @@ def _where() -> str:
     return f"{torch.get_device_module(kind).get_device_name(0)}, {kind}"
 
 
-def main() -> None:
-    args = build_parser().parse_args()
-    selected = _select(runs(args.compile), args.only)
+def run_family(args, family: str, selected: dict) -> dict:
+    """One family's rows (the encoding run first), compared, printed: its part of the JSON."""
     names = list(selected)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        media = write_pipeline(root / "pipeline", args.width, args.blocks)
+        media = write_pipeline(root / "pipeline", family, args.width, args.blocks)
         write_media(root / "media", args.batch_size * (args.warmup + args.steps), args.resolution)
         encoders = sum(
-            f.stat().st_size for c in ("vae", "text_encoder") for f in (root / "pipeline" / c).glob("*")
+            f.stat().st_size for c in ("vae", "text_encoder", "text_encoder_2") for f in (root / "pipeline" / c).glob("*")
         )
         spec = {
             "model": str(root / "pipeline"), "data": str(root / "media"), "cache_dir": str(root / "run"),
             "batches": str(root / "batches.pt"), "resolution": args.resolution, "batch_size": args.batch_size,
             "steps": args.steps, "warmup": args.warmup, "hsdp_strategy": args.hsdp_strategy,
-            "frozen_whole": args.frozen_whole,
+            "frozen_whole": args.frozen_whole, "family": family,
         }  # fmt: skip
         # The first hsdp run encodes (its cache then feeds every row): the --cache-latents measurement.
         first = _with_figures(
@@ -561,7 +618,8 @@ def main() -> None:
     encoding = [first] + [r for r in rows if r["name"] == "hsdp LoRA"]
     tokens = (args.resolution // 16) ** 2
     head = (
-        f"Wan-shaped denoiser: {args.blocks} blocks of width {args.width}, {tokens} latent tokens + 512 text tokens "
+        f"{FAMILIES[family][1]}-shaped denoiser: {args.blocks} {'double- + single-stream ' if family == 'flux' else ''}"
+        f"blocks of width {args.width}, {tokens} latent tokens + 512 text tokens "
         f"per sample, batch {args.batch_size} over world {args.world} ({_where()}), hsdp {args.hsdp_strategy}"
         + (" --frozen-whole" if args.frozen_whole else "")
         + ", "
@@ -574,15 +632,41 @@ def main() -> None:
         )
     )
     _print_tables(rows, encoding, verdict, head, encoders)
+    return {"denoiser": denoiser_shape(family, args.width, args.blocks), "encoder_bytes": encoders, "rows": rows,
+            "encoding": encoding, "verdict": verdict}  # fmt: skip
+
+
+def _print_side_by_side(results: dict[str, dict]) -> None:
+    """Every row's speed, its ratio to hsdp's and its peak per rank, a column group per family."""
+    families = list(results)
+    by_family = {f: {r["name"]: r for r in results[f]["rows"]} for f in families}
+    names = list(dict.fromkeys(n for f in families for n in by_family[f]))
+    key = speed_key().replace("_", " ").replace("samples per cpu s", "samples per CPU-second")
+    print("\n| run | " + " | ".join(f"{FAMILIES[f][1]} {key} | vs hsdp | peak per rank (MiB)" for f in families) + " |")
+    print("|---|" + "---|---|---|" * len(families))
+    for name in names:
+        cells = []
+        for f in families:
+            row = by_family[f].get(name)
+            if row is None or "ranks" not in row:
+                cells += ["not run", "", ""]
+                continue
+            ratio = f"{row['vs_hsdp']:.2f} x" if "vs_hsdp" in row else "-"
+            peak = " / ".join(f"{r['step_peak'] / MIB:.0f}" for r in row["ranks"])
+            cells += [f"{row[speed_key()]:.3f}", ratio, peak]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    selected = _select(runs(args.compile), args.only)
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    results = {family: run_family(args, family, selected) for family in families}
+    if len(results) > 1:
+        _print_side_by_side(results)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"args": vars(args), "denoiser": denoiser_shape(args.width, args.blocks), "encoder_bytes": encoders,
-             "rows": rows, "encoding": encoding, "verdict": verdict},
-            indent=2,
-        )
-    )  # fmt: skip
+    out.write_text(json.dumps({"args": vars(args), "families": results}, indent=2))
     print(f"\nwrote {out}")
 
 

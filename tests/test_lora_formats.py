@@ -176,15 +176,18 @@ def test_train_export_format_is_checked_before_training(tmp_path):
 
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory):
-    """Wan 2.2 A14B-shaped (two experts, :func:`tests.heldout_pipelines.wan22_a14b`) with a different random adapter
-    in each expert, exported as ``hsdp train --train-component transformer,transformer_2`` writes it (one subfolder
-    per expert, each keyed ``transformer.``), and ``transformer_2``'s alone as a run of that expert writes it."""
+    """Wan 2.2 A14B-shaped (the tiny Wan with a second expert below ``boundary_ratio``; its VAE, unlike
+    :func:`tests.heldout_pipelines.wan22_a14b`'s, spreads the adapters' effect over many 8-bit pixel levels, which
+    the served png shows) with a different random adapter in each expert, exported as ``hsdp train
+    --train-component transformer,transformer_2`` writes it (one subfolder per expert, each keyed
+    ``transformer.``), and ``transformer_2``'s alone as a run of that expert writes it."""
     from diffusers import WanPipeline
 
-    from tests.heldout_pipelines import build
+    from hsdp.models.tiny_wan import build_tiny_wan_pipeline
 
     root = tmp_path_factory.mktemp("wan22")
-    folder = build("wan2.2-a14b", root)
+    folder = root / "wan2.2-a14b"
+    build_tiny_wan_pipeline(boundary_ratio=0.875).save_pretrained(folder)
     pipe = WanPipeline.from_pretrained(folder, dtype=torch.float32)
     call = {"height": 32, "width": 32, "num_frames": 5}
     base = _run(pipe, call)
@@ -220,32 +223,93 @@ def test_two_expert_export_loads_into_both_transformers(experts):
     torch.testing.assert_close(_run(pipe, experts["call"]), experts["adapted"], rtol=0, atol=1e-5)
 
 
-def test_generate_lora_applies_both_experts(experts, dist_run):
+EXPERT_LOADS = {
+    "both": [("both/transformer", {}), ("both/transformer_2", {"load_into_transformer_2": True})],
+    "low": [("low/transformer_2", {"load_into_transformer_2": True})],
+    "base": [],
+}
+"""Adapter -> the ``load_lora_weights`` calls that load its export into plain diffusers."""
+
+
+@pytest.fixture(scope="module")
+def expert_frames(experts) -> tuple[dict, dict]:
+    """The sampling arguments of one 32 x 32 frame in 2 steps, seed 1 (as the engine completes them from the
+    pipeline's defaults), and the frames of plain diffusers with each of :data:`EXPERT_LOADS` loaded, in one
+    process."""
+    from hsdp.engine import SamplingParams
+    from hsdp.engine.model_info import inspect_model
+    from tests.engine_refs import one_thread
+
+    params = SamplingParams(seed=1, num_inference_steps=2, height=32, width=32, num_frames=1)
+    defaults = inspect_model(experts["folder"]).defaults
+    call = {k: getattr(params, k) if getattr(params, k) is not None else v for k, v in defaults.items()}
+    frames = {}
+    for name, loads in EXPERT_LOADS.items():
+        pipe = _wan22(experts, *loads)
+        pipe.set_progress_bar_config(disable=True)
+        with one_thread(), torch.no_grad():
+            frames[name] = pipe("a red fox", generator=torch.Generator().manual_seed(1), output_type="np", **call).frames[0]
+    assert all(abs(frames[a] - frames[b]).max() > 1e-3 for a, b in (("both", "low"), ("low", "base")))
+    return params, frames
+
+
+def test_generate_lora_applies_both_experts(experts, expert_frames, dist_run):
     """``hsdp generate --lora`` at HSDP 2 with the two-expert export equals diffusers with both halves loaded, and
     a ``transformer_2``-only export equals diffusers with it loaded into ``transformer_2`` alone (and differs from
     the pair and from the base)."""
     import numpy as np
 
     from hsdp import ParallelConfig
-    from hsdp.engine import Engine, SamplingParams
-    from tests.engine_refs import one_thread
+    from hsdp.engine import Engine
 
-    video = SamplingParams(seed=1, num_inference_steps=2, height=32, width=32, num_frames=5)
+    params, frames = expert_frames
     hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    loads = {
-        "both": [("both/transformer", {}), ("both/transformer_2", {"load_into_transformer_2": True})],
-        "low": [("low/transformer_2", {"load_into_transformer_2": True})],
-    }
-    outs = {}
     with Engine(experts["folder"], hsdp2, workers=dist_run.group(2),
                 lora={"both": experts["root"] / "both", "low": experts["root"] / "low"}) as engine:  # fmt: skip
-        for name in [*loads, None]:  # None: the base, every slot off
-            outs[name or "base"] = engine.generate("a red fox", video, adapter=name)[0].frames
-        call = {k: getattr(video, k) if getattr(video, k) is not None else v for k, v in engine.info.defaults.items()}
-    for name, load in loads.items():
-        pipe = _wan22(experts, *load)
-        pipe.set_progress_bar_config(disable=True)
-        with one_thread(), torch.no_grad():
-            expected = pipe("a red fox", generator=torch.Generator().manual_seed(1), output_type="np", **call).frames[0]
-        np.testing.assert_allclose(outs[name], expected, rtol=0, atol=1e-5, err_msg=name)
-    assert np.abs(outs["both"] - outs["low"]).max() > 1e-3 and np.abs(outs["low"] - outs["base"]).max() > 1e-3
+        for name in EXPERT_LOADS:  # base: every slot off
+            out = engine.generate("a red fox", params, adapter=None if name == "base" else name)[0].frames
+            np.testing.assert_allclose(out, frames[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_serve_lora_applies_both_experts(experts, expert_frames, tmp_path):
+    """Issue 26 item 2's round trip ends in ``hsdp serve --lora``: at HSDP 2 the two-expert export given at start,
+    the ``transformer_2``-only export loaded at run time (``/v1/load_lora_adapter``) and the base, each requested
+    by name, equal plain diffusers with the same exports loaded (:data:`EXPERT_LOADS`). The served png holds 8-bit
+    pixels: each equals the reference's pixel, except by one level where the reference lies within the engine's
+    1e-5 (:func:`test_generate_lora_applies_both_experts`) of a rounding boundary."""
+    import base64
+    import io
+
+    import httpx
+    import numpy as np
+    from PIL import Image
+
+    from hsdp.serve.local import LocalServer
+
+    params, frames = expert_frames
+    root = experts["root"]
+    args = ["--use-hsdp", "--hsdp-shard-size", "2", "--lora", f"both={root / 'both'}", "--lora-root", str(root),
+            "--max-loras", "2", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    # The images route makes one frame, as the reference's num_frames=1.
+    body = {"prompt": "a red fox", "seed": params.seed, "num_inference_steps": params.num_inference_steps,
+            "size": f"{params.width}x{params.height}"}  # fmt: skip
+    with (
+        LocalServer(str(experts["folder"]), args, log=tmp_path / "log") as server,
+        httpx.Client(base_url=server.url, timeout=300) as client,
+    ):
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "low", "lora_path": "low"})
+        assert loaded.status_code == 200, loaded.text
+        served = {
+            name: client.post("/v1/images/generations", json={**body, **({} if name == "base" else {"model": name})})
+            for name in EXPERT_LOADS
+        }
+    pixels = {}
+    for name, response in served.items():
+        assert response.status_code == 200, response.text
+        got = pixels[name] = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))), int)
+        scaled = np.clip(frames[name][0], 0, 1) * 255
+        off = np.abs(got - scaled.round())
+        near_boundary = np.abs(scaled - np.floor(scaled) - 0.5) < 255 * 1e-5
+        assert off.max() <= 1 and (near_boundary | (off == 0)).all(), (name, off.max(), (off > 0).sum())
+    for a, b in (("both", "low"), ("low", "base"), ("both", "base")):  # each adapter shows in the pixels
+        assert (np.abs(pixels[a] - pixels[b]) > 1).mean() > 0.5, (a, b)
