@@ -157,6 +157,15 @@ def test_full_shard_matches_single_process(world2, reference):
     assert_matches(world2["runs"]["full"], reference["plain"])
 
 
+def test_one_rank_fsdp_run_training_matches_single_process(base, reference):
+    """``run_training`` of an FSDP layout over one rank (``--use-hsdp --hsdp-shard-size 1``, e.g. for
+    ``--offload-layers`` on one device) starts a one-rank group; it raised "build_meshes needs torch.distributed"."""
+    from hsdp.train import run_training
+
+    result = run_training(base.replace(parallel=shard("FULL_SHARD", shard_size=1)))
+    assert [s.loss for s in result.steps] == pytest.approx(reference["plain"]["losses"], abs=FP32["loss"])
+
+
 def test_shard_grad_op_clipping_matches_single_process(world2, reference):
     assert_matches(world2["runs"]["grad_op_clip"], reference["clipped"])
     assert reference["clipped"]["norms"][0] > 0.05  # clipping was active

@@ -53,7 +53,9 @@ def _launch(cfg: TrainConfig, collective_timeout_s: float | None) -> TrainResult
         init_distributed()
         configure_logging(rank())
         return train_on_rank(cfg)
-    if cfg.effective_parallel().world_size == 1:
+    parallel = cfg.effective_parallel()
+    if parallel.world_size == 1 and not parallel.use_hsdp:
         return train_on_rank(cfg)
-    with WorkerGroup(cfg.effective_parallel().world_size, collective_timeout_s=collective_timeout_s) as group:
+    # FSDP2 on one rank (e.g. for --offload-layers) needs a process group, which a spawned rank has
+    with WorkerGroup(parallel.world_size, collective_timeout_s=collective_timeout_s) as group:
         return group.run(train_on_rank, cfg)[0]
