@@ -101,7 +101,8 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
     if "use_resolution_binning" in params:  # the item's size as it is (SANA, PixArt would snap it to a bin)
         args["use_resolution_binning"] = False
     cfg = "true_cfg_scale" if "true_cfg_scale" in params else "guidance_scale"
-    args[cfg] = _no_guidance(type(pipe)) if cfg == "guidance_scale" else 1.0
+    if cfg in params:  # a pipeline guided by a guider component takes neither (:func:`_unguided`)
+        args[cfg] = _no_guidance(type(pipe)) if cfg == "guidance_scale" else 1.0
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
     return args
@@ -139,6 +140,22 @@ class _StandIn:
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
+
+
+@contextmanager
+def _unguided(pipe) -> Iterator[None]:
+    """The pipeline's guider component (diffusers' ``BaseGuidance``, which HunyuanVideo 1.5 guides with instead of
+    a ``guidance_scale`` argument) disabled for the pass: one conditional call of the denoiser, its prediction as
+    it is."""
+    guider = getattr(pipe, "guider", None)
+    if not getattr(guider, "_enabled", False):
+        yield
+        return
+    guider.disable()
+    try:
+        yield
+    finally:
+        guider.enable()
 
 
 def _no_guidance(pipeline_class: type) -> float:
@@ -225,7 +242,7 @@ def _record_encodings(pipe, model_dir: Path, captions: list[str], size: tuple[in
     pipe.set_progress_bar_config(disable=True)
     pipe.encode_prompt = record
     try:
-        with _stand_ins(pipe, model_dir, _stop), torch.no_grad():
+        with _stand_ins(pipe, model_dir, _stop), _unguided(pipe), torch.no_grad():
             pipe(**call_arguments(pipe, captions, size, frames))
     except _Stop:
         pass
@@ -451,7 +468,8 @@ class DenoiserCalls:
         scheduler.step, scheduler.set_timesteps = step, set_timesteps
         args = call_arguments(pipe, [""] * rows, batch.size, batch.frames)
         try:
-            with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), torch.no_grad():
+            with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), _unguided(pipe), \
+                    torch.no_grad():
                 pipe(**args)
         except _Stop as stop:
             return stop.args[0]
