@@ -78,12 +78,12 @@ def trainers(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _micro_batch(trainer, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor) -> _MicroBatch:
-    """hsdp's micro-batch of the trainer's first rows: its objective noises ``latents`` at fractions ``u`` of the
-    timestep range."""
+def _micro_batch(trainer, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor, items=None) -> _MicroBatch:
+    """hsdp's micro-batch of the trainer's first rows (captions: their encodings, or ``items``): its objective
+    noises ``latents`` at fractions ``u`` of the timestep range."""
     noised = trainer.objective.at(latents, noise, u)
     bucket = trainer.data.dataset.buckets[0]
-    prompts = trainer.batch_prompts(trainer.data.prompts[: len(latents)])
+    prompts = trainer.batch_prompts(items or trainer.data.prompts[: len(latents)])
     batch = DenoiserBatch(noised.noisy, noised.timesteps, prompts, (bucket.height, bucket.width), bucket.frames)
     return _MicroBatch(batch, noised.target, noised.weights, trainer.component)
 
@@ -308,6 +308,28 @@ def test_loss_equals_training_script_formula(family, trainers):
         want, u = script_loss(trainer, pipe, trainer.model, latents, noise, prompts)
         got = trainer._micro_loss(_micro_batch(trainer, latents, noise, u))
     assert math.isfinite(want.item()) and want.item() > 0.1
+    assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
+
+
+def test_qwen_image_captions_of_different_lengths_masked_as_the_script_masks_them(trainers):
+    """Qwen-Image's ``encode_prompt`` returns a mask only for captions of different lengths (None when every token
+    counts), so no item's cached encoding has one: a batch of a shorter and a longer caption is zero-padded and
+    masked as the script's ``concat_prompt_embedding_batches`` (L1051-1075) pads and masks it, and hsdp's loss equals
+    the script's formula (unmasked, the padding would be attended: another loss)."""
+    trainer, pipe = trainers("qwen-image")
+    items = [dict(p) for p in trainer.data.prompts[:ROWS]]
+    items[0]["prompt.0.0"] = items[0]["prompt.0.0"][: len(items[0]["prompt.0.0"]) // 2]  # a caption half as long
+    embeds = [i["prompt.0.0"] for i in items]
+    length = max(len(e) for e in embeds)
+    padded = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, length - len(e))) for e in embeds])
+    mask = torch.stack([(torch.arange(length) < len(e)).long() for e in embeds])
+    latents = torch.stack(trainer.data.latents[:ROWS])
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, u = qwen_image(trainer, pipe, trainer.model, latents, noise, {"prompt.0.0": padded, "prompt.0.1": mask})
+        unmasked, _ = qwen_image(trainer, pipe, trainer.model, latents, noise, {"prompt.0.0": padded})
+        got = trainer._micro_loss(_micro_batch(trainer, latents, noise, u, items))
+    assert abs(unmasked.item() - want.item()) > 10 * 1e-6, (unmasked.item(), want.item())  # the check can fail
     assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
 
 
