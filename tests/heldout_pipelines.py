@@ -8,6 +8,7 @@ Each builder returns the pipeline object; :func:`build` writes it once into a fo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -43,6 +44,30 @@ def _tokenizer(max_length: int | None = None, chat: bool = False):
         tokenizer.model_max_length = max_length
     if chat:  # Z-Image and Qwen apply a chat template to the caption
         tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def _qwen_tokenizer(corpus: str):
+    """A ``Qwen2Tokenizer`` (Qwen's pre-tokenizer and chat specials) over a byte-level BPE trained here on
+    ``corpus``, the pipeline's own prompt template, with room to merge every word of it into one token: the
+    template's prefix then has as many tokens as Qwen's own vocabulary gives it (Qwen-Image drops its first 34),
+    and a caption's words fall back to byte tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = Qwen2Tokenizer()._tokenizer.pre_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    bpe.train_from_iterator([corpus], trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
+                               additional_special_tokens=specials[1:])  # fmt: skip
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     return tokenizer
 
 
@@ -195,6 +220,79 @@ def sana():
                         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))  # fmt: skip
 
 
+def _qwen25_vl_text(vocab_size: int, seed: int = 0) -> dict:
+    """diffusers' test-suite sizes of the Qwen2.5-VL text model (Qwen-Image, HunyuanVideo 1.5)."""
+    torch.manual_seed(seed)
+    return dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                rope_theta=1000000.0, vocab_size=vocab_size)  # fmt: skip
+
+
+def qwen_image():
+    """Qwen-Image: Qwen2.5-VL's last hidden states past the prompt template's first 34 tokens, a 3D VAE with
+    per-channel statistics, latents packed 2 x 2 before the transformer."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=3, joint_attention_dim=16,
+                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.1] * 4, latents_std=[1.5] * 4)  # fmt: skip
+    pipe = QwenImagePipeline(transformer=fill_zero_params(transformer), vae=vae.eval(),
+                             scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=None, tokenizer=None)  # fmt: skip
+    tokenizer = _qwen_tokenizer(pipe.prompt_template_encode)
+    text = _qwen25_vl_text(len(tokenizer))
+    vision = dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16)
+    specials = {"vision_start_token_id": 1, "vision_end_token_id": 2, "vision_token_id": 0}  # unused: no images
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                                                  hidden_size=16, vocab_size=len(tokenizer),
+                                                                  **specials))  # fmt: skip
+    pipe.register_modules(text_encoder=encoder.eval(), tokenizer=tokenizer)
+    return pipe
+
+
+def hunyuan_video15():
+    """HunyuanVideo 1.5 text-to-video: two encoders (Qwen2.5-VL's hidden states past the chat template's system
+    part; ByT5 on quoted glyph text), zero image-condition channels and a mask concatenated to the latents, zero
+    image embeddings, classifier-free guidance by a guider component (at scale 6: diffusers' test suite sets 1, which
+    guides nothing, so it would not show that training turns guidance off)."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(0)
+    transformer = HunyuanVideo15Transformer3DModel(in_channels=9, out_channels=4, num_attention_heads=2,
+                                                   attention_head_dim=8, num_layers=1, num_refiner_layers=1,
+                                                   mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
+                                                   text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4),
+                                                   target_size=16, task_type="t2v")  # fmt: skip
+    torch.manual_seed(0)
+    vae = AutoencoderKLHunyuanVideo15(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 16),
+                                      layers_per_block=1, spatial_compression_ratio=4, temporal_compression_ratio=2,
+                                      downsample_match_channel=False, upsample_match_channel=False)  # fmt: skip
+    pipe = HunyuanVideo15Pipeline(transformer=fill_zero_params(transformer), vae=vae.eval(),
+                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder=None,
+                                  tokenizer=None, text_encoder_2=_t5(32), tokenizer_2=ByT5Tokenizer(),
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))  # fmt: skip
+    tokenizer = _qwen_tokenizer(pipe.system_message)
+    encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen25_vl_text(len(tokenizer))))
+    pipe.register_modules(text_encoder=encoder.eval(), tokenizer=tokenizer)
+    return pipe
+
+
 def _wan(transformer_config: dict, vae_config: dict, **pipeline):
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
@@ -234,7 +332,8 @@ def wan22_a14b():
 
 
 BUILDERS = {"chroma": chroma, "cogvideox": cogvideox, "ltx": ltx, "sd3": sd3, "lumina2": lumina2,
-            "z-image": z_image, "sana": sana, "wan2.2-ti2v": wan22_ti2v, "wan2.2-a14b": wan22_a14b}  # fmt: skip
+            "z-image": z_image, "sana": sana, "wan2.2-ti2v": wan22_ti2v, "wan2.2-a14b": wan22_a14b,
+            "qwen-image": qwen_image, "hunyuanvideo-1.5": hunyuan_video15}  # fmt: skip
 
 
 def write_square_media(folder: Path, count: int = 4, side: int = 32) -> None:

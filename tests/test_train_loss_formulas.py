@@ -1,13 +1,13 @@
 """hsdp's diffusion loss against diffusers' own training scripts, and each held-out family learning.
 
 * **Loss formula**: for every family with an official diffusers example training script
-  (``examples/dreambooth/train_dreambooth_lora_{flux,sd3,sdxl,sana,lumina2,z_image}.py``,
+  (``examples/dreambooth/train_dreambooth_lora_{flux,sd3,sdxl,sana,lumina2,z_image,qwen_image}.py``,
   ``examples/cogvideo/train_cogvideox_lora.py``; line numbers at diffusers 58eb52c), hsdp's loss on a fixed batch (the
   same pixels, noise, timesteps / sigmas and caption encodings) equals the script's formula re-expressed here (its
   latent normalization, noising, the denoiser call with its packing and timestep, the target and the loss
-  weighting) within 1e-6, on the same denoiser. Qwen-Image and HiDream have scripts too, but their text encoders
-  (Qwen2.5-VL; Llama 3 beside T5 and two CLIPs) need tokenizers from the hub, so hsdp's tests cannot build them
-  offline.
+  weighting) within 1e-6, on the same denoiser. HiDream has a script too, but its Llama 3 tokenizer (beside T5 and
+  two CLIPs) is not built offline yet (Qwen-Image's Qwen2.5-VL one is: :func:`tests.heldout_pipelines.
+  _qwen_tokenizer`).
 * **Each family learns**: with the noise and timestep held fixed, 30 AdamW steps of hsdp's trainer (LoRA on every
   linear layer of the denoiser) on one image and caption lower that sample's loss by at least half.
 
@@ -78,12 +78,12 @@ def trainers(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _micro_batch(trainer, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor) -> _MicroBatch:
-    """hsdp's micro-batch of the trainer's first rows: its objective noises ``latents`` at fractions ``u`` of the
-    timestep range."""
+def _micro_batch(trainer, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor, items=None) -> _MicroBatch:
+    """hsdp's micro-batch of the trainer's first rows (captions: their encodings, or ``items``): its objective
+    noises ``latents`` at fractions ``u`` of the timestep range."""
     noised = trainer.objective.at(latents, noise, u)
     bucket = trainer.data.dataset.buckets[0]
-    prompts = trainer.batch_prompts(trainer.data.prompts[: len(latents)])
+    prompts = trainer.batch_prompts(items or trainer.data.prompts[: len(latents)])
     batch = DenoiserBatch(noised.noisy, noised.timesteps, prompts, (bucket.height, bucket.width), bucket.frames)
     return _MicroBatch(batch, noised.target, noised.weights, trainer.component)
 
@@ -201,6 +201,34 @@ def z_image(trainer, pipe, model, x0, noise, prompts):
     return _weighted_mse(pred, target, _view(weighting, x0)), _hsdp_u(trainer, sigmas)
 
 
+def _qwen_image_latents(vae, pixels):
+    """train_dreambooth_lora_qwen_image.py L1221-1222, L1735-1737: the 3D VAE's latents [B, C, 1, H, W],
+    (latent - latents_mean) * (1 / latents_std); no scaling factor."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean, inv_std = torch.tensor(vae.config.latents_mean).view(shape), 1.0 / torch.tensor(vae.config.latents_std).view(shape)
+    return (vae.encode(pixels).latent_dist.mode() - mean) * inv_std
+
+
+def qwen_image(trainer, pipe, model, x0, noise, prompts):
+    from diffusers import QwenImagePipeline
+
+    rows, channels, _, height, width = x0.shape
+    timesteps, sigmas, weighting = _flow_draw(pipe, rows)  # L1746-1758
+    s = _view(sigmas, x0)
+    noisy = (1.0 - s) * x0 + s * noise  # L1759
+    img_shapes = [(1, height // 2, width // 2)] * rows  # L1764
+    packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), rows, channels, height, width)  # L1766-1773
+    # L1774-1781; the captions' mask as encode_prompt gives it (None where every token counts, as here: the
+    # script's concat_prompt_embedding_batches makes that all ones)
+    pred = model(hidden_states=packed, encoder_hidden_states=prompts["prompt.0.0"],
+                 encoder_hidden_states_mask=prompts.get("prompt.0.1"), timestep=timesteps / 1000,
+                 img_shapes=img_shapes, return_dict=False)[0]  # fmt: skip
+    scale = 2 ** len(pipe.vae.temperal_downsample)  # L1220
+    pred = QwenImagePipeline._unpack_latents(pred, height * scale, width * scale, scale)  # L1782-1784
+    target = noise - x0  # L1790
+    return _weighted_mse(pred, target, _view(weighting, x0)), _hsdp_u(trainer, sigmas)
+
+
 def _ddpm_u(timesteps: torch.Tensor) -> torch.Tensor:
     """The u at which hsdp's DDPM objective takes the integer ``timesteps`` (it floors u * 1000)."""
     return (timesteps.float() + 0.5) / 1000
@@ -257,6 +285,7 @@ SCRIPTS = {"tiny-flux": (_DREAMBOOTH.format("flux"), _normalized, flux),
            "sana": (_DREAMBOOTH.format("sana"), _sana_latents, sana),
            "lumina2": (_DREAMBOOTH.format("lumina2"), _normalized, lumina2),
            "z-image": (_DREAMBOOTH.format("z_image"), _normalized, z_image),
+           "qwen-image": (_DREAMBOOTH.format("qwen_image"), _qwen_image_latents, qwen_image),
            "cogvideox": ("examples/cogvideo/train_cogvideox_lora.py", _cogvideox_latents, cogvideox)}  # fmt: skip
 """hsdp family -> the diffusers script, its latents and its loss (built-ins tiny-flux and tiny-sdxl; the rest held
 out)."""
@@ -279,6 +308,28 @@ def test_loss_equals_training_script_formula(family, trainers):
         want, u = script_loss(trainer, pipe, trainer.model, latents, noise, prompts)
         got = trainer._micro_loss(_micro_batch(trainer, latents, noise, u))
     assert math.isfinite(want.item()) and want.item() > 0.1
+    assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
+
+
+def test_qwen_image_captions_of_different_lengths_masked_as_the_script_masks_them(trainers):
+    """Qwen-Image's ``encode_prompt`` returns a mask only for captions of different lengths (None when every token
+    counts), so no item's cached encoding has one: a batch of a shorter and a longer caption is zero-padded and
+    masked as the script's ``concat_prompt_embedding_batches`` (L1051-1075) pads and masks it, and hsdp's loss equals
+    the script's formula (unmasked, the padding would be attended: another loss)."""
+    trainer, pipe = trainers("qwen-image")
+    items = [dict(p) for p in trainer.data.prompts[:ROWS]]
+    items[0]["prompt.0.0"] = items[0]["prompt.0.0"][: len(items[0]["prompt.0.0"]) // 2]  # a caption half as long
+    embeds = [i["prompt.0.0"] for i in items]
+    length = max(len(e) for e in embeds)
+    padded = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, length - len(e))) for e in embeds])
+    mask = torch.stack([(torch.arange(length) < len(e)).long() for e in embeds])
+    latents = torch.stack(trainer.data.latents[:ROWS])
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, u = qwen_image(trainer, pipe, trainer.model, latents, noise, {"prompt.0.0": padded, "prompt.0.1": mask})
+        unmasked, _ = qwen_image(trainer, pipe, trainer.model, latents, noise, {"prompt.0.0": padded})
+        got = trainer._micro_loss(_micro_batch(trainer, latents, noise, u, items))
+    assert abs(unmasked.item() - want.item()) > 10 * 1e-6, (unmasked.item(), want.item())  # the check can fail
     assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
 
 

@@ -55,14 +55,17 @@ def _pipeline_without(model_dir: Path, **components):
 
 
 def meta_pipeline(model_dir: Path):
-    """The pipeline without denoisers or scheduler: VAE and text encoders built on meta from their configs (no
-    weights read), tokenizers as saved. What its sizes are read from before ranks start (loading the encoders
-    would hold a Wan 14B's UMT5 whole in the launching process), and what ``hsdp plan`` traces captions through."""
+    """The pipeline without scheduler: VAE and text encoders built on meta from their configs (no weights read),
+    tokenizers and other weightless components as saved, the denoisers on meta too (``__init__`` reads their
+    configs: HunyuanVideo 1.5 sizes its image embeddings by the transformer's). What its sizes are read from before
+    ranks start (loading the encoders would hold a Wan 14B's UMT5 whole in the launching process), and what ``hsdp
+    plan`` traces captions through."""
     import importlib
 
     import diffusers
 
     from hsdp.loading import build_empty_model, model_class_for
+    from hsdp.planning.profile import build_meta_model
 
     index = index_of(model_dir)
     cls = getattr(diffusers, index["_class_name"])
@@ -72,9 +75,12 @@ def meta_pipeline(model_dir: Path):
         folder = model_dir / name
         if (folder / "config.json").is_file():
             parts[name] = build_empty_model(model_class_for(folder), folder, None)
-        elif name.startswith("tokenizer"):
+        else:  # no weights to leave out: tokenizers, processors, a guider (HunyuanVideo 1.5) load as saved
             library, class_name = index[name][:2]
             parts[name] = getattr(importlib.import_module(library), class_name).from_pretrained(folder)
+    for name in DENOISERS:
+        if (model_dir / name / "config.json").is_file():
+            parts[name] = build_meta_model(model_dir / name, torch.float32)[0]
     return cls(**{k: v for k, v in parts.items() if k in init})
 
 

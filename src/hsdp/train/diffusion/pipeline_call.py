@@ -48,6 +48,7 @@ import torch.nn.functional as F
 __all__ = [
     "DenoiserBatch",
     "PromptLayout",
+    "PaddingMask",
     "DenoiserCalls",
     "call_arguments",
     "encode_captions",
@@ -101,7 +102,8 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
     if "use_resolution_binning" in params:  # the item's size as it is (SANA, PixArt would snap it to a bin)
         args["use_resolution_binning"] = False
     cfg = "true_cfg_scale" if "true_cfg_scale" in params else "guidance_scale"
-    args[cfg] = _no_guidance(type(pipe)) if cfg == "guidance_scale" else 1.0
+    if cfg in params:  # a pipeline guided by a guider component takes neither (:func:`_unguided`)
+        args[cfg] = _no_guidance(type(pipe)) if cfg == "guidance_scale" else 1.0
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
     return args
@@ -141,6 +143,22 @@ class _StandIn:
         return getattr(self._model, name)
 
 
+@contextmanager
+def _unguided(pipe) -> Iterator[None]:
+    """The pipeline's guider component (diffusers' ``BaseGuidance``, which HunyuanVideo 1.5 guides with instead of
+    a ``guidance_scale`` argument) disabled for the pass: one conditional call of the denoiser, its prediction as
+    it is."""
+    guider = getattr(pipe, "guider", None)
+    if not getattr(guider, "_enabled", False):
+        yield
+        return
+    guider.disable()
+    try:
+        yield
+    finally:
+        guider.enable()
+
+
 def _no_guidance(pipeline_class: type) -> float:
     """The ``guidance_scale`` that turns classifier-free guidance off, asked of the pipeline's own
     ``do_classifier_free_guidance`` (``scale > 1`` for most, ``scale > 0`` for Z-Image); 1 where it has none."""
@@ -178,10 +196,18 @@ def _stop(model, arguments):
 
 
 @dataclass(frozen=True)
+class PaddingMask:
+    """A position ``encode_prompt`` fills only for captions of different lengths (Qwen-Image's mask, None when every
+    token counts): the padding mask of its call's first ``"rows"`` tensor, made per batch (:func:`batch_prompts`)."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class PromptLayout:
     """How ``__call__``'s ``encode_prompt`` returns are laid out: per call, whether it returns a tuple and, per
-    position, ``"rows"`` (a tensor with a row per caption), ``"list"`` (an item per caption) or a value the same for
-    every caption (kept here: None, FLUX's text ids, an empty list)."""
+    position, ``"rows"`` (a tensor with a row per caption), ``"list"`` (an item per caption), a
+    :class:`PaddingMask` or a value the same for every caption (kept here: None, FLUX's text ids, an empty list)."""
 
     calls: tuple[tuple[bool, tuple[Any, ...]], ...]
 
@@ -192,16 +218,28 @@ class PromptLayout:
                 if kind in ("rows", "list"):
                     yield f"prompt.{c}.{p}", kind
 
+    def masks(self) -> Iterator[tuple[str, torch.dtype, str]]:
+        """``(name, dtype, padded)`` of every :class:`PaddingMask`: ``padded`` names the rows it masks."""
+        for c, (_, positions) in enumerate(self.calls):
+            for p, kind in enumerate(positions):
+                if isinstance(kind, PaddingMask):
+                    padded = next(q for q, other in enumerate(positions) if isinstance(other, str) and other == "rows")
+                    yield f"prompt.{c}.{p}", kind.dtype, f"prompt.{c}.{padded}"
+
     def returns(self, batch: dict[str, Any], device: torch.device) -> list:
         """The ``encode_prompt`` returns of a batch of captions (:func:`batch_prompts`), in call order."""
         out = []
         for c, (is_tuple, positions) in enumerate(self.calls):
             values = tuple(
-                batch[f"prompt.{c}.{p}"] if kind in ("rows", "list") else _to(kind, device)
+                batch.get(f"prompt.{c}.{p}") if _per_caption(kind) else _to(kind, device)
                 for p, kind in enumerate(positions)
             )
             out.append(values if is_tuple else values[0])
         return out
+
+
+def _per_caption(kind: Any) -> bool:
+    return isinstance(kind, PaddingMask) or (isinstance(kind, str) and kind in ("rows", "list"))
 
 
 def _kind(value: Any, captions: int) -> Any:
@@ -225,7 +263,7 @@ def _record_encodings(pipe, model_dir: Path, captions: list[str], size: tuple[in
     pipe.set_progress_bar_config(disable=True)
     pipe.encode_prompt = record
     try:
-        with _stand_ins(pipe, model_dir, _stop), torch.no_grad():
+        with _stand_ins(pipe, model_dir, _stop), _unguided(pipe), torch.no_grad():
             pipe(**call_arguments(pipe, captions, size, frames))
     except _Stop:
         pass
@@ -240,10 +278,23 @@ def _positions(returned) -> tuple:
     return returned if isinstance(returned, tuple) else (returned,)
 
 
+_UNEVEN = ["", "a caption of several words"]
+
+
 def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> PromptLayout:
-    """The layout of ``pipe``'s caption encodings, read from one call on two (empty) captions."""
-    recorded = _record_encodings(pipe, model_dir, ["", ""], size, frames)
-    return PromptLayout(tuple((isinstance(r, tuple), tuple(_kind(v, 2) for v in _positions(r))) for r in recorded))
+    """The layout of ``pipe``'s caption encodings, read from calls on two empty captions and on two of different
+    lengths: a position that is None for the first and rows for the second is a :class:`PaddingMask`."""
+    even = _record_encodings(pipe, model_dir, ["", ""], size, frames)
+    uneven = _record_encodings(pipe, model_dir, _UNEVEN, size, frames)
+    calls = []
+    for r, u in zip(even, uneven, strict=True):
+        kinds = []
+        for v, w in zip(_positions(r), _positions(u), strict=True):
+            kind = _kind(v, 2)
+            mask = v is None and isinstance(w, torch.Tensor) and _kind(w, 2) == "rows"
+            kinds.append(PaddingMask(w.dtype) if mask else kind)
+        calls.append((isinstance(r, tuple), tuple(kinds)))
+    return PromptLayout(tuple(calls))
 
 
 def encode_captions(
@@ -266,12 +317,18 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
 
 def batch_prompts(layout: PromptLayout, items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """One micro-batch's caption encodings: rows stacked (zero-padded to the longest, masks included), list items
-    listed."""
+    listed, and each :class:`PaddingMask` where the rows it masks were padded (absent where none was, as the
+    pipeline gives None then): what ``encode_prompt`` returns for the batch's captions together."""
     kinds = dict(layout.names())
-    return {
+    batch = {
         name: pad_stack([i[name] for i in items]) if kinds[name] == "rows" else [i[name] for i in items]
         for name in kinds
     }
+    for name, dtype, padded in layout.masks():
+        lengths = torch.tensor([i[padded].shape[0] for i in items])
+        if (lengths != lengths[0]).any():
+            batch[name] = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(dtype)
+    return batch
 
 
 def pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -451,7 +508,8 @@ class DenoiserCalls:
         scheduler.step, scheduler.set_timesteps = step, set_timesteps
         args = call_arguments(pipe, [""] * rows, batch.size, batch.frames)
         try:
-            with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), torch.no_grad():
+            with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), _unguided(pipe), \
+                    torch.no_grad():
                 pipe(**args)
         except _Stop as stop:
             return stop.args[0]
