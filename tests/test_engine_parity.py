@@ -30,7 +30,9 @@ LAYOUTS = {
     "hsdp2+ulysses2": ParallelConfig(use_hsdp=True, ulysses_degree=2),
     "hsdp2+cfg2": ParallelConfig(use_hsdp=True, cfg_parallel_size=2),
     "hsdp2x2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, hsdp_replicate_size=2),
-    "hsdp2+offload-layers1": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=1),
+    # --offload-layers with the sequence split and with the CFG branches split (plain HSDP 2: tests/test_loading.py)
+    "hsdp2+ulysses2+offload-layers1": ParallelConfig(use_hsdp=True, ulysses_degree=2, offload_layers=1),
+    "hsdp2+cfg2+offload-layers1": ParallelConfig(use_hsdp=True, cfg_parallel_size=2, offload_layers=1),
 }
 
 
