@@ -16,7 +16,7 @@ import torch
 from hsdp.models.tiny import build_byte_tokenizer
 from hsdp.models.tiny_flux import fill_zero_params
 
-__all__ = ["BUILDERS", "build", "write_square_media"]
+__all__ = ["BUILDERS", "FORMULA_ONLY", "build", "write_square_media"]
 
 
 def _t5(d_model: int = 32, seed: int = 0):
@@ -29,13 +29,13 @@ def _t5(d_model: int = 32, seed: int = 0):
     return T5EncoderModel(config).eval()
 
 
-def _clip(hidden: int = 32, seed: int = 0):
+def _clip(hidden: int = 32, seed: int = 0, **config):
     from transformers import CLIPTextModelWithProjection
 
     from hsdp.models.tiny_flux import tiny_clip_text_config
 
     torch.manual_seed(seed)
-    return CLIPTextModelWithProjection(tiny_clip_text_config(384, hidden)).eval()
+    return CLIPTextModelWithProjection(tiny_clip_text_config(384, hidden, **config)).eval()
 
 
 def _tokenizer(max_length: int | None = None, chat: bool = False):
@@ -69,6 +69,24 @@ def _qwen_tokenizer(corpus: str):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     return tokenizer
+
+
+def _llama3_tokenizer(corpus: str):
+    """A ``PreTrainedTokenizerFast`` as Llama 3's loads: a byte-level BPE (trained here on ``corpus``) that puts
+    ``<|begin_of_text|>`` before each text, ``<|end_of_text|>`` its end-of-sequence token (HiDream's pipeline pads
+    with it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[bos, eos],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    bpe.train_from_iterator([corpus], trainer)
+    bpe.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, bpe.token_to_id(bos))])  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos)
 
 
 def _vae_kl(latent_channels: int = 4, seed: int = 0, levels: int = 2, **extra):
@@ -220,6 +238,39 @@ def sana():
                         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))  # fmt: skip
 
 
+def hidream():
+    """HiDream-I1: a transformer that patchifies the latents itself, captioned by two CLIPs' pooled outputs, T5's
+    hidden states and every layer's hidden states of Llama 3 (``[layers, batch, tokens, width]``: batch second), its
+    prediction negated by the pipeline. The scheduler's shift is the one HiDream's training script loads it with
+    (3.0); the CLIPs have 128 positions, as the pipeline pads their captions to 128 tokens."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        HiDreamImagePipeline,
+        HiDreamImageTransformer2DModel,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    transformer = HiDreamImageTransformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                                 num_single_layers=1, attention_head_dim=8, num_attention_heads=4,
+                                                 caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
+                                                 num_activated_experts=2, axes_dims_rope=(4, 2, 2),
+                                                 max_resolution=(32, 32), llama_layers=(0, 1))  # fmt: skip
+    tokenizer = _llama3_tokenizer("a square number 0 1 2 3 of pixels")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tokenizer),
+                                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.eos_token_id))  # fmt: skip
+    return HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(4, shift_factor=0.1159, scaling_factor=0.3611),
+        text_encoder=_clip(32, 1, max_position_embeddings=128), tokenizer=_tokenizer(),
+        text_encoder_2=_clip(32, 2, max_position_embeddings=128), tokenizer_2=_tokenizer(), text_encoder_3=_t5(32, 3),
+        tokenizer_3=_tokenizer(), text_encoder_4=llama.eval(), tokenizer_4=tokenizer,
+        transformer=fill_zero_params(transformer),
+    )  # fmt: skip
+
+
 def _qwen25_vl_text(vocab_size: int, seed: int = 0) -> dict:
     """diffusers' test-suite sizes of the Qwen2.5-VL text model (Qwen-Image, HunyuanVideo 1.5)."""
     torch.manual_seed(seed)
@@ -334,6 +385,9 @@ def wan22_a14b():
 BUILDERS = {"chroma": chroma, "cogvideox": cogvideox, "ltx": ltx, "sd3": sd3, "lumina2": lumina2,
             "z-image": z_image, "sana": sana, "wan2.2-ti2v": wan22_ti2v, "wan2.2-a14b": wan22_a14b,
             "qwen-image": qwen_image, "hunyuanvideo-1.5": hunyuan_video15}  # fmt: skip
+FORMULA_ONLY = {"hidream": hidream}
+"""Held-out pipelines that only tests/test_train_loss_formulas.py's formula test builds (HiDream: four encoders, a
+mixture-of-experts transformer; training it at HSDP 2 and overfitting it as well would add to the suite's time)."""
 
 
 def write_square_media(folder: Path, count: int = 4, side: int = 32) -> None:
@@ -352,5 +406,5 @@ def build(name: str, root: Path) -> Path:
     """The folder of held-out pipeline ``name`` under ``root`` (written once)."""
     folder = Path(root) / name
     if not (folder / "model_index.json").is_file():
-        BUILDERS[name]().save_pretrained(folder)
+        (BUILDERS | FORMULA_ONLY)[name]().save_pretrained(folder)
     return folder

@@ -20,7 +20,7 @@ from hsdp.config import ParallelConfig
 from hsdp.train import TrainConfig, TrainConfigError
 from hsdp.train.diffusion.trainer import check_diffusion_run
 from tests.diffusion_train_fns import assert_trained_like, train_diffusion
-from tests.heldout_pipelines import BUILDERS, build, write_square_media
+from tests.heldout_pipelines import BUILDERS, FORMULA_ONLY, build, write_square_media
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -151,8 +151,8 @@ def families_table() -> str:
     for name in [*BUILDERS, *(n for n in SCRIPTS if n not in BUILDERS)]:
         cells = [
             name,
-            lora.get(name, builtin),
-            "yes" if name in FULL else "-" if name in BUILDERS else builtin,
+            lora.get(name, "-" if name in FORMULA_ONLY else builtin),
+            "yes" if name in FULL else "-" if name in BUILDERS or name in FORMULA_ONLY else builtin,
             f"`{SCRIPTS[name][0]}`" if name in SCRIPTS else "no official script",
             "yes" if name in OVERFIT else "-",
         ]

@@ -1,13 +1,12 @@
 """hsdp's diffusion loss against diffusers' own training scripts, and each held-out family learning.
 
 * **Loss formula**: for every family with an official diffusers example training script
-  (``examples/dreambooth/train_dreambooth_lora_{flux,sd3,sdxl,sana,lumina2,z_image,qwen_image}.py``,
+  (``examples/dreambooth/train_dreambooth_lora_{flux,sd3,sdxl,sana,lumina2,z_image,qwen_image,hidream}.py``,
   ``examples/cogvideo/train_cogvideox_lora.py``; line numbers at diffusers 58eb52c), hsdp's loss on a fixed batch (the
   same pixels, noise, timesteps / sigmas and caption encodings) equals the script's formula re-expressed here (its
   latent normalization, noising, the denoiser call with its packing and timestep, the target and the loss
-  weighting) within 1e-6, on the same denoiser. HiDream has a script too, but its Llama 3 tokenizer (beside T5 and
-  two CLIPs) is not built offline yet (Qwen-Image's Qwen2.5-VL one is: :func:`tests.heldout_pipelines.
-  _qwen_tokenizer`).
+  weighting) within 1e-6, on the same denoiser. HiDream's formula encodes the captions itself, as its script does
+  (its Llama 3 hidden states are laid out ``[layers, captions, ...]``), so hsdp's cached encodings are checked too.
 * **Each family learns**: with the noise and timestep held fixed, 30 AdamW steps of hsdp's trainer (LoRA on every
   linear layer of the denoiser) on one image and caption lower that sample's loss by at least half.
 
@@ -28,7 +27,7 @@ from hsdp.train import TrainConfig
 from hsdp.train.diffusion import DiffusionTrainer
 from hsdp.train.diffusion.pipeline_call import DenoiserBatch
 from hsdp.train.diffusion.trainer import _MicroBatch
-from tests.heldout_pipelines import BUILDERS, build, write_square_media
+from tests.heldout_pipelines import BUILDERS, FORMULA_ONLY, build, write_square_media
 
 pytestmark = pytest.mark.slow
 ROWS = 2
@@ -63,7 +62,7 @@ def trainers(tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            folder = build(name, root) if name in BUILDERS else resolve_model(name)
+            folder = build(name, root) if name in BUILDERS or name in FORMULA_ONLY else resolve_model(name)
             cfg = TrainConfig(model=str(folder), data=str(media), resolution=32, steps=OVERFIT_STEPS,
                               batch_size=ROWS, lr=1e-2, seed=3, lora_r=8, lora_alpha=8.0,
                               lora_target_modules=_linear_names(folder), progress=False)  # fmt: skip
@@ -101,15 +100,16 @@ def _weighted_mse(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Ten
     return torch.mean((weighting.float() * (pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1).mean()
 
 
-def _flow_draw(pipe, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flow_draw(pipe, rows: int, **config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """train_dreambooth_lora_flux.py L1764-1778 (sd3 L1784-1796, sana L1403-1415, lumina2 L1381-1394, z_image
     L1734-1746): u from compute_density_for_timestep_sampling ("none", the default weighting scheme), an index into
     the pipeline's FlowMatchEulerDiscreteScheduler timesteps, its sigma (get_sigmas, L1678), and the weighting
-    (L1817) of the same scheme: (timesteps, sigmas [B], weighting [B])."""
+    (L1817) of the same scheme: (timesteps, sigmas [B], weighting [B]). ``config``: what the script overrides in the
+    scheduler's config."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, **config)
     u = compute_density_for_timestep_sampling("none", rows, generator=torch.Generator().manual_seed(5))
     timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
     sigmas = scheduler.sigmas[[(scheduler.timesteps == t).nonzero().item() for t in timesteps]]
@@ -229,6 +229,22 @@ def qwen_image(trainer, pipe, model, x0, noise, prompts):
     return _weighted_mse(pred, target, _view(weighting, x0)), _hsdp_u(trainer, sigmas)
 
 
+def hidream(trainer, pipe, model, x0, noise, prompts):
+    """train_dreambooth_lora_hidream.py: the latents as the VAE gives them (the transformer patchifies them), the
+    captions encoded by the script itself (not hsdp's cache: T5's hidden states, Llama 3's per-layer ones laid out
+    ``[layers, B, tokens, width]``, the CLIPs' pooled outputs), the timestep unscaled, the prediction negated."""
+    captions = [trainer.data.dataset.items[i].caption for i in range(len(x0))]
+    t5, _, llama3, _, pooled, _ = pipe.encode_prompt(prompt=captions, max_sequence_length=128)  # L1346-1355
+    timesteps, sigmas, weighting = _flow_draw(pipe, len(x0), shift=3.0)  # L1080-1081, L1590-1602
+    s = _view(sigmas, x0)
+    noisy = (1.0 - s) * x0 + s * noise  # L1603
+    pred = model(hidden_states=noisy, encoder_hidden_states_t5=t5, encoder_hidden_states_llama3=llama3,
+                 pooled_embeds=pooled, timesteps=timesteps, return_dict=False)[0]  # L1605-1612
+    pred = -pred  # L1613
+    target = noise - x0  # L1618
+    return _weighted_mse(pred, target, _view(weighting, x0)), _hsdp_u(trainer, sigmas)  # L1616, L1633-1638
+
+
 def _ddpm_u(timesteps: torch.Tensor) -> torch.Tensor:
     """The u at which hsdp's DDPM objective takes the integer ``timesteps`` (it floors u * 1000)."""
     return (timesteps.float() + 0.5) / 1000
@@ -286,6 +302,7 @@ SCRIPTS = {"tiny-flux": (_DREAMBOOTH.format("flux"), _normalized, flux),
            "lumina2": (_DREAMBOOTH.format("lumina2"), _normalized, lumina2),
            "z-image": (_DREAMBOOTH.format("z_image"), _normalized, z_image),
            "qwen-image": (_DREAMBOOTH.format("qwen_image"), _qwen_image_latents, qwen_image),
+           "hidream": (_DREAMBOOTH.format("hidream"), _normalized, hidream),
            "cogvideox": ("examples/cogvideo/train_cogvideox_lora.py", _cogvideox_latents, cogvideox)}  # fmt: skip
 """hsdp family -> the diffusers script, its latents and its loss (built-ins tiny-flux and tiny-sdxl; the rest held
 out)."""

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,19 +103,24 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _build_empty(cls: type[nn.Module], folder: Path) -> nn.Module:
+def _build_empty(cls: type[nn.Module], folder: Path, config: Mapping[str, Any]) -> nn.Module:
     with _parameters_on_meta():
         if hasattr(cls, "from_config") and not hasattr(cls, "_from_config"):  # diffusers
-            return cls.from_config(cls.load_config(folder))
+            return cls.from_config({**cls.load_config(folder), **config})
+        if config:
+            raise ValueError(f"config overrides {sorted(config)} are for diffusers models, not {cls.__name__}")
         from transformers import AutoConfig
 
         return cls._from_config(AutoConfig.from_pretrained(folder))
 
 
-def build_empty_model(cls: type[nn.Module], folder: Path, dtype: torch.dtype | None) -> nn.Module:
-    """``cls`` as ``folder``'s config describes it, parameters on meta in ``dtype`` (None: as built), tied weights
-    still tied. The one build both loading and ``hsdp plan`` use, so the planner counts what loading makes."""
-    model = _build_empty(cls, folder)
+def build_empty_model(
+    cls: type[nn.Module], folder: Path, dtype: torch.dtype | None, config: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """``cls`` as ``folder``'s config describes it (``config``'s fields set over it, as ``from_pretrained``'s keyword
+    arguments set them), parameters on meta in ``dtype`` (None: as built), tied weights still tied. The one build
+    both loading and ``hsdp plan`` use, so the planner counts what loading makes."""
+    model = _build_empty(cls, folder, config or {})
     if dtype is not None:
         _cast(model, dtype)
     return model
@@ -404,6 +409,7 @@ def load_pretrained(
     prepare: Callable[[nn.Module], None] | None = None,
     weight_dtype: str | None = None,
     plan: ShardPlan | Callable[[nn.Module], ShardPlan] | None = None,
+    model_config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
@@ -414,7 +420,8 @@ def load_pretrained(
     checkpoint is validated and before sharding, e.g. to inject LoRA adapters; parameters it adds are left
     uninitialised for the caller to fill. ``plan`` overrides the shard plan
     :func:`~hsdp.shard_rules.resolve_plan` would pick: a plan, or a function of the empty model that returns one
-    (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
+    (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``model_config`` sets fields over a diffusers model's
+    ``config.json`` (:func:`build_empty_model`). ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
     each rank quantizing its rows as it reads them (:mod:`hsdp.quantize`; needs ``use_hsdp``). Needs the process
     group to be initialised when the layout has more than one rank.
     """
@@ -428,7 +435,7 @@ def load_pretrained(
             "--hsdp-shard-size 2 or more"
         )
     index = read_checkpoint_index(folder)
-    model = build_empty_model(cls, folder, _resolve_dtype(dtype, index))
+    model = build_empty_model(cls, folder, _resolve_dtype(dtype, index), model_config)
     keys = _key_plan(model, index)  # validate before any allocation
     moved = _run_prepare(model, prepare) if prepare is not None else {}
     if keys.converted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,9 @@ class Family:
     """``(ComfyUI tensors, diffusers-keyed tensors) -> problem or None``: diffusers' converter reads them back."""
     comfyui_refusal: str = ""
     """Why the family has no ComfyUI export (when ``comfyui_lora`` is None)."""
+    training_config: tuple[tuple[str, Any], ...] = ()
+    """``(field, value)`` set over the denoiser's config when it is loaded for training, as the family's diffusers
+    training script loads it (HiDream: ``force_inference_output``)."""
 
 
 GENERIC = Family("generic")

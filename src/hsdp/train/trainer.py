@@ -240,7 +240,12 @@ class Trainer:
             meshes=self.meshes,
             training=True,
             prepare=lora.injector(self.lora) if self.lora else None,
+            model_config=self._model_config(),
         )
+
+    def _model_config(self) -> dict:
+        """Fields set over the trained model's config when it is loaded (a diffusers family's: its training script's)."""
+        return {}
 
     def _load_model(self) -> nn.Module:
         """The trained model (``self.model``)."""

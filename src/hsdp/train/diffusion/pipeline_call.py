@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -107,6 +108,24 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
     return args
+
+
+@contextmanager
+def _default_size(pipe, size: tuple[int, int]) -> Iterator[None]:
+    """The pipeline's default size (``default_sample_size`` latents of ``vae_scale_factor`` pixels) made ``size``'s
+    area for the pass: pipelines use it for a missing height or width, except HiDream's, which rescales every
+    requested size to the default's area (1024 x 1024 for HiDream-I1), where its training script trains at the
+    dataset's resolution."""
+    saved, factor = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
+    if not isinstance(saved, int) or not factor:
+        yield
+        return
+    side = math.sqrt(size[0] * size[1]) / factor  # exact for square sizes
+    pipe.default_sample_size = int(side) if side.is_integer() else side
+    try:
+        yield
+    finally:
+        pipe.default_sample_size = saved
 
 
 def _meta_denoisers(pipe, model_dir: Path) -> dict:
@@ -196,6 +215,14 @@ def _stop(model, arguments):
 
 
 @dataclass(frozen=True)
+class Rows:
+    """A tensor with a row per caption along ``dim`` (0 for most; 1 for HiDream's Llama 3 hidden states, stacked
+    ``[layers, captions, tokens, width]``)."""
+
+    dim: int = 0
+
+
+@dataclass(frozen=True)
 class PaddingMask:
     """A position ``encode_prompt`` fills only for captions of different lengths (Qwen-Image's mask, None when every
     token counts): the padding mask of its call's first ``"rows"`` tensor, made per batch (:func:`batch_prompts`)."""
@@ -206,7 +233,7 @@ class PaddingMask:
 @dataclass(frozen=True)
 class PromptLayout:
     """How ``__call__``'s ``encode_prompt`` returns are laid out: per call, whether it returns a tuple and, per
-    position, ``"rows"`` (a tensor with a row per caption), ``"list"`` (an item per caption), a
+    position, :class:`Rows` (a tensor with a row per caption), ``"list"`` (an item per caption), a
     :class:`PaddingMask` or a value the same for every caption (kept here: None, FLUX's text ids, an empty list)."""
 
     calls: tuple[tuple[bool, tuple[Any, ...]], ...]
@@ -215,16 +242,17 @@ class PromptLayout:
         """``(name, kind)`` of every per-caption value: ``prompt.<call>.<position>``."""
         for c, (_, positions) in enumerate(self.calls):
             for p, kind in enumerate(positions):
-                if kind in ("rows", "list"):
+                if isinstance(kind, Rows) or kind == "list":
                     yield f"prompt.{c}.{p}", kind
 
-    def masks(self) -> Iterator[tuple[str, torch.dtype, str]]:
-        """``(name, dtype, padded)`` of every :class:`PaddingMask`: ``padded`` names the rows it masks."""
+    def masks(self) -> Iterator[tuple[str, torch.dtype, str, int]]:
+        """``(name, dtype, padded, dim)`` of every :class:`PaddingMask`: ``padded`` names the rows it masks, ``dim``
+        their tokens' dimension in an item."""
         for c, (_, positions) in enumerate(self.calls):
             for p, kind in enumerate(positions):
                 if isinstance(kind, PaddingMask):
-                    padded = next(q for q, other in enumerate(positions) if isinstance(other, str) and other == "rows")
-                    yield f"prompt.{c}.{p}", kind.dtype, f"prompt.{c}.{padded}"
+                    padded = next(q for q, other in enumerate(positions) if isinstance(other, Rows))
+                    yield f"prompt.{c}.{p}", kind.dtype, f"prompt.{c}.{padded}", positions[padded].dim
 
     def returns(self, batch: dict[str, Any], device: torch.device) -> list:
         """The ``encode_prompt`` returns of a batch of captions (:func:`batch_prompts`), in call order."""
@@ -239,15 +267,20 @@ class PromptLayout:
 
 
 def _per_caption(kind: Any) -> bool:
-    return isinstance(kind, PaddingMask) or (isinstance(kind, str) and kind in ("rows", "list"))
+    return isinstance(kind, (Rows, PaddingMask)) or (isinstance(kind, str) and kind == "list")
 
 
-def _kind(value: Any, captions: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == captions:
-        return "rows"
-    if isinstance(value, (list, tuple)) and len(value) == captions and all(isinstance(v, torch.Tensor) for v in value):
+def _kind(three: Any, two: Any) -> Any:
+    """The kind of a position returned for three captions as ``three`` and for two as ``two``: the caption
+    dimension is the one of size 3, then 2 (not the first one of the captions' count: Llama 3's layers lead)."""
+    if isinstance(three, torch.Tensor) and isinstance(two, torch.Tensor) and three.dim() == two.dim():
+        dim = next((d for d in range(three.dim()) if (three.shape[d], two.shape[d]) == (3, 2)), None)
+        if dim is not None:
+            return Rows(dim)
+    if all(isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v) for v in (three, two)) \
+            and (len(three), len(two)) == (3, 2):
         return "list"
-    return _to(value, torch.device("cpu"))
+    return _to(three, torch.device("cpu"))
 
 
 def _record_encodings(pipe, model_dir: Path, captions: list[str], size: tuple[int, int], frames: int) -> list:
@@ -263,7 +296,7 @@ def _record_encodings(pipe, model_dir: Path, captions: list[str], size: tuple[in
     pipe.set_progress_bar_config(disable=True)
     pipe.encode_prompt = record
     try:
-        with _stand_ins(pipe, model_dir, _stop), _unguided(pipe), torch.no_grad():
+        with _stand_ins(pipe, model_dir, _stop), _unguided(pipe), _default_size(pipe, size), torch.no_grad():
             pipe(**call_arguments(pipe, captions, size, frames))
     except _Stop:
         pass
@@ -282,16 +315,16 @@ _UNEVEN = ["", "a caption of several words"]
 
 
 def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> PromptLayout:
-    """The layout of ``pipe``'s caption encodings, read from calls on two empty captions and on two of different
+    """The layout of ``pipe``'s caption encodings, read from calls on three empty captions and on two of different
     lengths: a position that is None for the first and rows for the second is a :class:`PaddingMask`."""
-    even = _record_encodings(pipe, model_dir, ["", ""], size, frames)
+    even = _record_encodings(pipe, model_dir, ["", "", ""], size, frames)
     uneven = _record_encodings(pipe, model_dir, _UNEVEN, size, frames)
     calls = []
     for r, u in zip(even, uneven, strict=True):
         kinds = []
         for v, w in zip(_positions(r), _positions(u), strict=True):
-            kind = _kind(v, 2)
-            mask = v is None and isinstance(w, torch.Tensor) and _kind(w, 2) == "rows"
+            kind = _kind(v, w)
+            mask = v is None and isinstance(w, torch.Tensor) and w.dim() > 0 and w.shape[0] == 2
             kinds.append(PaddingMask(w.dtype) if mask else kind)
         calls.append((isinstance(r, tuple), tuple(kinds)))
     return PromptLayout(tuple(calls))
@@ -303,11 +336,13 @@ def encode_captions(
     """Each caption's encodings (``prompt.<call>.<position>`` -> its row, on the CPU, embeddings in fp32), from the pipeline's
     ``encode_prompt`` as its ``__call__`` calls it."""
     recorded = [_positions(r) for r in _record_encodings(pipe, model_dir, captions, size, frames)]
-    named = {}
-    for name, _ in layout.names():
+    items: list[dict[str, torch.Tensor]] = [{} for _ in captions]
+    for name, kind in layout.names():
         c, p = (int(i) for i in name.split(".")[1:])
-        named[name] = recorded[c][p]
-    return [{name: _fp32(value[row]).cpu() for name, value in named.items()} for row in range(len(captions))]
+        for row, item in enumerate(items):
+            value = recorded[c][p]
+            item[name] = _fp32(value.select(kind.dim, row) if isinstance(kind, Rows) else value[row]).cpu()
+    return items
 
 
 def _fp32(tensor: torch.Tensor) -> torch.Tensor:
@@ -321,22 +356,23 @@ def batch_prompts(layout: PromptLayout, items: list[dict[str, torch.Tensor]]) ->
     pipeline gives None then): what ``encode_prompt`` returns for the batch's captions together."""
     kinds = dict(layout.names())
     batch = {
-        name: pad_stack([i[name] for i in items]) if kinds[name] == "rows" else [i[name] for i in items]
-        for name in kinds
+        name: pad_stack([i[name] for i in items], kind.dim) if isinstance(kind, Rows) else [i[name] for i in items]
+        for name, kind in kinds.items()
     }
-    for name, dtype, padded in layout.masks():
-        lengths = torch.tensor([i[padded].shape[0] for i in items])
+    for name, dtype, padded, dim in layout.masks():
+        lengths = torch.tensor([i[padded].shape[dim] for i in items])
         if (lengths != lengths[0]).any():
             batch[name] = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(dtype)
     return batch
 
 
-def pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Stack, zero-padding the first dimension to the longest (most encoders give fixed lengths; Qwen's do not)."""
-    length = max(t.shape[0] if t.dim() else 0 for t in tensors)
+def pad_stack(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Stack along ``dim``, zero-padding each tensor's dimension ``dim`` (its tokens) to the longest (most encoders
+    give fixed lengths; Qwen's do not)."""
     if all(t.dim() == 0 for t in tensors):
         return torch.stack(tensors)
-    return torch.stack([F.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0])) for t in tensors])
+    length = max(t.shape[dim] for t in tensors)
+    return torch.stack([F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, length - t.shape[dim])) for t in tensors], dim)
 
 
 def _to(value, device: torch.device):
@@ -509,7 +545,7 @@ class DenoiserCalls:
         args = call_arguments(pipe, [""] * rows, batch.size, batch.frames)
         try:
             with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), _unguided(pipe), \
-                    torch.no_grad():
+                    _default_size(pipe, batch.size), torch.no_grad():
                 pipe(**args)
         except _Stop as stop:
             return stop.args[0]

@@ -44,6 +44,7 @@ from hsdp.checkpoint import export_pipeline
 from hsdp.config import DTYPES
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead
+from hsdp.families import family_for
 from hsdp.lora_formats import save_lora
 from hsdp.train.config import (
     Preflight,
@@ -312,6 +313,9 @@ class DiffusionTrainer(Trainer):
         checks = diffusion_preflight(self.cfg, model_dir)
         self.pipeline_class = getattr(diffusers, index_of(model_dir)["_class_name"])
         return checks
+
+    def _model_config(self) -> dict:
+        return dict(family_for(self.pipeline_class.__name__).training_config)
 
     def _weights_dir(self) -> Path:
         return self.model_dir / self.component
