@@ -350,6 +350,21 @@ def test_qwen_image_captions_of_different_lengths_masked_as_the_script_masks_the
     assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
 
 
+def test_denoiser_output_in_another_layout_in_training_refused(trainers):
+    """HiDream's transformer built without ``force_inference_output`` (which its family file sets, as its script
+    does) returns its training-mode prediction patchified, ``[B, C, tokens, patch²]``: the same number of elements
+    as the latents, so only the shapes tell. The trainer refuses it rather than train on scrambled elements."""
+    trainer, _ = trainers("hidream")
+    latents = torch.stack(trainer.data.latents[:ROWS])
+    batch = _micro_batch(trainer, latents, torch.zeros_like(latents), torch.tensor([0.5] * ROWS))
+    trainer.model.register_to_config(force_inference_output=False)
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=r"returns tensors of shapes \[\(2, 4, 64, 4\)\]"):
+            trainer._micro_loss(batch)
+    finally:
+        trainer.model.register_to_config(force_inference_output=True)
+
+
 @pytest.mark.parametrize("family", OVERFIT)
 def test_family_overfits_one_sample(family, trainers):
     """30 steps with the noise and timestep held fixed (u = 0.5 of the trained range) halve the sample's loss."""

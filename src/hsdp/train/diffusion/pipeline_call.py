@@ -472,6 +472,8 @@ class _Layout:
     output_index: torch.Tensor
     """VAE-layout flat index -> flat index into the denoiser's output (its tensors flattened in order)."""
     output_sign: torch.Tensor
+    output_shapes: list[tuple[int, ...]]
+    """The shapes of the output's tensors that the pipeline's call path reads."""
 
 
 class DenoiserCalls:
@@ -509,6 +511,13 @@ class DenoiserCalls:
         kwargs = replace_leaves(recorded, new)
 
         def to_latents(output) -> torch.Tensor:
+            shapes = [tuple(t.shape) for _, t in tensor_leaves(output)]
+            if shapes != found.output_shapes:  # the same elements in another layout would be a silently wrong loss
+                raise ValueError(
+                    f"{type(self.pipe).__name__}'s denoiser returns tensors of shapes {shapes} in training, "
+                    f"where the pipeline's call reads {found.output_shapes}: a training-mode layout that hsdp cannot "
+                    "map to the latents (a family file's training_config loads the denoiser as its training script does)"
+                )
             out = torch.cat([t.reshape(-1) for _, t in tensor_leaves(output)])
             return (out[found.output_index] * found.output_sign.to(out.dtype)).view(batch.noisy.shape)
 
@@ -565,7 +574,7 @@ class DenoiserCalls:
                 v0, v1 = leaf.double(), later[path].double()
                 a = (v1 - v0) / (_T1 - _T0)
                 time_leaves[path] = (a[0] if a.dim() else a, (v0 - a * _T0)[0] if a.dim() else v0 - a * _T0)
-        latent_leaves, shapes = {}, {}
+        latent_leaves, shapes, returned = {}, {}, []
 
         def output(arguments):
             probed = dict(tensor_leaves(arguments))
@@ -591,8 +600,8 @@ class DenoiserCalls:
                 made[path] = made[path].to(self.device)
                 count += numel
             top = tops.pop()
-            value = arguments[top]
-            return replace_leaves(value, {path[1:]: t for path, t in made.items()})
+            returned.append(replace_leaves(arguments[top], {path[1:]: t for path, t in made.items()}))
+            return returned[-1]
 
         model_output, sample = self._record(batch, probe, _T0, output=output)
         out_index, sign = _probe_indices(model_output.reshape(-1).float())
@@ -603,7 +612,8 @@ class DenoiserCalls:
         output_sign = torch.empty_like(sign)
         output_index[vae_index] = out_index
         output_sign[vae_index] = sign
-        return _Layout(latent_leaves, time_leaves, output_index, output_sign)
+        output_shapes = [tuple(t.shape) for _, t in tensor_leaves(returned[-1])]
+        return _Layout(latent_leaves, time_leaves, output_index, output_sign, output_shapes)
 
 
 def _bounding_shape(mask: torch.Tensor) -> tuple[int, ...]:
