@@ -11,7 +11,8 @@ pipeline itself rather than written again per family:
   and every ``encode_prompt`` return on the way is kept (so ``encode_prompt`` is called as ``__call__`` calls it,
   with any number of encoders and masks). What varies per caption (tensors with a row per prompt, or lists with an
   item per prompt) is stored per item; the rest (FLUX's text ids) is the same for every caption
-  (:class:`PromptLayout`, read from a two-caption call).
+  (:class:`PromptLayout`, read from calls on three captions and on two: the captions' dimension is the one of size 3,
+  then 2).
 * **The denoiser's call** (:class:`DenoiserCalls`): per micro-batch, ``__call__`` runs again, the encoders replaced
   by the batch's stored encodings and the denoisers by a stand-in that records the arguments it is called with;
   the pipeline's ``randn_tensor`` draws the initial latents (zeros here) and its scheduler gives a forced timestep.
