@@ -22,13 +22,12 @@ gives the median per-round ratio, slowest rank per round. The outputs are compar
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _report import write_report
 
 MIB = 2**20
 VARIANTS = {"all resident": None, "offload-layers 1": 1}
@@ -155,17 +154,8 @@ def main() -> None:
         ranks = group.run(run_rank, args.width, args.blocks, args.side, args.repeats, timeout_s=3600)
     rows = summarize(ranks, args.width, args.blocks, args.side)
     print(table(rows), flush=True)
-    report = {
-        "command": "python benchmarks/offload_layers.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-        "device": "CPU only: the 'device' is the host too; bytes are the accounted device-side parameter bytes",
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "seconds": time.perf_counter() - started,
-        "rows": rows,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output} ({report['seconds']:.0f}s)")
+    device = "CPU only: the 'device' is the host too; bytes are the accounted device-side parameter bytes"
+    write_report("offload_layers.py", args, started, rows, args.output, device=device)
 
 
 if __name__ == "__main__":

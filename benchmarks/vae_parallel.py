@@ -22,14 +22,13 @@ on it at all.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 import weakref
 from pathlib import Path
 
 import torch
+from _report import write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -245,17 +244,7 @@ def main() -> None:
         for case in args.cases:
             rows += summarize(case, group.run(run_rank, case, args.repeats, timeout_s=3600))
             print(table(rows), flush=True)
-    report = {
-        "command": "python benchmarks/vae_parallel.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-        "cases": CASES,
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "seconds": time.perf_counter() - started,
-        "rows": rows,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output} ({report['seconds']:.0f}s)")
+    write_report("vae_parallel.py", args, started, rows, args.output, cases=CASES)
 
 
 if __name__ == "__main__":
