@@ -28,6 +28,7 @@ import importlib.util
 import io
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,8 @@ def _load_benchmark(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_doc_benchmark_{path.stem}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with mock.patch.object(sys, "path", [str(path.parent), *sys.path]):  # as `python benchmarks/x.py` runs it
+        spec.loader.exec_module(module)
     return module
 
 

@@ -58,3 +58,31 @@ def test_log_lines_follow_the_current_stderr(monkeypatch):
     monkeypatch.setattr("sys.stderr", second)
     logging.getLogger("hsdp").info("two")
     assert second.getvalue().endswith("] two\n")
+
+
+def test_ctrl_c_during_a_checkpoint_takes_effect_once_it_is_complete(tmp_path, monkeypatch):
+    """A SIGINT that lands inside DCP's file writes used to surface as a RuntimeError from torch.save's writer
+    ("unexpected pos"): the checkpoint was lost and the run ended as a crash (exit 1), not an interruption (130)."""
+    import os
+    import signal
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hsdp.checkpoint import COMPLETE, Checkpointer, latest_checkpoint
+
+    real_save = dcp.save
+
+    def save_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode: inside the write below
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save_interrupted)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with pytest.raises(KeyboardInterrupt):
+        Checkpointer(tmp_path).save(1, model, optimizer, {})
+    assert (latest_checkpoint(tmp_path) / COMPLETE).read_text() == "1\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -25,7 +25,10 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +120,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         )
 
 
+@contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Hold SIGINT until the block ends, then raise it. A KeyboardInterrupt raised inside DCP's file writes
+    surfaces as a RuntimeError from torch.save's C++ writer ("unexpected pos"): the checkpoint would be lost and
+    the run would end as a crash, not as an interruption. Only the main thread can install handlers; elsewhere the
+    block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 class Checkpointer:
     """Saves and loads model + optimizer + trainer state under one output folder (see the module docstring)."""
 
@@ -157,7 +179,14 @@ class Checkpointer:
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        """Checkpoint after optimizer step ``step``; collective (every rank calls it)."""
+        """Checkpoint after optimizer step ``step``; collective (every rank calls it). A Ctrl-C meanwhile takes
+        effect once the checkpoint is complete."""
+        with _interrupt_after():
+            self._save(step, model, optimizer, state)
+
+    def _save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
         self.wait()
         tmp = self.root / f".tmp-step-{step:08d}"
         if rank() == 0:
