@@ -52,8 +52,12 @@ def split_and_alone(kind: str, size: int, frames: int = 1) -> dict:
         latents = alone.encode(x).latent_dist.mean
         split_latents = split.encode(x).latent_dist.mean
         decoded, split_decoded = alone.decode(latents).sample, split.decode(latents).sample
+        first_split = split.tiled_decode.last_split
+        again = split.decode(latents).sample  # sizes other ranks' tiles from the first decode's meta runs
         untiled_decoded = untiled.decode(latents).sample
     return {
+        "first_decode_split": first_split,
+        "again_diff": (again - split_decoded).abs().max().item(),
         "replaced": replaced,
         "encode_diff": (split_latents - latents).abs().max().item(),
         "decode_diff": (split_decoded - decoded).abs().max().item(),

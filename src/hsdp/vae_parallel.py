@@ -109,7 +109,10 @@ class _Call:
 class _TileWork:
     """One tiled call: which rank computes each call of the child, and the samples once gathered."""
 
-    def __init__(self, child: nn.Module, rank: int, world: int):
+    def __init__(self, child: nn.Module, rank: int, world: int, sized_calls: dict[object, tuple]):
+        """``sized_calls``: key (:meth:`_key`) -> the call's output and list contents on meta, kept by the split
+        method across its calls: a server decoding at one resolution sizes other ranks' tiles once, not per
+        request."""
         self.child, self.rank, self.world = child, rank, world
         self.forward = child.forward
         self.tile = -1
@@ -117,7 +120,7 @@ class _TileWork:
         self.mine: dict[int, torch.Tensor] = {}
         """Call index -> the sample this rank computed."""
         self._meta_state: dict[str, torch.Tensor] | None = None
-        self._sized_calls: dict[object, tuple] = {}
+        self._sized_calls = sized_calls
         self._sizing = False
         self.clears = False
         """The VAE has a cache-clearing method (``_CLEARS``): its calls, not the arguments, mark the tiles."""
@@ -156,20 +159,27 @@ class _TileWork:
         """The call computed, its output's and caches' shapes kept for :meth:`_sized`: a later tile of the same
         shape that another rank computes is then sized without running (rank 0 computes the first tile of each
         shape in a row of equal tiles, so it sizes the others' without a meta run)."""
-        key = (self.tile_call, _signature((args, kwargs)))
+        key = self._key(args, kwargs)
         out = self.forward(*args, **kwargs)
         if key not in self._sized_calls:
             self._sized_calls[key] = (tree_map(_to_meta, out), [list(map(_to_meta, v)) for v in _lists(args, kwargs)])
         return out
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """What the shapes of a call's output and of the cache it leaves depend on. A call handed its cache is
+        known by the cache's shapes, so Wan's calls after the first two of a tile share one key (a meta run per
+        tile shape, not per frame). A call handed none may still find a cache its layers hold themselves (Magvit):
+        its place in the tile stands for that state."""
+        place = None if _continues_tile(args, kwargs) else self.tile_call
+        return place, _signature((args, kwargs))
 
     def _sized(self, args: tuple, kwargs: dict):
         """The call run on the meta device, once per signature (the shapes and values it is given, the caches
         included): running a decoder on meta costs its Python overhead, a large share of a small tile's work. A
         repeat (or a call of the same signature this rank computed) gets the first run's output, and its list
         arguments (Wan's ``feat_cache``) the contents that run left in them, so the next call sees the cache handed
-        on as it would. The call's place in its tile is part
-        of the signature: a cache the layers hold themselves (Magvit) is in the state those calls left."""
-        key = (self.tile_call, _signature((args, kwargs)))
+        on as it would (the key: :meth:`_key`)."""
+        key = self._key(args, kwargs)
         if key not in self._sized_calls:
             if self._meta_state is None:
                 named = (*self.child.named_parameters(), *self.child.named_buffers())
@@ -307,11 +317,20 @@ def _stop_at_blend(vae: nn.Module) -> Iterator[None]:
             delattr(vae, name)
 
 
+_SIZED_CALLS_KEPT = 4096
+"""A bound on the sizes a split method keeps (a few per tile shape and call place), in case some argument made
+every call's key new."""
+
+
 def _split_over_ranks(vae: nn.Module, tiled: Callable, child_name: str, group: dist.ProcessGroup | None) -> Callable:
+    sized_calls: dict[object, tuple] = {}
+
     @functools.wraps(tiled)
     def call(*args, **kwargs):
         child = getattr(vae, child_name)
-        work = _TileWork(child, dist.get_rank(group), dist.get_world_size(group))
+        if len(sized_calls) > _SIZED_CALLS_KEPT:
+            sized_calls.clear()
+        work = _TileWork(child, dist.get_rank(group), dist.get_world_size(group), sized_calls)
         with _child_forward(child, work.compute), _watch_clears(vae, work), _stop_at_blend(vae), contextlib.suppress(
             _TilesDone
         ):
