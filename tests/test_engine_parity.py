@@ -146,6 +146,39 @@ def test_video_layout_equals_single_process(layout, model_cache, dist_run):
             }
 
 
+
+OFFLOADED_WITH = {
+    "lora": {},  # the adapter folder is made by the test
+    "first-block-cache": dict(cache="first-block", cache_config={"threshold": 0.2}),
+    "int8": dict(weight_dtype="int8"),
+}
+
+
+@pytest.mark.parametrize("feature", list(OFFLOADED_WITH))
+def test_offload_layers_composes_with(feature, model_cache, dist_run, tmp_path):
+    """--offload-layers changes where shards live, nothing else: with an adapter (its lora_A / lora_B sharded beside
+    offloaded blocks), a step cache (which reads the first block's output) or int8 shards, the video equals the same
+    engine's without it, which the feature's own tests hold to one process."""
+    path = builtin("tiny-wan", model_cache)
+    options = dict(OFFLOADED_WITH[feature])
+    if feature == "lora":
+        from diffusers import WanTransformer3DModel
+
+        from tests.lora_refs import save_adapter
+
+        options["lora"] = str(save_adapter(WanTransformer3DModel.from_pretrained(path / "transformer"), tmp_path / "x"))
+    frames = {}
+    for offload in (None, 1):
+        config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, offload_layers=offload)
+        with Engine(path, config, workers=dist_run.group(2), **options) as engine:
+            [out] = engine.generate(PROMPTS[0], PARAMS)
+            frames[offload] = out.frames
+            if offload:
+                assert engine.load_report[0]["offloaded"]["WanTransformer3DModel"] == ["blocks.1", "blocks.2"]
+    np.testing.assert_array_equal(frames[1], frames[None])
+    if feature == "lora":  # the adapter reached the output
+        assert not np.array_equal(frames[1], reference_video(path, PROMPTS[0], 11, PARAMS, engine.info.defaults))
+
 # -- CFG parallel: the wrapper's risks (issue 21 item 9) ---------------------------------------------------------
 class _Denoiser(torch.nn.Module):
     """A stand-in denoiser whose output depends on every argument it is given."""
