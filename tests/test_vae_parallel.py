@@ -96,6 +96,8 @@ CASES = {
     # a held-out family: CogVideoX's VAE (conv_cache handed from one frame batch to the next), 3 x 3 tiles
     "cogvideox-hsdp2": ("cogvideox", HSDP2, {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2}),
 }  # fmt: skip
+BATCHED = {"image-hsdp2": ["A cat", "A red fox in the snow"]}
+"""Cases that decode two requests' latents in one batch (the tiles carry both samples)."""
 FOLDERS = {"cogvideox": small_tile_cogvideox}
 """Cases whose model is a folder built here rather than a built-in tiny model."""
 
@@ -106,16 +108,18 @@ def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_f
     model, config, call = CASES[case]
     path = FOLDERS[model](tmp_path_factory.mktemp(model)) if model in FOLDERS else resolve_model(model)
     group = dist_run.group(2)
+    prompts = BATCHED.get(case, ["A cat"])
     with Engine(path, config, workers=group) as engine:  # on by default at world 2
         assert engine.vae_parallel
-        [out] = engine.generate("A cat", SamplingParams(seed=3, **call))
+        outputs = engine.generate(prompts, SamplingParams(seed=3, **call))
         splits = group.run(vae_split)
     assert [s.computed for s in splits] == [(splits[0].tiles + 1) // 2, splits[0].tiles // 2] and splits[0].tiles >= 4
     defaults = {k: v for k, v in engine.info.defaults.items() if k in engine.info.call_params}
-    expected = reference_pipeline(path, "A cat", 3, vae_tiling=True, **{**defaults, **call})
-    got = out.frames if engine.info.output == "video" else out.images
-    assert got.shape == expected.shape and expected.std() > 0
-    np.testing.assert_allclose(got, expected, atol=ULYSSES if config.ulysses_degree > 1 else TILED, rtol=0)
+    for out in outputs:
+        expected = reference_pipeline(path, out.prompt, out.seed, vae_tiling=True, **{**defaults, **call})
+        got = out.frames if engine.info.output == "video" else out.images
+        assert got.shape == expected.shape and expected.std() > 0
+        np.testing.assert_allclose(got, expected, atol=ULYSSES if config.ulysses_degree > 1 else TILED, rtol=0)
 
 
 @pytest.mark.unit
