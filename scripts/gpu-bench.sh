@@ -39,7 +39,10 @@ ROWS=(
   "train-diffusion-lora|90|$PY benchmarks/train_diffusion.py --world $world --blocks 4 --only lora --output $OUT/gpu-train_diffusion-lora.json"
   "train-diffusion-full|60|$PY benchmarks/train_diffusion.py --world $world --blocks 4 --only full --output $OUT/gpu-train_diffusion-full.json"
   "train-lm|60|$PY benchmarks/train.py --world $world --output $OUT/gpu-train.json"
+  "offload-layers|90|$PY benchmarks/offload_layers.py --world $world --width 1536 --blocks 16 --side 64 --repeats 5 --output $OUT/gpu-offload_layers.json"
 )
+# The VAE split needs a device per rank: Wan 2.1's VAE (random weights) decoding 33 x 512 x 512, 2 ranks vs one
+[ "$world" = 2 ] && ROWS+=("vae-parallel|120|$PY benchmarks/vae_parallel.py --cases wan-vae image --repeats 3 --output $OUT/gpu-vae_parallel.json")
 
 summary=()
 for row in "${ROWS[@]}"; do
