@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,28 +79,37 @@ def test_media_folder_with_the_default_lm_says_pass_model(inputs, media):
     assert "this is a media folder; pass --model" in " ".join(out.stderr.split())
 
 
-def test_interrupted_run_names_its_checkpoint_and_keeps_its_steps(inputs):
+@pytest.mark.parametrize("world", [1, 2], ids=["one-process", "hsdp2-process-group"])
+def test_interrupted_run_names_its_checkpoint_and_keeps_its_steps(inputs, world):
     """Ctrl-C during training (issue 26 item 5): exit 130, the last complete checkpoint named, and --summary-json
-    holding the steps made so far (rank 0 rewrites it after every step)."""
+    holding the steps made so far (rank 0 rewrites it after every step). At world 2 the signal goes to the whole
+    process group, as a terminal sends it: the ranks get it too, mid-step or mid-save (a save in progress completes
+    first), and the run still ends as an interruption, not as a rank's failure."""
     import signal
     import time
 
-    root = inputs["root"] / "interrupted"
+    root = inputs["root"] / f"interrupted-{world}"
     summary = root / "summary.json"
     args = ["--model", str(inputs["model"]), "--data", str(inputs["data"]), "--steps", "100000", "--batch-size", "2",
             "--seq-len", "32", "--save-every", "2", "--output-dir", str(root / "run"), "--summary-json", str(summary)]  # fmt: skip
+    if world > 1:
+        args += ["--use-hsdp", "--hsdp-shard-size", str(world)]
     env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
     proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         while not (root / "run" / "step-00000002" / "COMPLETE").exists() and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        if world > 1:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert "hsdp train: interrupted" in err and "Traceback" not in err
     last = latest_checkpoint(root / "run")

@@ -86,3 +86,21 @@ def test_ctrl_c_during_a_checkpoint_takes_effect_once_it_is_complete(tmp_path, m
         Checkpointer(tmp_path).save(1, model, optimizer, {})
     assert (latest_checkpoint(tmp_path) / COMPLETE).read_text() == "1\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_checkpoint_leaves_an_ignored_ctrl_c_ignored(tmp_path):
+    """A process started with SIGINT ignored (a background job of a shell) keeps ignoring it through a save."""
+    import signal
+
+    import torch
+
+    from hsdp.checkpoint import Checkpointer, latest_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        Checkpointer(tmp_path).save(1, model, torch.optim.AdamW(model.parameters()), {})
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert latest_checkpoint(tmp_path) is not None

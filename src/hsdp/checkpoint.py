@@ -125,8 +125,11 @@ def _interrupt_after() -> Iterator[None]:
     """Hold SIGINT until the block ends, then raise it. A KeyboardInterrupt raised inside DCP's file writes
     surfaces as a RuntimeError from torch.save's C++ writer ("unexpected pos"): the checkpoint would be lost and
     the run would end as a crash, not as an interruption. Only the main thread can install handlers; elsewhere the
-    block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
+    block runs as it is, and so where SIGINT is ignored or handled by another handler than Python's default (a
+    rank of a group the caller interrupts, a server)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     received: list[int] = []
