@@ -172,9 +172,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> NoReturn:
     """The ``hsdp`` command (and ``python -m hsdp.cli``): :func:`main`, then exit without the final collections."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before a subcommand runs (while the libraries import): no traceback
+        print("hsdp: interrupted", file=sys.stderr)
+        sys.exit(130)
     from hsdp.distributed import skip_collection_at_exit
 
-    code = main()
     skip_collection_at_exit()
     sys.exit(code)
 
