@@ -60,16 +60,16 @@ def trainers(tmp_path_factory):
     write_square_media(media, count=ROWS)
     made: dict = {}
 
-    def get(name: str):
-        if name not in made:
+    def get(name: str, data: Path = media, resolution: int = 32):
+        if (name, data) not in made:
             folder = build(name, root) if name in BUILDERS or name in FORMULA_ONLY else resolve_model(name)
-            cfg = TrainConfig(model=str(folder), data=str(media), resolution=32, steps=OVERFIT_STEPS,
+            cfg = TrainConfig(model=str(folder), data=str(data), resolution=resolution, steps=OVERFIT_STEPS,
                               batch_size=ROWS, lr=1e-2, seed=3, lora_r=8, lora_alpha=8.0,
                               lora_target_modules=_linear_names(folder), progress=False)  # fmt: skip
             trainer = DiffusionTrainer(cfg)
             pipe = diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-            made[name] = trainer, pipe
-        return made[name]
+            made[name, data] = trainer, pipe
+        return made[name, data]
 
     yield get
     for trainer, _ in made.values():
@@ -311,9 +311,28 @@ OVERFIT = [*BUILDERS, "tiny-flux"]
 x0.53 in 30 steps)."""
 
 
-@pytest.mark.parametrize("family", list(SCRIPTS))
-def test_loss_equals_training_script_formula(family, trainers):
-    trainer, pipe = trainers(family)
+@pytest.fixture(scope="module")
+def wide_media(tmp_path_factory) -> Path:
+    """Two captioned 48 x 32 images: a non-square bucket at their own size (no smaller than ``--resolution``'s area)."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("wide")
+    rng = np.random.default_rng(2)
+    for i in range(ROWS):
+        Image.fromarray(rng.integers(0, 255, (32, 48, 3), dtype=np.uint8)).save(folder / f"wide{i}.png")
+        (folder / f"wide{i}.txt").write_text(f"a wide picture {i}")
+    return folder
+
+
+@pytest.mark.parametrize("family", [*SCRIPTS, "hidream-wide"])
+def test_loss_equals_training_script_formula(family, trainers, wide_media):
+    """``hidream-wide``: a 48 x 32 bucket, which HiDream's pipeline rescales to its default area and patchifies
+    itself (a non-square size): recorded at the bucket's own size, as the script trains at the data's size."""
+    trainer, pipe = trainers("hidream", wide_media, 256) if family == "hidream-wide" else trainers(family)
+    bucket = trainer.data.dataset.buckets[0]
+    assert (bucket.height, bucket.width) == ((32, 48) if family == "hidream-wide" else (32, 32))
+    family = family.removesuffix("-wide")
     pixels = torch.stack([trainer.data.dataset.pixels(i) for i in range(ROWS)])
     latents = torch.stack(trainer.data.latents[:ROWS])
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
@@ -379,3 +398,4 @@ def test_family_overfits_one_sample(family, trainers):
     with torch.no_grad():
         last = trainer._micro_loss(fixed).item()
     assert last <= 0.5 * first, (first, last)
+

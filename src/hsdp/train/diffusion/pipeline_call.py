@@ -122,7 +122,9 @@ def _default_size(pipe, size: tuple[int, int]) -> Iterator[None]:
         yield
         return
     side = math.sqrt(size[0] * size[1]) / factor  # exact for square sizes
-    pipe.default_sample_size = int(side) if side.is_integer() else side
+    # Otherwise a hair above the area's square root: HiDream floors each side times sqrt(default area / area) to
+    # its division, so a root rounded down (32 x 48: scale 0.99999...) would floor a whole division off each side.
+    pipe.default_sample_size = int(side) if side.is_integer() else side * (1 + 1e-9)
     try:
         yield
     finally:
