@@ -23,8 +23,8 @@ def write_media(folder) -> None:
 
 
 def train_diffusion(configs: list[TrainConfig], grad_share: bool = False) -> list[dict]:
-    """Train each config; return the losses, the trained parameters (whole, rank 0's copy), when it started and how
-    many times it loaded the frozen encoders (``encoder_loads``); with ``grad_share`` (one process) also what
+    """Train each config; return the losses, the trained parameters (whole, rank 0's copy), when it started, how
+    many times it loaded the frozen encoders (``encoder_loads``) and the eval losses; with ``grad_share`` (one process) also what
     :func:`assert_trained_like` needs of a reference: ``grad_share``, ``lr``, ``steps``."""
     from unittest import mock
 
@@ -46,7 +46,7 @@ def train_diffusion(configs: list[TrainConfig], grad_share: bool = False) -> lis
             trained_share = held / sum(p.numel() for p in trained)
         out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started,
                     "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes, "trained_share": trained_share,
-                    "encoder_loads": frozen_pipeline.call_count})
+                    "encoder_loads": frozen_pipeline.call_count, "eval": [s.eval_loss for s in result.steps]})
         if shares is not None:
             out[-1] |= {"grad_share": shares, "lr": cfg.lr, "steps": cfg.steps}
     return out

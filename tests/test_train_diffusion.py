@@ -180,12 +180,15 @@ def test_large_frozen_encoders_shard_as_inference_does(dist_run, media):
 
 
 def test_full_latent_cache_loads_no_encoder_one_process(media, tmp_path):
-    """One process, --caption-dropout (the empty caption's encodings are kept beside the cache): a run on a full
-    cache loads neither VAE nor text encoders and equals the run that filled it bit for bit. A cache missing an
-    item, or with one damaged (another item's file in its place), loads the encoders and encodes it again, to the
-    same run; a model folder with another text encoder reads nothing of the cache (its fingerprint differs)."""
+    """One process, with what else the encoders encode: --caption-dropout (the empty caption), --eval-data (its
+    items cached with the training items) and --validation-prompt (the prompts' encode_prompt returns kept beside
+    the cache). A run on a full cache loads neither VAE nor text encoders and equals the run that filled it bit for
+    bit (losses, eval losses, adapters, samples). A cache missing an item, or with one damaged (another item's file
+    in its place), loads the encoders and encodes it again, to the same run; a model folder with another text
+    encoder reads nothing of the cache (its fingerprint differs)."""
     cache = tmp_path / "filled" / "latent-cache"
-    first = _cfg(media, lora_r=4, steps=2, caption_dropout=0.5, cache_latents=True, output_dir=str(cache.parent))
+    first = _cfg(media, lora_r=4, steps=2, caption_dropout=0.5, cache_latents=True, output_dir=str(cache.parent),
+                 eval_data=str(media), validation_prompts=("a cat",))
 
     def on_cache(name: str, **kw) -> TrainConfig:
         """``first`` in a fresh output folder whose latent cache is the first run's."""
@@ -194,13 +197,19 @@ def test_full_latent_cache_loads_no_encoder_one_process(media, tmp_path):
         return first.replace(output_dir=str(tmp_path / name), **kw)
 
     def same(run: dict, ref: dict) -> bool:
-        return run["losses"] == ref["losses"] and all(torch.equal(run["state"][k], ref["state"][k]) for k in ref["state"])
+        return (run["losses"], run["eval"]) == (ref["losses"], ref["eval"]) and all(
+            torch.equal(run["state"][k], ref["state"][k]) for k in ref["state"]
+        )
+
+    def samples(name: str) -> list[bytes]:
+        return [p.read_bytes() for p in sorted((tmp_path / name / "samples").rglob("*.mp4"))]
 
     filled, repeated = train_diffusion([first, on_cache("repeated")])
     assert [filled["encoder_loads"], repeated["encoder_loads"]] == [1, 0]
-    assert same(repeated, filled)
+    assert same(repeated, filled) and filled["eval"][-1] is not None
+    assert len(samples("filled")) == 2 and samples("repeated") == samples("filled")  # steps 0 and 2
     items = sorted(cache.rglob("*.safetensors"))
-    assert len(items) == 4
+    assert len(items) == 4  # the eval media are the training media here: the same files
     items[0].unlink()
     items[1].write_bytes(items[2].read_bytes())  # whole, but another item's tensors
     mended = train_diffusion([on_cache("mended")])[0]

@@ -422,46 +422,58 @@ class DiffusionTrainer(Trainer):
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
         except DatasetError as exc:
             raise TrainConfigError(str(exc)) from exc
+        held_out = evaluation.open_eval_media(cfg, spec) if cfg.eval_data else None
         first = dataset.buckets[0]
         size, frames = (first.height, first.width), first.frames
+        records = {"pipeline": f"pipeline-{frames}x{size[0]}x{size[1]}-{_call_configs(self.model_dir)}"}
+        calls = validation.validation_calls(cfg, self.model_dir) if cfg.validation_prompts else None
+        if calls:  # the prompts' encodings, keyed by the calls hsdp generate would make
+            key = hashlib.sha256(json.dumps(calls, sort_keys=True, default=str).encode()).hexdigest()[:12]
+            records["validation"] = f"validation-{key}"
+        datasets = [dataset] if held_out is None else [dataset, held_out]
         cache = self._latent_cache() if cfg.cache_latents else None
-        record = f"pipeline-{frames}x{size[0]}x{size[1]}-{_call_configs(self.model_dir)}"
-        # Only the training items can come from the cache: --eval-data and --validation-prompt encode with the
-        # encoders loaded, as without it.
-        cached = self._read_cache(cache, dataset, record) if cache is not None and not (cfg.eval_data or cfg.validation_prompts) else None
-        if cached is not None:
-            logger.info("every item is in the latent cache: the VAE and text encoders are not loaded")
-            self.layout, items, empty = cached
-            held_out, self.validation = None, None
+        cached = self._read_cache(cache, datasets, records) if cache is not None else None
+        if cached is None:
+            encoded, stored = self._encode(datasets, size, frames, cache, records)
         else:
-            items, empty, held_out = self._encode(dataset, spec, size, frames, cache, record)
+            logger.info("every item is in the latent cache: the VAE and text encoders are not loaded")
+            encoded, stored = cached
+        self.layout = stored["pipeline"]["layout"]
+        prompts = tuple(cfg.validation_prompts)
+        self.validation = validation.ValidationPrompts(prompts, stored["validation"], calls) if calls else None
         self.calls = DenoiserCalls(meta, self.model_dir, self.layout, self.device)
+        eval_data = evaluation.encoded(held_out, encoded[1]) if held_out is not None else None
+        items = encoded[0]
         latents = [item.pop("latents") for item in items]
-        return EncodedData(dataset, latents, items, empty if cfg.caption_dropout else None), held_out
+        empty = stored["pipeline"]["empty_prompt"] if cfg.caption_dropout else None
+        return EncodedData(dataset, latents, items, empty), eval_data
 
-    def _encode(self, dataset: MediaDataset, spec, size: tuple[int, int], frames: int, cache: LatentCache | None,
-                record: str) -> tuple:  # fmt: skip
-        """Load the frozen pipeline and encode with it: the items (through ``cache`` with ``--cache-latents``), the
-        empty caption, ``--eval-data`` and the validation prompts; the pipeline is freed on return. With a cache,
-        what later runs need of the pipeline besides the items (its :class:`PromptLayout`, the empty caption's
-        encodings) is stored beside them as ``record``."""
+    def _encode(self, datasets: list[MediaDataset], size: tuple[int, int], frames: int, cache: LatentCache | None,
+                records: dict[str, str]) -> tuple[list[list[dict]], dict]:  # fmt: skip
+        """Load the frozen pipeline and encode with it: each dataset's items (through ``cache`` with
+        ``--cache-latents``), and what ``records`` name: the pipeline's :class:`PromptLayout` and the empty
+        caption's encodings (``pipeline``), the validation prompts' ``encode_prompt`` returns (``validation``).
+        With a cache these are stored beside the items, for a later run to read instead of loading the pipeline,
+        which is freed on return."""
         cfg = self.cfg
         pipe = frozen_pipeline(self.model_dir, self.parallel)
-        self.layout = prompt_layout(pipe, self.model_dir, size, frames)
-        encode = functools.partial(encode_items, pipe, self.model_dir, self.layout)
-        items = self._through_cache(cache, dataset, functools.partial(encode, dataset)) if cache else encode(
-            dataset, range(len(dataset))
-        )
+        layout = prompt_layout(pipe, self.model_dir, size, frames)
+        encode = functools.partial(encode_items, pipe, self.model_dir, layout)
+        encoded = [
+            self._through_cache(cache, d, functools.partial(encode, d)) if cache else encode(d, range(len(d)))
+            for d in datasets
+        ]
         wanted = cache is not None or cfg.caption_dropout  # a cache keeps it for runs with --caption-dropout
-        empty = encode_captions(pipe, self.model_dir, self.layout, [""], size, frames)[0] if wanted else None
+        empty = encode_captions(pipe, self.model_dir, layout, [""], size, frames)[0] if wanted else None
+        stored: dict = {"pipeline": {"layout": layout, "empty_prompt": empty}}
+        if "validation" in records:
+            stored["validation"] = validation.capture_encodings(pipe, self.model_dir, cfg).encodings
         if cache is not None and self.rank == 0:
-            cache.put_record(record, {"layout": self.layout, "empty_prompt": empty})
-        held_out = evaluation.load_evaluation(cfg, spec, encode) if cfg.eval_data else None
-        prompts = cfg.validation_prompts
-        self.validation = validation.capture_encodings(pipe, self.model_dir, cfg) if prompts else None
+            for kind, name in records.items():
+                cache.put_record(name, stored[kind])
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
-        return items, empty, held_out
+        return encoded, stored
 
     def _latent_cache(self) -> LatentCache:
         """``<output-dir>/latent-cache``, keyed by the encoders' fingerprint."""
@@ -470,18 +482,19 @@ class DiffusionTrainer(Trainer):
         )
         return LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
 
-    def _read_cache(self, cache: LatentCache, dataset: MediaDataset, record: str) -> tuple | None:
-        """``(layout, items, empty caption's encodings)`` when every rank finds every item and ``record`` whole in
+    def _read_cache(self, cache: LatentCache, datasets: list[MediaDataset], records: dict[str, str]) -> tuple | None:
+        """``(each dataset's items, what each of records holds)`` when every rank finds all of them whole in
         ``cache`` (a collective decision), else None: the encoders then load and encode what is missing or
         damaged, as on a first run."""
-        stored = cache.get_record(record, safe=[PromptLayout, Rows, PaddingMask])
-        pairs = list(zip(dataset.items, dataset.buckets, strict=True))
-        if not all_agree(stored is not None and all(cache.has(item.cache_key, bucket) for item, bucket in pairs)):
+        stored = {kind: cache.get_record(name, safe=[PromptLayout, Rows, PaddingMask]) for kind, name in records.items()}
+        pairs = [list(zip(d.items, d.buckets, strict=True)) for d in datasets]
+        present = all(cache.has(item.cache_key, bucket) for p in pairs for item, bucket in p)
+        if not all_agree(present and all(value is not None for value in stored.values())):
             return None
-        items = [cache.get(item.cache_key, bucket) for item, bucket in pairs]
-        if not all_agree(all(tensors is not None for tensors in items)):  # damaged since written (get warns)
+        encoded = [[cache.get(item.cache_key, bucket) for item, bucket in p] for p in pairs]
+        if not all_agree(all(tensors is not None for items in encoded for tensors in items)):  # damaged (get warns)
             return None
-        return stored["layout"], items, stored["empty_prompt"]
+        return encoded, stored
 
     def _through_cache(self, cache: LatentCache, dataset: MediaDataset, encode) -> list[dict[str, torch.Tensor]]:
         """``--cache-latents``: each rank encodes its share of the items missing from ``cache``, then every rank
