@@ -460,7 +460,7 @@ class DiffusionTrainer(Trainer):
         layout = prompt_layout(pipe, self.model_dir, size, frames)
         encode = functools.partial(encode_items, pipe, self.model_dir, layout)
         encoded = [
-            self._through_cache(cache, d, functools.partial(encode, d)) if cache else encode(d, range(len(d)))
+            self._through_cache(cache, d, functools.partial(encode, d)) if cache is not None else encode(d, range(len(d)))
             for d in datasets
         ]
         wanted = cache is not None or cfg.caption_dropout  # a cache keeps it for runs with --caption-dropout
