@@ -9,10 +9,10 @@ gradients, optimizer state and activations. Those that inference shards (:func:`
 rule, e.g. T5-XXL beside FLUX, UMT5 beside Wan) load sharded on the training mesh with the engine's loader, the
 others whole, all on this rank's device (:func:`frozen_pipeline`). With ``--cache-latents`` they go through
 :class:`hsdp.train.diffusion.latent_cache.LatentCache`: each rank encodes its share of the missing items, then
-every rank reads every item. What the run learns from the loaded pipeline besides the items (its
-:class:`PromptLayout`, the empty caption's encodings) is kept beside them, so a later run that finds every item
-there (every rank agreeing) loads neither VAE nor text encoders: the sizes come from the pipeline built on meta
-(:func:`meta_pipeline`), as the denoiser's call does.
+every rank reads every item (``--eval-data`` items too). What the run learns from the loaded pipeline besides the
+items (its :class:`PromptLayout`, the empty caption's encodings, the validation prompts' encodings) is kept beside
+them, so a later run that finds all it needs there (every rank agreeing) loads neither VAE nor text encoders: the
+sizes come from the pipeline built on meta (:func:`meta_pipeline`), as the denoiser's call does.
 
 The denoiser's call is the pipeline's own (:mod:`hsdp.train.diffusion.pipeline_call`): its ``__call__`` is run
 with the batch's stored caption encodings and a stand-in denoiser that records how it is called (packed latents,
