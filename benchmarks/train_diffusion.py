@@ -43,7 +43,8 @@ machine's cores; on an accelerator they are compared by samples/s), per rank the
 setup, released heap trimmed once, as hsdp's trainer does) and before them, the trained state per rank (trainable
 parameters, gradients, AdamW state; ``share`` of the whole: 1/N when sharded), and the largest loss difference to
 hsdp over all steps. The ``--cache-latents`` table shows hsdp's peak while encoding (VAE and text encoder loaded)
-and during the steps, for the run that encoded and for one that read the cache.
+and during the steps, for the run that encoded and for one that read the cache (which, finding every item there,
+loads neither: its "encoding" peak is that of reading the cache).
 
     .venv/bin/python benchmarks/train_diffusion.py                      # the shape: 4 blocks of width 1536
     .venv/bin/python benchmarks/train_diffusion.py --blocks 2 --repeat 2 --only lora

@@ -23,13 +23,18 @@ def write_media(folder) -> None:
 
 
 def train_diffusion(configs: list[TrainConfig], grad_share: bool = False) -> list[dict]:
-    """Train each config; return the losses, the trained parameters (whole, rank 0's copy) and when it started;
-    with ``grad_share`` (one process) also what :func:`assert_trained_like` needs of a reference: ``grad_share``,
-    ``lr``, ``steps``."""
+    """Train each config; return the losses, the trained parameters (whole, rank 0's copy), when it started, how
+    many times it loaded the frozen encoders (``encoder_loads``) and the eval losses; with ``grad_share`` (one process) also what
+    :func:`assert_trained_like` needs of a reference: ``grad_share``, ``lr``, ``steps``."""
+    from unittest import mock
+
+    from hsdp.train.diffusion import trainer as module
+
     out = []
     for cfg in configs:
         started = time.time_ns()
-        with DiffusionTrainer(cfg) as trainer:
+        loads = mock.patch.object(module, "frozen_pipeline", wraps=module.frozen_pipeline)
+        with loads as frozen_pipeline, DiffusionTrainer(cfg) as trainer:
             shares = _record_grad_share(trainer) if grad_share else None
             result = trainer.fit()
             state = {n: t for n, t in trainer.full_state().items() if trainer.model.get_parameter(n).requires_grad}
@@ -40,7 +45,8 @@ def train_diffusion(configs: list[TrainConfig], grad_share: bool = False) -> lis
             held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trained)
             trained_share = held / sum(p.numel() for p in trained)
         out.append({"losses": result.losses, "state": state, "checkpoint": result.checkpoint, "started": started,
-                    "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes, "trained_share": trained_share})
+                    "frozen_sharded": frozen_sharded, "frozen_dtypes": frozen_dtypes, "trained_share": trained_share,
+                    "encoder_loads": frozen_pipeline.call_count, "eval": [s.eval_loss for s in result.steps]})
         if shares is not None:
             out[-1] |= {"grad_share": shares, "lr": cfg.lr, "steps": cfg.steps}
     return out

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hsdp.config import ParallelConfig
 from hsdp.models.builtin import resolve_model
@@ -73,15 +73,23 @@ def test_frozen_base_kept_whole_equals_one_process(dist_run, media):
 def test_family_lora_hsdp2_equals_diffusers_peft_one_process(dist_run, media, model, tmp_path):
     """FLUX (packed latents, ids, pooled embedding, guidance) and SDXL (epsilon, added conditioning), with
     --cache-latents: the first run fills the cache (each rank its share) and stops at step 2; the resumed run reads
-    the cache without encoding and trains step 3. Together they equal three steps of one process. lr 1e-4: at 1e-3
-    AdamW takes FLUX's adapters to 7.8e-6 of the reference (6.1e-7 here), too near the tolerance."""
+    the cache without loading the encoders and trains step 3. Together they equal three steps of one process. A
+    fresh run of the first's settings on the full cache (another output folder, the same cache) loads no encoder
+    either and equals the first bit for bit. lr 1e-4: at 1e-3 AdamW takes FLUX's adapters to 7.8e-6 of the
+    reference (6.1e-7 here), too near the tolerance."""
     layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
     first = _cfg(media, model=model, lora_r=4, lr=1e-4, steps=2, parallel=layout, cache_latents=True,
                  output_dir=str(tmp_path))
     second = first.replace(steps=3, resume="auto")
-    filled, resumed = dist_run(2, train_diffusion, [first, second])[0]
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "latent-cache").symlink_to(tmp_path / "latent-cache", target_is_directory=True)
+    again = first.replace(output_dir=str(tmp_path / "again"))
+    filled, resumed, repeated = dist_run(2, train_diffusion, [first, second, again])[0]
     _close({"losses": filled["losses"] + resumed["losses"], "state": resumed["state"]},
            reference_run(second, resolve_model(model)))
+    assert [filled["encoder_loads"], resumed["encoder_loads"], repeated["encoder_loads"]] == [1, 0, 0]
+    assert repeated["losses"] == filled["losses"]
+    assert all(torch.equal(repeated["state"][k], filled["state"][k]) for k in filled["state"])
     files = sorted((tmp_path / "latent-cache").rglob("*.safetensors"))
     assert len(files) == 4
     assert all(f.stat().st_mtime_ns < resumed["started"] for f in files)  # the resumed run wrote none
@@ -169,3 +177,48 @@ def test_large_frozen_encoders_shard_as_inference_does(dist_run, media):
         worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
         assert worst <= 1e-6, worst
     assert np.allclose(forced[0]["losses"], whole[0]["losses"], atol=1e-6, rtol=0), (forced[0]["losses"], whole[0]["losses"])
+
+
+def test_full_latent_cache_loads_no_encoder_one_process(media, tmp_path):
+    """One process, with what else the encoders encode: --caption-dropout (the empty caption), --eval-data (its
+    items cached with the training items) and --validation-prompt (the prompts' encode_prompt returns kept beside
+    the cache). A run on a full cache loads neither VAE nor text encoders and equals the run that filled it bit for
+    bit (losses, eval losses, adapters, samples). A cache missing an item, or with one damaged (another item's file
+    in its place), loads the encoders and encodes it again, to the same run; a model folder with another text
+    encoder reads nothing of the cache (its fingerprint differs)."""
+    cache = tmp_path / "filled" / "latent-cache"
+    first = _cfg(media, lora_r=4, steps=2, caption_dropout=0.5, cache_latents=True, output_dir=str(cache.parent),
+                 eval_data=str(media), validation_prompts=("a cat",))
+
+    def on_cache(name: str, **kw) -> TrainConfig:
+        """``first`` in a fresh output folder whose latent cache is the first run's."""
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "latent-cache").symlink_to(cache, target_is_directory=True)
+        return first.replace(output_dir=str(tmp_path / name), **kw)
+
+    def same(run: dict, ref: dict) -> bool:
+        return run["losses"] == ref["losses"] and all(torch.equal(run["state"][k], ref["state"][k]) for k in ref["state"])
+
+    def samples(name: str) -> list[bytes]:
+        return [p.read_bytes() for p in sorted((tmp_path / name / "samples").rglob("*.mp4"))]
+
+    filled, repeated = train_diffusion([first, on_cache("repeated")])
+    assert [filled["encoder_loads"], repeated["encoder_loads"]] == [1, 0]
+    assert same(repeated, filled) and repeated["eval"] == filled["eval"] and filled["eval"][-1] is not None
+    assert len(samples("filled")) == 2 and samples("repeated") == samples("filled")  # steps 0 and 2
+    items = sorted(cache.rglob("*.safetensors"))
+    assert len(items) == 4  # the eval media are the training media here: the same files
+    items[0].unlink()
+    items[1].write_bytes(items[2].read_bytes())  # whole, but another item's tensors
+    plain = {"eval_data": None, "validation_prompts": ()}  # from here on, only the training items matter
+    mended = train_diffusion([on_cache("mended", **plain)])[0]
+    assert mended["encoder_loads"] == 1 and same(mended, filled)
+    assert mended["started"] < min(items[i].stat().st_mtime_ns for i in (0, 1))  # both written again
+    other = tmp_path / "other-model"
+    shutil.copytree(resolve_model("tiny-wan"), other)
+    weights = load_file(other / "text_encoder" / "model.safetensors")
+    name = next(iter(weights))
+    save_file(weights | {name: weights[name] + 0.5}, other / "text_encoder" / "model.safetensors", {"format": "pt"})
+    elsewhere = train_diffusion([on_cache("other", model=str(other), **plain)])[0]
+    assert elsewhere["encoder_loads"] == 1 and elsewhere["losses"] != filled["losses"]
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2  # a folder per fingerprint

@@ -8,12 +8,12 @@ figure is the plain mean squared error of the prediction against the objective's
 points (no timestep weighting), reported as ``eval/loss`` at ``--eval-every`` and the last step, as LM training
 reports its eval loss.
 
-The eval media are encoded with the training data, by the same frozen encoders, before these are freed.
+The eval media are encoded with the training data, by the same frozen encoders, before these are freed (and, with
+``--cache-latents``, kept in the same latent cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.data import DatasetError
 from hsdp.train.diffusion.media import Bucket, MediaDataset, MediaSpec
 
-__all__ = ["EVAL_FRACTIONS", "EvalData", "load_evaluation", "eval_noise", "evaluate"]
+__all__ = ["EVAL_FRACTIONS", "EvalData", "open_eval_media", "encoded", "eval_noise", "evaluate"]
 
 EVAL_FRACTIONS = (0.125, 0.375, 0.625, 0.875)
 """Where in the trained timestep range each eval item is scored: the middles of four equal parts."""
@@ -49,11 +49,9 @@ def open_eval_media(cfg: TrainConfig, spec: MediaSpec) -> MediaDataset:
         raise TrainConfigError(str(exc)) from exc
 
 
-def load_evaluation(cfg: TrainConfig, spec: MediaSpec, encode: Callable[[MediaDataset, range], list[dict]]) -> EvalData:
-    """Encode the ``--eval-data`` media with the pipeline's frozen encoders (``encode(dataset, indices)``:
-    :func:`hsdp.train.diffusion.frozen.encode_items` with the trainer's pipeline)."""
-    dataset = open_eval_media(cfg, spec)
-    items = encode(dataset, range(len(dataset)))
+def encoded(dataset: MediaDataset, items: list[dict[str, torch.Tensor]]) -> EvalData:
+    """The eval data of ``dataset`` from its items' encodings
+    (:func:`hsdp.train.diffusion.frozen.encode_items`'s, or the latent cache's)."""
     return EvalData([item.pop("latents") for item in items], items, list(dataset.buckets))
 
 

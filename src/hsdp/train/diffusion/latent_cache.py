@@ -5,6 +5,8 @@ One safetensors file per item at ``<root>/<fingerprint hash>/<F>x<H>x<W>/<key>.s
 file's size and modification time) never reads another's tensors. Files are written to a temporary name and renamed, so a
 reader sees a whole file or none; a file that is still damaged (a copy cut short, a full disk) is treated as
 missing, with a warning, and written again. The root must be one folder all ranks see (like ``--output-dir``).
+Beside the items, under the same fingerprint, a run keeps what it learned from the loaded pipeline
+(:meth:`LatentCache.put_record`), so that a run that reads every item need not load the encoders.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hsdp.train.diffusion.media import Bucket, MediaDataset
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["LatentCache", "fill_cache", "encoder_fingerprint", "agreed_indices"]
+__all__ = ["LatentCache", "fill_cache", "encoder_fingerprint", "agreed_indices", "all_agree"]
 
 _KEY_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _SAMPLE_BYTES = 1 << 20
@@ -102,6 +104,32 @@ class LatentCache:
         finally:
             staging.unlink(missing_ok=True)
         return path
+
+    def put_record(self, name: str, value: dict) -> Path:
+        """Write ``value`` (what the run learned from the loaded pipeline besides the items, so that a run reading
+        every item from the cache need not load it) as ``<name>.pt`` beside the items, atomically as :meth:`put`."""
+        path = self.root / f"{name}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            torch.save(value, staging)
+            os.replace(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)
+        return path
+
+    def get_record(self, name: str, safe: list[type]) -> dict | None:
+        """What :meth:`put_record` wrote, or None when it is missing or damaged (warned). Read with
+        ``weights_only``: tensors, containers and the classes ``safe`` only, never arbitrary pickled code."""
+        path = self.root / f"{name}.pt"
+        if not path.is_file():
+            return None
+        try:
+            with torch.serialization.safe_globals(safe):
+                return torch.load(path, weights_only=True)
+        except Exception as exc:  # a damaged file raises several types
+            logger.warning("latent cache %s is unreadable (%s); the encoders will load", path, exc)
+            return None
 
     @staticmethod
     def shard(indices: list[int], rank: int, world: int) -> list[int]:
@@ -181,6 +209,11 @@ def agreed_indices(missing: list[int], group: dist.ProcessGroup | None = None) -
     every: list[list[int] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, missing, group=group)
     return sorted(set().union(*every))
+
+
+def all_agree(value: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``value`` is true on every rank (collective: every rank calls it)."""
+    return not agreed_indices([] if value else [0], group)
 
 
 def _barrier(group: dist.ProcessGroup | None) -> None:

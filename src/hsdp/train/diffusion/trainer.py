@@ -9,7 +9,10 @@ gradients, optimizer state and activations. Those that inference shards (:func:`
 rule, e.g. T5-XXL beside FLUX, UMT5 beside Wan) load sharded on the training mesh with the engine's loader, the
 others whole, all on this rank's device (:func:`frozen_pipeline`). With ``--cache-latents`` they go through
 :class:`hsdp.train.diffusion.latent_cache.LatentCache`: each rank encodes its share of the missing items, then
-every rank reads every item.
+every rank reads every item (``--eval-data`` items too). What the run learns from the loaded pipeline besides the
+items (its :class:`PromptLayout`, the empty caption's encodings, the validation prompts' encodings) is kept beside
+them, so a later run that finds all it needs there (every rank agreeing) loads neither VAE nor text encoders: the
+sizes come from the pipeline built on meta (:func:`meta_pipeline`), as the denoiser's call does.
 
 The denoiser's call is the pipeline's own (:mod:`hsdp.train.diffusion.pipeline_call`): its ``__call__`` is run
 with the batch's stored caption encodings and a stand-in denoiser that records how it is called (packed latents,
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import inspect
 import json
 import logging
@@ -67,13 +71,21 @@ from hsdp.train.diffusion.frozen import (
     media_spec,
     meta_pipeline,
 )
-from hsdp.train.diffusion.latent_cache import LatentCache, agreed_indices, encoder_fingerprint, fill_cache
+from hsdp.train.diffusion.latent_cache import (
+    LatentCache,
+    agreed_indices,
+    all_agree,
+    encoder_fingerprint,
+    fill_cache,
+)
 from hsdp.train.diffusion.media import MediaDataset
 from hsdp.train.diffusion.objective import Objective, objective_for
 from hsdp.train.diffusion.pipeline_call import (
     DenoiserBatch,
     DenoiserCalls,
+    PaddingMask,
     PromptLayout,
+    Rows,
     batch_prompts,
     encode_captions,
     prompt_layout,
@@ -270,6 +282,15 @@ def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) 
         )
 
 
+def _call_configs(model_dir: Path) -> str:
+    """A digest of the configs the pipeline's ``__call__`` reads besides the encoders' (``model_index.json``, the
+    denoisers' ``config.json``), which the cached :class:`PromptLayout` was recorded with."""
+    digest = hashlib.sha256()
+    for path in [model_dir / "model_index.json", *(model_dir / n / "config.json" for n in DENOISERS)]:
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    return digest.hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class _MicroBatch:
     """This rank's rows of one micro-batch, on its device: what the denoiser takes, and what the loss compares its
@@ -395,44 +416,99 @@ class DiffusionTrainer(Trainer):
             for c, r in timestep_ranges(self.model_dir, self.components).items()
         }
         self.objective: Objective = self.objectives[self.component]
-        pipe = frozen_pipeline(self.model_dir, self.parallel)
-        spec = media_spec(pipe, self.model_dir, self.component)
+        meta = meta_pipeline(self.model_dir)  # configs only: the sizes the VAE and denoiser take
+        spec = media_spec(meta, self.model_dir, self.component)
         try:
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
         except DatasetError as exc:
             raise TrainConfigError(str(exc)) from exc
+        held_out = evaluation.open_eval_media(cfg, spec) if cfg.eval_data else None
         first = dataset.buckets[0]
         size, frames = (first.height, first.width), first.frames
-        self.layout: PromptLayout = prompt_layout(pipe, self.model_dir, size, frames)
-        encode = functools.partial(encode_items, pipe, self.model_dir, self.layout)
-        items = self._through_cache(dataset, functools.partial(encode, dataset)) if cfg.cache_latents else encode(
-            dataset, range(len(dataset))
-        )
-        empty = encode_captions(pipe, self.model_dir, self.layout, [""], size, frames)[0] if cfg.caption_dropout else None
-        held_out = evaluation.load_evaluation(cfg, spec, encode) if cfg.eval_data else None
-        self.calls = DenoiserCalls(meta_pipeline(self.model_dir), self.model_dir, self.layout, self.device)
-        prompts = cfg.validation_prompts
-        self.validation = validation.capture_encodings(pipe, self.model_dir, cfg) if prompts else None
+        records = {"pipeline": f"pipeline-{frames}x{size[0]}x{size[1]}-{_call_configs(self.model_dir)}"}
+        calls = validation.validation_calls(cfg, self.model_dir) if cfg.validation_prompts else None
+        if calls:  # the prompts' encodings, keyed by the calls hsdp generate would make
+            key = hashlib.sha256(json.dumps(calls, sort_keys=True, default=str).encode()).hexdigest()[:12]
+            records["validation"] = f"validation-{key}"
+        datasets = [dataset] if held_out is None else [dataset, held_out]
+        cache = self._latent_cache() if cfg.cache_latents else None
+        cached = self._read_cache(cache, datasets, records) if cache is not None else None
+        if cached is None:
+            encoded, stored = self._encode(datasets, size, frames, cache, records)
+        else:
+            logger.info("every item is in the latent cache: the VAE and text encoders are not loaded")
+            encoded, stored = cached
+        self.layout = stored["pipeline"]["layout"]
+        prompts = tuple(cfg.validation_prompts)
+        self.validation = validation.ValidationPrompts(prompts, stored["validation"], calls) if calls else None
+        self.calls = DenoiserCalls(meta, self.model_dir, self.layout, self.device)
+        eval_data = evaluation.encoded(held_out, encoded[1]) if held_out is not None else None
+        items = encoded[0]
+        latents = [item.pop("latents") for item in items]
+        empty = stored["pipeline"]["empty_prompt"] if cfg.caption_dropout else None
+        return EncodedData(dataset, latents, items, empty), eval_data
+
+    def _encode(self, datasets: list[MediaDataset], size: tuple[int, int], frames: int, cache: LatentCache | None,
+                records: dict[str, str]) -> tuple[list[list[dict]], dict]:  # fmt: skip
+        """Load the frozen pipeline and encode with it: each dataset's items (through ``cache`` with
+        ``--cache-latents``), and what ``records`` name: the pipeline's :class:`PromptLayout` and the empty
+        caption's encodings (``pipeline``), the validation prompts' ``encode_prompt`` returns (``validation``).
+        With a cache these are stored beside the items, for a later run to read instead of loading the pipeline,
+        which is freed on return."""
+        cfg = self.cfg
+        pipe = frozen_pipeline(self.model_dir, self.parallel)
+        layout = prompt_layout(pipe, self.model_dir, size, frames)
+        encode = functools.partial(encode_items, pipe, self.model_dir, layout)
+        encoded = [
+            self._through_cache(cache, d, functools.partial(encode, d)) if cache is not None else encode(d, range(len(d)))
+            for d in datasets
+        ]
+        wanted = cache is not None or cfg.caption_dropout  # a cache keeps it for runs with --caption-dropout
+        empty = encode_captions(pipe, self.model_dir, layout, [""], size, frames)[0] if wanted else None
+        stored: dict = {"pipeline": {"layout": layout, "empty_prompt": empty}}
+        if "validation" in records:
+            stored["validation"] = validation.capture_encodings(pipe, self.model_dir, cfg).encodings
+        if cache is not None and self.rank == 0:
+            for kind, name in records.items():
+                cache.put_record(name, stored[kind])
         del pipe, encode  # the frozen encoders are not needed again: free them before the first step
         gc.collect()
-        latents = [item.pop("latents") for item in items]
-        return EncodedData(dataset, latents, items, empty), held_out
+        return encoded, stored
 
-    def _through_cache(self, dataset: MediaDataset, encode) -> list[dict[str, torch.Tensor]]:
-        """``--cache-latents``: each rank encodes its share of the items missing from the cache (under
-        ``<output-dir>/latent-cache``, keyed by the encoders' fingerprint), then every rank reads every item."""
+    def _latent_cache(self) -> LatentCache:
+        """``<output-dir>/latent-cache``, keyed by the encoders' fingerprint."""
         fingerprint = encoder_fingerprint(
             self.model_dir, encoder_components(self.model_dir), pipeline=self.pipeline_class.__name__
         )
-        cache = LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
+        return LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
+
+    def _read_cache(self, cache: LatentCache, datasets: list[MediaDataset], records: dict[str, str]) -> tuple | None:
+        """``(each dataset's items, what each of records holds)`` when every rank finds all of them whole in
+        ``cache`` (a collective decision), else None: the encoders then load and encode what is missing or
+        damaged, as on a first run."""
+        stored = {kind: cache.get_record(name, safe=[PromptLayout, Rows, PaddingMask]) for kind, name in records.items()}
+        pairs = [list(zip(d.items, d.buckets, strict=True)) for d in datasets]
+        present = all(cache.has(item.cache_key, bucket) for p in pairs for item, bucket in p)
+        if not all_agree(present and all(value is not None for value in stored.values())):
+            return None
+        encoded = [[cache.get(item.cache_key, bucket) for item, bucket in p] for p in pairs]
+        if not all_agree(all(tensors is not None for items in encoded for tensors in items)):  # damaged (get warns)
+            return None
+        return encoded, stored
+
+    def _through_cache(self, cache: LatentCache, dataset: MediaDataset, encode) -> list[dict[str, torch.Tensor]]:
+        """``--cache-latents``: each rank encodes its share of the items missing from ``cache``, then every rank
+        reads every item."""
         fill_cache(dataset, cache, encode, self.rank, self.world_size)
         items = [cache.get(item.cache_key, bucket) for item, bucket in zip(dataset.items, dataset.buckets, strict=True)]
-        # An item damaged since it was written (get warns) is encoded again here rather than failing the run; every
-        # rank encodes the same ones (sharded encoders are collective), whichever rank found them damaged.
+        # An item damaged since it was written (get warns) is encoded again here rather than failing the run, and
+        # written again so that the next run reads it; every rank encodes the same ones (sharded encoders are
+        # collective), whichever rank found them damaged.
         for index in agreed_indices([i for i, tensors in enumerate(items) if tensors is None]):
             encoded = encode([index])[0]
             if items[index] is None:
                 items[index] = encoded
+                cache.put(dataset.items[index].cache_key, dataset.buckets[index], encoded)
         return items
 
     def _micro_inputs(self, number: int) -> _MicroBatch:
