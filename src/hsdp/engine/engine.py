@@ -508,15 +508,17 @@ class Engine:
                 self.close()  # as in generate: the group is broken, so is this Engine
                 raise
 
-    def close(self) -> None:
-        """Stop the workers (idempotent)."""
+    def close(self, *, graceful: bool = True) -> None:
+        """Stop the workers (idempotent): a running call first finishes unless ``graceful`` is False."""
         if self._closed:
             return
         self._closed = True
         group = getattr(self, "_group", None)
         if group is None:
             return
-        if self._owns_group:
+        if isinstance(group, WorkerGroup) and self._owns_group:
+            group.close(graceful=graceful)
+        elif self._owns_group:  # torchrun's ranks: they return from follow() and end with the job
             group.close()
         elif not group.broken:
             group.run(worker.unload)
@@ -524,8 +526,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Ctrl-C: stop the ranks now (they ignore SIGINT and would finish their call first)
+        self.close(graceful=exc_type is None or not issubclass(exc_type, KeyboardInterrupt))
 
     def __del__(self) -> None:
         # A borrowed group is left to its owner; calling into it during garbage collection is not safe.

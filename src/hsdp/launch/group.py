@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
@@ -139,6 +141,20 @@ def _start_context(packages: Iterable[str] = ()) -> mp.context.BaseContext:
     return ctx
 
 
+@contextlib.contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored for the block, so that a process started in it (the forkserver) starts ignoring it: a
+    terminal's Ctrl-C reaches the whole process group, and the caller decides what it means (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:
     if on_event is None:
         return
@@ -228,6 +244,9 @@ class WorkerGroup:
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
         self._conns: list[Connection] = []
         self._procs: list[mp.Process] = []
+        if ctx.get_start_method() == "forkserver":
+            with _ctrl_c_ignored():  # inherited: the forkserver ignores it only once it has preloaded the stack
+                mp.forkserver.ensure_running()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
@@ -433,8 +452,9 @@ class WorkerGroup:
     def __enter__(self) -> WorkerGroup:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Ctrl-C: stop the ranks now (they ignore SIGINT and would finish their call first)
+        self.close(graceful=exc_type is None or not issubclass(exc_type, KeyboardInterrupt))
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

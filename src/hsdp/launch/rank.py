@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -163,6 +164,10 @@ def _worker_main(
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # A terminal's Ctrl-C reaches every process of its group, the ranks included: the caller decides what it means
+    # (a server finishes the running batch, a command stops its ranks), where a rank interrupted on its own would
+    # die mid-job or mid-collective (and a server would take it for a failed worker and restart its engine).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
     watch_process(caller_pid, "the caller")
     _quiet_progress_bars()
