@@ -306,6 +306,22 @@ def test_every_documented_command_runs_in_the_docs_tier():
     assert not unrun_python, f"Python blocks neither run nor skipped: {unrun_python}"
 
 
+def test_skipped_blocks_name_tests_that_exist():
+    """A block skipped because a test runs it names that test (``tests/NAME.py``); the file must exist, so a renamed
+    or removed test does not leave the doc's command run nowhere."""
+    from tests.test_docs_run import DOCS, doc_blocks
+
+    missing = [
+        f"{block.where}: {name}"
+        for doc in DOCS
+        for block in doc_blocks(doc)
+        if block.kind == "skip"
+        for name in re.findall(r"tests/[\w/]+\.py", block.directives["skip"])
+        if not (ROOT / name).is_file()
+    ]
+    assert not missing, f"skipped blocks point to tests that do not exist: {missing}"
+
+
 def test_docs_tier_reads_blocks_and_directives():
     from tests.test_docs_run import blocks_in
 
