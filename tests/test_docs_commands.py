@@ -361,6 +361,15 @@ def test_docs_tier_matches_printed_lines_in_order():
     assert missing_output(["loaded in 5.0s"], printed) == "loaded in 5.0s"  # a number that varies must say so
 
 
+def test_docs_tier_ports_are_distinct_and_outside_the_ephemeral_range():
+    """The ports a doc's servers get: never one the kernel may hand to another process meanwhile (serving.md's
+    second server once found its port taken), and never the same for two documented ports."""
+    from tests.test_docs_run import _ephemeral_low, _free_ports
+
+    ports = _free_ports(3)
+    assert len(set(ports)) == 3 and all(1024 <= p < _ephemeral_low() for p in ports), ports
+
+
 def test_docs_tier_finds_the_files_a_command_writes():
     from tests.test_docs_run import expected_files
 
