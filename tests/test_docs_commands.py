@@ -306,6 +306,22 @@ def test_every_documented_command_runs_in_the_docs_tier():
     assert not unrun_python, f"Python blocks neither run nor skipped: {unrun_python}"
 
 
+def test_skipped_blocks_name_tests_that_exist():
+    """A block skipped because a test runs it names that test (``tests/NAME.py``); the file must exist, so a renamed
+    or removed test does not leave the doc's command run nowhere."""
+    from tests.test_docs_run import DOCS, doc_blocks
+
+    missing = [
+        f"{block.where}: {name}"
+        for doc in DOCS
+        for block in doc_blocks(doc)
+        if block.kind == "skip"
+        for name in re.findall(r"tests/[\w/]+\.py", block.directives["skip"])
+        if not (ROOT / name).is_file()
+    ]
+    assert not missing, f"skipped blocks point to tests that do not exist: {missing}"
+
+
 def test_docs_tier_reads_blocks_and_directives():
     from tests.test_docs_run import blocks_in
 
@@ -343,6 +359,15 @@ def test_docs_tier_matches_printed_lines_in_order():
     assert missing_output(["hsdp train: a message", "that wraps"], printed) is None  # the doc wraps a line
     assert missing_output(["a message that wraps", "INFO load"], printed) == "INFO load"  # order matters
     assert missing_output(["loaded in 5.0s"], printed) == "loaded in 5.0s"  # a number that varies must say so
+
+
+def test_docs_tier_ports_are_distinct_and_outside_the_ephemeral_range():
+    """The ports a doc's servers get: never one the kernel may hand to another process meanwhile (serving.md's
+    second server once found its port taken), and never the same for two documented ports."""
+    from tests.test_docs_run import _ephemeral_low, _free_ports
+
+    ports = _free_ports(3)
+    assert len(set(ports)) == 3 and all(1024 <= p < _ephemeral_low() for p in ports), ports
 
 
 def test_docs_tier_finds_the_files_a_command_writes():

@@ -34,6 +34,7 @@ commands executed vs present.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import signal
@@ -212,10 +213,33 @@ def _written(folder: Path, name: str) -> bool:
 # --- running ------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to a bind to port 0 (Linux's ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports below the kernel's ephemeral range. A port the kernel picked (bind to
+    port 0) was free only at that moment: a server the doc starts minutes later found it taken by another process's
+    ephemeral port (gloo, a client, another server on the machine), "Address already in use". Below that range
+    only an explicit bind can take it."""
+    low = _ephemeral_low()
+    chosen: list[int] = []
+    candidates = range(max(1024, low - 12000), low)
+    for port in random.sample(candidates, k=min(400, len(candidates))):
+        if len(chosen) == count:
+            break
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    assert len(chosen) == count, f"no {count} free ports below {low}"
+    return chosen
 
 
 def _environment() -> dict[str, str]:
@@ -238,7 +262,7 @@ class DocRun:
         self.skipped: list[tuple[str, str]] = []
         text = DOCS[doc].read_text()
         ports = {int(p) for p in re.findall(r"--port[ =](\d+)", text)}
-        self.ports = {port: _free_port() for port in ports}
+        self.ports = dict(zip(sorted(ports), _free_ports(len(ports)), strict=True))
 
     def _localize(self, text: str) -> str:
         for documented, free in self.ports.items():
