@@ -66,7 +66,7 @@ def _base(command: str, models: dict, root: Path, n: int) -> list[str]:
         "generate": ["--model", wan, "--prompt", "a fox", "--output", str(out / "o.mp4")],
         "serve": [wan, "--output-dir", str(out / "serve")],
         "train": ["--model", str(models["tiny-llama"]), "--data", str(root / "a-file.txt"), "--output-dir", str(out)],
-        "plan": [wan],
+        "plan": [wan, "--devices", "2"],
         "demo": [],
     }[command]
 
@@ -253,3 +253,121 @@ def test_a_field_of_another_family_exits_2_before_loading(command, model, flags,
     outcome, err = _run([command, *base, *flags], capsys)
     assert outcome == "2" and flags[0] in err and "Traceback" not in err, (outcome, err[-2000:])
 
+
+
+# Messages a user can act on (issue 34 item 3): the subcommand that was run names the mistake, in one line, with
+# the closest known flag or value. Parse-time only: nothing is built or loaded.
+
+REQUIRED = {"generate": ["--model", "m", "--prompt", "p"], "serve": ["m"], "train": ["--data", "d"],
+            "plan": ["m", "--devices", "2"], "demo": []}  # fmt: skip
+"""What each subcommand's parser requires: a misspelt flag after these is the only mistake."""
+
+
+def _parse_error(argv: list[str], capsys) -> str:
+    """The parser's stderr for ``argv``, which it must refuse with exit 2."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    return err
+
+
+def _misspelt(flag: str) -> str:
+    """``--max-batch-size`` -> ``--max-batch-sise``: one letter of the name's second half changed."""
+    i = len(flag) * 3 // 4
+    return flag[:i] + ("x" if flag[i] != "x" else "y") + flag[i + 1 :]
+
+
+def _long_flags() -> list[tuple[str, str]]:
+    return [
+        (command, flag)
+        for command, parser in sorted(_subparsers().items())
+        for flag in parser._option_string_actions
+        if flag.startswith("--") and flag != "--help" and len(flag) >= 7
+    ]
+
+
+@pytest.mark.parametrize("command, flag", _long_flags())
+def test_a_misspelt_flag_is_named_by_its_subcommand_with_the_closest(command, flag, capsys):
+    """``hsdp serve m --max-batch-sise 2`` was the top-level parser's ``usage: hsdp [-h] {demo,...}`` and
+    ``unrecognized arguments``, with no hint; now ``hsdp serve`` names it and the flag meant."""
+    wrong = _misspelt(flag)
+    err = _parse_error([command, *REQUIRED[command], wrong, "2"], capsys)
+    assert err.count("\n") == 1 and err.startswith(f"hsdp {command}: error: unrecognized arguments: {wrong} 2"), err
+    assert f"did you mean {flag}?" in err, err
+
+
+def test_several_misspelt_flags_each_get_their_closest(capsys):
+    err = _parse_error(["serve", "m", "--max-batch-sise", "2", "--prot", "8000"], capsys)
+    assert "did you mean --max-batch-size for --max-batch-sise, --port for --prot?" in err, err
+
+
+def _required_flags() -> list[tuple[str, str]]:
+    return [
+        (command, action.option_strings[0] if action.option_strings else action.dest)
+        for command, parser in sorted(_subparsers().items())
+        for action in parser._actions
+        if action.required
+    ]
+
+
+@pytest.mark.parametrize("command, flag", _required_flags())
+def test_a_missing_required_flag_is_one_line_naming_it(command, flag, capsys):
+    """It was the whole usage (about 50 lines for ``hsdp train``) before the message."""
+    argv = list(REQUIRED[command])
+    if flag.startswith("--"):
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    else:
+        argv.remove("m")
+    err = _parse_error([command, *argv], capsys)
+    assert err.count("\n") == 1 and "required" in err and flag in err and "--help" in err, err
+
+
+def _choice_actions() -> list[tuple[str, str, str]]:
+    return [
+        (command, action.option_strings[0], str(choice))
+        for command, parser in sorted(_subparsers().items())
+        for action in parser._actions
+        if action.option_strings and action.choices
+        for choice in action.choices
+        if len(str(choice)) >= 4
+    ]
+
+
+@pytest.mark.parametrize("command, flag, choice", _choice_actions())
+def test_a_value_out_of_a_parser_set_suggests_the_closest(command, flag, choice, capsys):
+    err = _parse_error([command, *REQUIRED[command], flag, choice[:-1]], capsys)
+    assert err.count("\n") == 1 and flag in err and f"did you mean {choice}?" in err, err
+
+
+def test_a_misspelt_subcommand_suggests_the_closest(capsys):
+    err = _parse_error(["generat"], capsys)
+    assert err.count("\n") == 1 and "did you mean generate?" in err, err
+
+
+SET_VALUES = [
+    # (command, model, flag, misspelt, meant): sets checked by the libraries' own lists before any rank starts
+    ("generate", "tiny-wan", "--attention-backend", "nativ", "native"),
+    ("generate", "tiny-llama", "--attention-backend", "sdap", "sdpa"),
+    ("generate", "tiny-wan", "--strategy", "ful_shard", "FULL_SHARD"),
+    ("generate", "tiny-wan", "--param-dtype", "bf61", "bf16"),
+    ("generate", "tiny-wan", "--cache", "first-blok", "first-block"),
+    ("train", "tiny-llama", "--report-to", "tensorbord", "tensorboard"),
+    ("train", "tiny-llama", "--export-dtype", "bfloat61", "bfloat16"),
+    ("train", "tiny-llama", "--export-format", "diffuser", "diffusers"),
+    ("plan", "tiny-wan", "--dtype", "fp23", "fp32"),
+    ("plan", "tiny-wan", "--param-dtype", "bf61", "bf16"),
+]
+
+
+@pytest.mark.parametrize("command, model, flag, wrong, meant", [pytest.param(*v, id=f"{v[0]}-{v[2]}-{v[3]}") for v in SET_VALUES])
+def test_a_value_out_of_a_library_set_suggests_the_closest(command, model, flag, wrong, meant, models, paths, nothing_starts, capsys):
+    """``--attention-backend nativ`` listed diffusers' 30 backends and left the user to find ``native``."""
+    base = _base(command, models, paths["root"], next(_COUNTER))
+    base = [str(models[model]) if b == str(models["tiny-wan"]) else b for b in base]
+    if command == "generate" and model == "tiny-llama":
+        base = base[: base.index("--output")]
+    outcome, err = _run([command, *base, flag, wrong], capsys)
+    assert outcome == "2" and flag in err and f"did you mean {meant}?" in err, (outcome, err[-2000:])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from hsdp.suggest import did_you_mean
+
 __all__ = ["attention_backend_problems", "set_attention_backend"]
 
 _TORCH_SDPA_DEVICE = {"_native_cudnn": "cuda", "_native_flash": "cuda", "_native_efficient": "cuda",
@@ -29,7 +31,8 @@ def _diffusers_problems(name: str, device_type: str, context_parallel: bool) -> 
 
     names = sorted(b.value for b in _AttentionBackendRegistry.list_backends())
     if name not in names:
-        return [f"--attention-backend {name}: diffusers has no such backend; it has {', '.join(names)}"]
+        return [f"--attention-backend {name}: diffusers has no such backend{did_you_mean(name, names)}; it has "
+                f"{', '.join(names)}"]  # fmt: skip
     backend = AttentionBackendName(name)
     problems = []
     try:
@@ -57,7 +60,8 @@ def _transformers_problems(name: str, device_type: str) -> list[str]:
 
     names = sorted({"eager", *(k for k in ALL_ATTENTION_FUNCTIONS if "|" not in k)})
     if name not in names:
-        return [f"--attention-backend {name}: transformers has no such attention implementation; it has "
+        return [f"--attention-backend {name}: transformers has no such attention implementation"
+                f"{did_you_mean(name, names)}; it has "
                 f"{', '.join(names)}"]  # fmt: skip
     if name.startswith("flash_attention") and device_type != "cuda":
         return [f"--attention-backend {name}: FlashAttention runs on CUDA devices and this machine computes on "

@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection
 from typing import Literal, NoReturn, get_args
 
 from hsdp.config import ParallelConfig, ShardingStrategy
-from hsdp.errors import HANDLED, exit_code, format_problem
+from hsdp.errors import HANDLED, USAGE_EXIT, exit_code, format_problem
+from hsdp.suggest import closest, did_you_mean
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -133,12 +134,45 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     return ParallelConfig(**values).resolved()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with messages a user can act on: a value out of a set names the closest one, and an error is one
+    line saying where the full list is (argparse printed the whole usage, ~50 lines for ``hsdp train``)."""
+
+    def _check_value(self, action: argparse.Action, value) -> None:
+        if action.choices is not None and value not in action.choices:
+            names = ", ".join(map(str, action.choices))
+            hint = did_you_mean(str(value), map(str, action.choices))
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {names}){hint}")
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
+
+
+class _SubcommandParser(_Parser):
+    """A subcommand reports its own unknown flags, each with its closest known flag: argparse hands them to the
+    top-level parser, whose usage lists only the subcommands (``usage: hsdp [-h] {demo,...}``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(_unrecognized(extras, [k for k in self._option_string_actions if k.startswith("--")]))
+        return namespace, extras
+
+
+def _unrecognized(extras: list[str], known: list[str]) -> str:
+    """``unrecognized arguments: --max-batch-sise 2; did you mean --max-batch-size?``"""
+    flags = [a.split("=", 1)[0] for a in extras if a.startswith("--")]
+    matches = {flag: match for flag in flags if (match := closest(flag, known))}
+    hint = ", ".join(m if len(flags) == 1 else f"{m} for {f}" for f, m in matches.items())
+    return f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {hint}?" if hint else "")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``only`` (the subcommand about to run), the other subcommands keep just their
     names and help lines and their modules are not imported: each brings its own stack (the engine, the trainer
     with torch's DCP, the planner), about 1 s of CPU that every ``hsdp`` command paid."""
-    parser = argparse.ArgumentParser(prog="hsdp", description=__doc__.splitlines()[0], allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hsdp", description=__doc__.splitlines()[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     for name, (module_name, help_text) in COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if only in (None, name):

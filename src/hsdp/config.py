@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hsdp.suggest import did_you_mean
+
 __all__ = ["ParallelConfig", "ShardingStrategy", "ConfigError", "DTYPES"]
 
 
@@ -53,7 +55,10 @@ class ShardingStrategy(str, enum.Enum):
             return cls(str(value).upper())
         except ValueError:
             choices = ", ".join(s.value for s in cls)
-            raise ConfigError([f"sharding_strategy={value!r} is unknown; choose one of {choices}"]) from None
+            hint = did_you_mean(str(value).upper(), [s.value for s in cls])
+            raise ConfigError(
+                [f"--strategy / sharding_strategy={value!r} is unknown; choose one of {choices}{hint}"]
+            ) from None
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -69,7 +74,7 @@ DTYPES: dict[str, torch.dtype] = {
 def _dtype_problem(flag: str, value: str | None) -> str | None:
     if value is None or value in DTYPES:
         return None
-    return f"{flag}={value!r} is not a dtype; use one of {', '.join(sorted(DTYPES))}"
+    return f"{flag}={value!r} is not a dtype; use one of {', '.join(sorted(DTYPES))}{did_you_mean(value, DTYPES)}"
 
 
 @dataclass(frozen=True, kw_only=True)

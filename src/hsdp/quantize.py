@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from hsdp.suggest import did_you_mean
+
 logger = logging.getLogger("hsdp")
 
 __all__ = [
@@ -241,7 +243,8 @@ def weight_dtype_problem(weight_dtype: str | None, device_type: str, *, training
     if weight_dtype is None:
         return None
     if weight_dtype not in WEIGHT_DTYPES:
-        return f"--weight-dtype {weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
+        return (f"--weight-dtype {weight_dtype!r} is not one of {', '.join(WEIGHT_DTYPES)}"
+                f"{did_you_mean(weight_dtype, WEIGHT_DTYPES)}")  # fmt: skip
     if training:
         return (
             f"--weight-dtype {weight_dtype} stores frozen 8-bit weights for inference; training needs "

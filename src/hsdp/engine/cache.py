@@ -37,6 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from hsdp.suggest import did_you_mean
+
 logger = logging.getLogger("hsdp")
 
 __all__ = ["CACHE_CLASSES", "available_caches", "cache_problems", "build_cache_config", "StepCache"]
@@ -101,7 +103,7 @@ def build_cache_config(
     an unknown name or field, or a value the class rejects."""
     classes = available_caches()
     if name not in classes:
-        raise ValueError(f"--cache {name}: unknown cache; available: {', '.join(classes)}")
+        raise ValueError(f"--cache {name}: unknown cache{did_you_mean(name, classes)}; available: {', '.join(classes)}")
     cls = classes[name]
     declared = {f.name: f for f in dataclasses.fields(cls)}
     values = {**DEFAULT_FIELDS.get(name, {}), **(fields or {})}

@@ -16,6 +16,7 @@ from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
 from hsdp.planning.search import Plan, plan
+from hsdp.suggest import did_you_mean
 
 __all__ = ["add_arguments", "run", "command_line", "throughput_command_line"]
 
@@ -112,7 +113,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if not value > 0
     ]
     problems += [
-        f"{flag}={value!r} is not a dtype; use one of {', '.join(sorted(DTYPES))}"
+        f"{flag}={value!r} is not a dtype; use one of {', '.join(sorted(DTYPES))}{did_you_mean(value, DTYPES)}"
         for flag, value in (("--dtype", args.dtype), ("--param-dtype", args.param_dtype))
         if value is not None and value not in DTYPES
     ]

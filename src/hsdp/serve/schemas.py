@@ -7,7 +7,6 @@ Field bounds here are absolute (they appear in ``/openapi.json``); the server's 
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from hsdp.serve.settings import ServeLimits
+from hsdp.suggest import closest
 
 __all__ = [
     "ApiError",
@@ -86,7 +86,7 @@ EXTRA_ARGS_HINT = "other arguments of the pipeline's __call__ go in extra_args"
 def closest_fields(names: Iterable[str], known: Iterable[str]) -> dict[str, str | None]:
     """Each unknown name's closest known one (difflib), or None."""
     known = sorted(known)
-    return {name: next(iter(difflib.get_close_matches(name, known, n=1)), None) for name in names}
+    return {name: closest(name, known) for name in names}
 
 
 def unknown_fields_problem(closest: dict[str, str | None], hint: str = "", prefix: str = "") -> str:

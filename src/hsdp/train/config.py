@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdp.config import DTYPES, ParallelConfig
+from hsdp.suggest import did_you_mean
 from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
 
@@ -282,7 +283,8 @@ class TrainConfig:
                 "--param-dtype and --mixed-precision both set the compute dtype; use --mixed-precision only"
             )
         if self.export_dtype is not None and self.export_dtype not in DTYPES:
-            out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}")
+            hint = did_you_mean(self.export_dtype, DTYPES)
+            out.append(f"--export-dtype={self.export_dtype!r}: use one of {', '.join(sorted(DTYPES))}{hint}")
         out.extend(self._lora_problems())
         out.extend(self._export_format_problems())
         out.extend(self._export_folder_problems())
@@ -371,9 +373,10 @@ class TrainConfig:
         formats = self.export_formats(diffusers=True)
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
+            hints = "".join(did_you_mean(f, FORMATS) for f in unknown)
             return [
                 f"--export-format={self.export_format!r}: {', '.join(map(repr, unknown))} is not a format; use one "
-                f"or several (comma-separated) of {', '.join(FORMATS)}"
+                f"or several (comma-separated) of {', '.join(FORMATS)}{hints}"
             ]
         if len(set(formats)) < len(formats):
             return [f"--export-format={self.export_format!r} names a format twice"]

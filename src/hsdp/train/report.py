@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+from hsdp.suggest import did_you_mean
+
 __all__ = ["REPORTERS", "Reporter", "report_problems", "make_reporter", "step_metrics", "write_summary"]
 
 REPORTERS = ("none", "tensorboard", "wandb")
@@ -30,7 +32,7 @@ class Reporter(Protocol):
 
 def report_problems(report_to: str, output_dir: str | None, logging_dir: str | None) -> list[str]:
     if report_to not in REPORTERS:
-        return [f"--report-to={report_to!r}: use one of {', '.join(REPORTERS)}"]
+        return [f"--report-to={report_to!r}: use one of {', '.join(REPORTERS)}{did_you_mean(report_to, REPORTERS)}"]
     if report_to == "none":
         return []
     package = _PACKAGES[report_to]
