@@ -192,7 +192,7 @@ def test_family_metadata_read_from_diffusers(model_cache):
         ("tiny-flux", SamplingParams(num_frames=5), "num_frames: FluxPipeline takes no num_frames"),
         ("tiny-flux", SamplingParams(height=72), "height=72 must be a positive multiple of 16 for FLUX.1"),
         ("tiny-sdxl", SamplingParams(pipeline_kwargs={"strenght": 0.5}), "takes no strenght"),
-        ("tiny-flux-kontext", SamplingParams(image=b"not an image"), "--image: not a readable image"),
+        ("tiny-flux-kontext", SamplingParams(image=b"not an image"), "--image: a text file, not a readable image"),
     ],
 )
 def test_bad_inputs_refused_before_start(name, params, needle, model_cache):

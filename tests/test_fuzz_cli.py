@@ -371,3 +371,56 @@ def test_a_value_out_of_a_library_set_suggests_the_closest(command, model, flag,
         base = base[: base.index("--output")]
     outcome, err = _run([command, *base, flag, wrong], capsys)
     assert outcome == "2" and flag in err and f"did you mean {meant}?" in err, (outcome, err[-2000:])
+
+
+@pytest.fixture(scope="module")
+def kinds(paths) -> dict[str, Path]:
+    """Files of one kind, some named as another: what a user passes by mistake."""
+    from safetensors.torch import save_file
+
+    from tests.engine_refs import input_image
+
+    folder = paths["root"] / "kinds"
+    folder.mkdir(exist_ok=True)
+    input_image(32).save(folder / "picture.png")
+    png = (folder / "picture.png").read_bytes()
+    (folder / "picture.txt").write_bytes(png)
+    (folder / "picture.safetensors").write_bytes(png)
+    save_file({"w": __import__("torch").zeros(2)}, folder / "weights.safetensors")
+    (folder / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(64))
+    (folder / "notes.txt").write_text("a fox jumps over the lazy dog\n")
+    return {p.name: p for p in folder.iterdir()}
+
+
+WRONG_KINDS = [
+    # (command, model, flag, file, what it is, what was expected): the file's kind and the flag's kind, named
+    ("generate", "tiny-wan", "--lora", "picture.png", "a PNG image", "LoRA"),
+    ("generate", "tiny-wan", "--lora", "picture.safetensors", "a PNG image", "LoRA"),
+    ("serve", "tiny-wan", "--lora", "picture.png", "a PNG image", "LoRA"),
+    ("train", "tiny-llama", "--lora-adapter", "clip.mp4", "an MP4 / MOV video", "LoRA"),
+    ("generate", "tiny-wan-i2v", "--image", "notes.txt", "a text file", "image"),
+    ("generate", "tiny-wan-i2v", "--image", "weights.safetensors", "a safetensors file", "image"),
+    ("generate", "tiny-wan-i2v", "--image", "clip.mp4", "an MP4 / MOV video", "image"),
+    ("train", "tiny-llama", "--data", "picture.txt", "a PNG image", "text"),
+    ("train", "tiny-llama", "--eval-data", "clip.mp4", "an MP4 / MOV video", "text"),
+]
+
+
+@pytest.mark.parametrize(
+    "command, model, flag, name, what, expected",
+    [pytest.param(*case, id=f"{case[0]}-{case[2]}-{case[3]}") for case in WRONG_KINDS],
+)
+def test_a_file_of_the_wrong_kind_says_what_it_is_and_what_was_expected(
+    command, model, flag, name, what, expected, models, paths, kinds, nothing_starts, capsys
+):
+    """A PNG given as ``--lora`` was "no such folder (nor a .safetensors file)"; a text given as ``--image`` was
+    PIL's ``cannot identify image file <_io.BytesIO object at 0x...>``."""
+    base = _base(command, models, paths["root"], next(_COUNTER))
+    model_dir = models.get(model) or builtin(model, models["tiny-wan"].parent)
+    base = [str(model_dir) if b in (str(models["tiny-wan"]), str(models["tiny-llama"])) else b for b in base]
+    if flag in base:
+        i = base.index(flag)
+        base = base[:i] + base[i + 2 :]
+    outcome, err = _run([command, *base, flag, str(kinds[name])], capsys)
+    assert outcome == "2" and flag in err and "Traceback" not in err, (outcome, err[-2000:])
+    assert what in err and expected in err and "BytesIO" not in err, err[-2000:]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hsdp.file_kinds import describe
 from hsdp.loading import local_slices
 from hsdp.lora_formats import as_peft_folder
 from hsdp.lora_state import ADAPTER, ADAPTER_WEIGHTS, LORA_KEY, adapter_state, full_tensor, peft_key
@@ -150,11 +151,21 @@ def adapter_config(folder: str | Path, model_dir: Path, flag: str, *, lora_file:
     pipeline's denoiser (converted by :func:`hsdp.lora_formats.as_peft_folder`; inference only). Reads only
     small files (configs and safetensors headers, a LoRA file whole); problems are ``ValueError`` naming ``flag``."""
     is_file = Path(folder).is_file() and Path(folder).suffix == ".safetensors"
+    what = describe(folder)
+    if Path(folder).is_file() and what != "a safetensors file":  # a picture, a checkpoint, a text: say so
+        raise ValueError(
+            f"{flag} {folder}: {what}, not a LoRA; pass a peft adapter folder (adapter_config.json and "
+            f"{ADAPTER_WEIGHTS}), a diffusers LoRA folder (pytorch_lora_weights.safetensors)"
+            + (" or a LoRA .safetensors file" if lora_file else "")
+        )
     if is_file and not lora_file:
         raise ValueError(
             f"{flag} {folder}: a LoRA file; {flag} takes a peft adapter folder or a diffusers LoRA folder (hsdp "
             "generate and hsdp serve --lora read LoRA files)"
         )
+    if Path(folder).is_file() and not is_file:
+        raise ValueError(f"{flag} {folder}: a safetensors file; name it {Path(folder).stem}.safetensors (LoRA files "
+                         "are told from folders by that suffix)")  # fmt: skip
     if not Path(folder).is_dir() and not is_file:
         raise ValueError(
             f"{flag} {folder}: no such folder (nor a .safetensors file); pass a peft adapter folder "

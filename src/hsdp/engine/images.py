@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsdp.file_kinds import describe_bytes
+
 __all__ = ["load_image", "ImageInput", "MAX_IMAGE_PIXELS"]
 
 ImageInput = Any
@@ -43,7 +45,9 @@ def load_image(value: ImageInput, field: str, *, max_side: int | None = None):
             image = Image.open(io.BytesIO(data))
             _check_size(image.size, field, max_side)  # from the header, before decoding the pixels
             image.load()
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(_unreadable(field, value, data, exc)) from exc
+        except Image.DecompressionBombError as exc:
             raise ValueError(f"{field}: not a readable image ({exc})") from exc
     _check_size(image.size, field, max_side)
     mode = _MODES.get(field, "RGB")
@@ -53,6 +57,15 @@ def load_image(value: ImageInput, field: str, *, max_side: int | None = None):
         except (ValueError, OSError) as exc:
             raise ValueError(f"{field}: cannot convert mode {image.mode} to {mode} ({exc})") from exc
     return image
+
+
+def _unreadable(field: str, value: ImageInput, data: bytes, exc: Exception) -> str:
+    """What the data is and what was expected: PIL's own message names only its ``BytesIO`` object (``cannot
+    identify image file <_io.BytesIO object at 0x...>``), or a format it guessed from two bytes."""
+    what = describe_bytes(data[:4096]) + (f" ({value})" if isinstance(value, (str, os.PathLike)) else "")
+    if what.split(" (")[0].endswith("image"):  # the right kind, but damaged or in a mode PIL does not read
+        return f"{field}: not a readable image: {what} that PIL cannot decode ({exc})"
+    return f"{field}: {what}, not a readable image; pass a PNG, JPEG or WebP image (any format PIL reads)"
 
 
 def _check_size(size: tuple[int, int], field: str, max_side: int | None) -> None:

@@ -669,6 +669,20 @@ def check_attention_backend(cfg: TrainConfig, kind: str) -> None:
         raise TrainConfigError("; ".join(problems))
 
 
+def _records_file_problem(flag: str, path: Path) -> str | None:
+    """A causal LM's data file that is another kind of file than its name says (a picture named .txt, a
+    checkpoint named .json), named from its first bytes, before a rank fails decoding it."""
+    from hsdp.file_kinds import describe
+
+    what = describe(path)
+    if path.suffix == ".parquet" or what in ("a text file", "a JSON file", "an empty file"):
+        return None
+    return (
+        f"{flag} {path}: {what}, not text; a causal LM trains on one .txt, .jsonl, .json or .parquet file (a "
+        "diffusers pipeline trains on a folder of images or videos with captions)"
+    )
+
+
 def preflight(cfg: TrainConfig) -> Preflight:
     """Check settings and inputs without loading the model; raise :class:`TrainConfigError` on any problem."""
     from hsdp.models.builtin import resolve_model
@@ -691,6 +705,9 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(f"--data {cfg.data}: no such file")
     if cfg.eval_data and not Path(cfg.eval_data).is_file():
         raise TrainConfigError(f"--eval-data {cfg.eval_data}: no such file")
+    for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if path and (problem := _records_file_problem(flag, Path(path))):
+            raise TrainConfigError(problem)
     if cfg.validation_prompts:
         raise TrainConfigError("--validation-prompt: validation samples are for diffusion pipelines")
     if cfg.export_format and cfg.export_formats(diffusers=False) != ("peft",) and not _is_diffusers_folder(model_dir):
