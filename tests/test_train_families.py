@@ -124,6 +124,30 @@ def test_train_component_is_checked_before_ranks_start(heldout):
         diffusion_training(str(folders["wan2.2-a14b"]), height=32, width=32, component="all")
 
 
+def test_a_size_the_pipeline_refuses_in_code_is_found_before_ranks_start(heldout, tmp_path, monkeypatch, capsys):
+    """LTX checks multiples of 32 in ``check_inputs``, not in anything the bucketing reads (its VAE takes multiples
+    of 4 here): a 40 x 24 bucket was a traceback on every rank after loading; now ``hsdp train`` exits 2 with the
+    pipeline's own message before any rank starts (issue 34)."""
+    from PIL import Image
+
+    from hsdp.cli import main
+    from hsdp.train import run
+
+    def launched(*args, **kwargs):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(run, "_launch", launched)
+    folders, _ = heldout
+    for i in range(2):
+        Image.fromarray(np.zeros((40, 24, 3), np.uint8)).save(tmp_path / f"tall{i}.png")
+        (tmp_path / f"tall{i}.txt").write_text("a tall picture")
+    argv = ["train", "--model", str(folders["ltx"]), "--data", str(tmp_path), "--resolution", "40", "--lora-r", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the 1 x 40 x 24 size bucket (frames x height x width, 2 item(s)) is refused by LTXPipeline: `height` " \
+           "and `width` have to be divisible by 32 but are 40 and 24" in err, err  # fmt: skip
+
+
 @pytest.mark.parametrize("name", FULL)
 def test_heldout_family_full_finetune_hsdp2_equals_one_process(name, heldout, sharded):
     """Full fine-tuning: losses within 1e-5 and every weight within what AdamW makes of rounding-level gradient

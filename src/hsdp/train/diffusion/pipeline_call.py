@@ -53,6 +53,7 @@ __all__ = [
     "PaddingMask",
     "DenoiserCalls",
     "call_arguments",
+    "size_problem",
     "encode_captions",
     "prompt_layout",
     "batch_prompts",
@@ -109,6 +110,51 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
     return args
+
+
+_ANY_SIZE = (1536, 1536)
+"""A size every pipeline's own checks take (a multiple of every VAE factor and patch), to tell a refused size from
+arguments :func:`size_problem` guessed wrong."""
+
+
+def size_problem(pipe, size: tuple[int, int], frames: int) -> str | None:
+    """The pipeline's own message refusing ``size`` x ``frames`` (LTX: "`height` and `width` have to be divisible by
+    32"), from its ``check_inputs`` called with the arguments ``__call__`` passes for a training step (the rest at
+    ``__call__``'s defaults), or None. Read before ranks start, where the recording of the call would raise it on
+    every rank after loading. A check that fails at a size every pipeline takes as well speaks of the guessed
+    arguments, not of the size: None then (the recording names it)."""
+    check = getattr(pipe, "check_inputs", None)
+    if check is None:
+        return None
+
+    def problem(at: tuple[int, int]) -> str | None:
+        try:
+            check(**_check_arguments(pipe, check, at, frames))
+        except ValueError as exc:
+            return str(exc)
+        except Exception:  # an argument this guess does not make (a pipeline's own check of other inputs)
+            return None
+        return None
+
+    found = problem(size)
+    return found if found is not None and problem(_ANY_SIZE) is None else None
+
+
+def _check_arguments(pipe, check: Callable, size: tuple[int, int], frames: int) -> dict:
+    """``check_inputs``'s arguments as ``__call__`` passes them for one training step: the step's own
+    (:func:`call_arguments`), else ``__call__``'s default of that name, else its own default, else None."""
+    ours = call_arguments(pipe, [""], size, frames)
+    defaults = {n: p.default for n, p in inspect.signature(type(pipe).__call__).parameters.items()
+                if p.default is not inspect.Parameter.empty}  # fmt: skip
+    arguments = {}
+    for name, param in inspect.signature(check).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in ours or name in defaults:
+            arguments[name] = ours.get(name, defaults.get(name))
+        elif param.default is inspect.Parameter.empty:
+            arguments[name] = None
+    return arguments
 
 
 @contextmanager

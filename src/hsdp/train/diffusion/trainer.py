@@ -89,6 +89,7 @@ from hsdp.train.diffusion.pipeline_call import (
     batch_prompts,
     encode_captions,
     prompt_layout,
+    size_problem,
 )
 from hsdp.train.trainer import Trainer, TrainResult
 
@@ -257,15 +258,32 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     model_dir = resolve_model(cfg.model)
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
-    spec = media_spec(meta_pipeline(model_dir), model_dir, component)
+    pipe = meta_pipeline(model_dir)
+    spec = media_spec(pipe, model_dir, component)
     try:
         dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
         raise TrainConfigError(str(exc)) from exc
+    _check_bucket_sizes(cfg, pipe, dataset)
     if os.environ.get("RANK", "0") == "0":  # once, also under torchrun (every process checks before joining)
         logger.info("%s", dataset.summary(cfg.data))
     if cfg.eval_data:
         evaluation.open_eval_media(cfg, spec)
+
+
+def _check_bucket_sizes(cfg: TrainConfig, pipe, dataset: MediaDataset) -> None:
+    """Every size bucket is one the pipeline's own ``check_inputs`` takes (:func:`size_problem`): a size it checks in
+    code (LTX: multiples of 32) is refused here with its message, not by each rank after loading."""
+    sizes = dict.fromkeys((b.frames, b.height, b.width) for b in dataset.buckets)
+    for frames, height, width in sizes:
+        problem = size_problem(pipe, (height, width), frames)
+        if problem is not None:
+            count = sum((b.frames, b.height, b.width) == (frames, height, width) for b in dataset.buckets)
+            raise TrainConfigError(
+                f"--data {cfg.data}: the {frames} x {height} x {width} size bucket (frames x height x width, "
+                f"{count} item(s)) is refused by {type(pipe).__name__}: {problem.rstrip('.')}; resize those files or pick a "
+                "--resolution it takes"
+            )
 
 
 def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) -> None:
