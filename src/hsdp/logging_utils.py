@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import warnings
 
 
 class _Stderr(logging.StreamHandler):
@@ -35,3 +37,57 @@ def configure_logging(rank: int | None = None, level: str | None = None) -> None
     handler.setFormatter(formatter)
     logger.addHandler(handler)
     logger.propagate = False
+    quiet_known_warnings()
+
+
+# Third-party warnings hsdp's own use makes every run, each shown harmless, filtered by its exact message and the
+# module that issues it (never a category or a whole library: the same library's other warnings still show).
+KNOWN_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    # (message regex, issuing module, why it is harmless here)
+    (
+        r"Should have tb<=t1 but got tb=",
+        r"torchsde\._brownian\.brownian_interval",
+        "diffusers' BrownianTreeNoiseSampler (CosineDPMSolverMultistepScheduler: Stable Audio) queries the last step "
+        "at sigma_max as a float a rounding error past the tree's t1, which torchsde clamps to t1: the query meant",
+    ),
+    (
+        r"Already found a `peft_config` attribute in the model\. This will lead to having multiple adapters in the "
+        r"model\. Make sure to know what you are doing!",
+        r"peft\.tuners\.tuners_utils",
+        "several adapters on one model is what hsdp composes on purpose (--lora a=... --lora b=..., a served LoRA "
+        "beside another), each under its own name (tests/test_lora_multi.py compares them with peft in one process)",
+    ),
+    (
+        r"FSDP2-wrapped module \(FSDPChromaTransformer2DModel\) returned a view tensor\.",
+        r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
+        "Chroma's transformer returns proj_out of a slice (its image tokens), a view; nothing writes to it in place, "
+        "so the root's pre-backward hook stays and its gradients are right: Chroma trained at HSDP 2 equals one "
+        "process, LoRA and full fine-tuning (tests/test_train_families.py::test_heldout_family_lora_hsdp2_equals_"
+        "one_process[chroma] and ::test_heldout_family_full_finetune_hsdp2_equals_one_process[chroma], 1e-5)",
+    ),
+)
+
+TRANSFORMERS_TORCHVISION_FALLBACK = re.compile(
+    r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back to `\w+ImageProcessorPil` "
+)
+"""transformers' notice (``transformers.utils.import_utils``, a logger record, not a warning) that an image
+processor without torchvision is its PIL class, on every ``hsdp train`` that loads a pipeline with one: the PIL
+class is what the name meant before transformers' image-processor refactor (its backward-compatible path), and
+hsdp's training and inference never ask for torchvision's."""
+
+
+class _KnownRecord(logging.Filter):
+    """Drops the one transformers record of :data:`TRANSFORMERS_TORCHVISION_FALLBACK` from its logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not TRANSFORMERS_TORCHVISION_FALLBACK.match(record.getMessage())
+
+
+def quiet_known_warnings() -> None:
+    """Filter :data:`KNOWN_WARNINGS` and the transformers record above, in this process (the CLI and each rank
+    call it through :func:`configure_logging`); idempotent."""
+    for message, module, _why in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module + r"\Z")
+    source = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _KnownRecord) for f in source.filters):
+        source.addFilter(_KnownRecord())
