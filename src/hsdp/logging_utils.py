@@ -60,7 +60,8 @@ KNOWN_WARNINGS: tuple[tuple[str, str, str], ...] = (
     (
         r"FSDP2-wrapped module \(FSDPChromaTransformer2DModel\) returned a view tensor\.",
         r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
-        "Chroma's transformer returns proj_out of a slice (its image tokens), a view; nothing writes to it in place, "
+        "Chroma's transformer returns its proj_out's output, which torch makes a view (nn.Linear on a 3-D input "
+        "reshapes a 2-D product); nothing writes to it in place, "
         "so the root's pre-backward hook stays and its gradients are right: Chroma trained at HSDP 2 equals one "
         "process, LoRA and full fine-tuning (tests/test_train_families.py::test_heldout_family_lora_hsdp2_equals_"
         "one_process[chroma] and ::test_heldout_family_full_finetune_hsdp2_equals_one_process[chroma], 1e-5)",
