@@ -154,3 +154,43 @@ def test_a_command_imports_only_its_own_subcommand_module(monkeypatch, capsys):
         cli.main(["plan", "--help"])
     assert exited.value.code == 0 and "--device-memory" in capsys.readouterr().out
     assert imported == ["hsdp.planning.cli"]
+
+
+def _flat_help(command: str) -> str:
+    return " ".join(_help(command).split())  # argparse wraps lines; compare words
+
+
+def test_generate_output_help_lists_every_format_written():
+    """``--output`` listed no audio format while ``hsdp generate`` writes .wav, .flac and .mp3 (issue 34)."""
+    from hsdp.engine.outputs import SUFFIXES
+
+    text = _flat_help("generate")
+    help_line = text[text.rindex("--output OUTPUT") :][:400]  # the options list, after the usage line
+    for kind, suffixes in SUFFIXES.items():
+        for suffix in suffixes:
+            assert suffix in help_line, (kind, suffix, help_line)
+
+
+def test_train_help_describes_diffusion_data_and_targets():
+    """``hsdp train --help`` described ``--data`` and ``--lora-target-modules`` for causal LMs only (issue 34)."""
+    from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS
+
+    text = _flat_help("train")
+    data = text[text.rindex("--data DATA") :][:400]
+    assert "diffusers pipeline" in data and "folder of images or videos" in data and "metadata.jsonl" in data
+    targets = text[text.rindex("--lora-target-modules NAME") :][:300]
+    assert "causal LM" in targets and all(name in targets for name in DEFAULT_LORA_TARGETS), targets
+
+
+@pytest.mark.parametrize("doc", ["serving.md", "inference.md"])
+def test_docs_say_wan22_takes_lora_and_name_the_test_that_shows_it(doc):
+    """docs/serving.md said a pipeline with two denoisers (Wan 2.2) takes no LoRA, docs/inference.md that it is
+    refused, while tests/test_lora_formats.py serves and generates with an adapter on each expert (issue 34)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs" / doc).read_text().split())
+    assert "(Wan2.2) takes none" not in text and "(Wan 2.2) are refused" not in text
+    named = "test_serve_lora_applies_both_experts" if doc == "serving.md" else "test_generate_lora_applies_both_experts"
+    assert "Wan 2.2 A14B) takes an adapter for both experts" in text and named in text
+    assert f"def {named}(" in (root / "tests" / "test_lora_formats.py").read_text()

@@ -99,8 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         default=None,
-        help="video: .mp4 or .gif (default output.mp4); images: .png, .jpg or .webp (default output.png; "
-        "several images get numbered names); text: a file (default: print)",
+        # hsdp.engine.outputs.SUFFIXES (tests/test_cli_contract.py checks each is here); not imported: the engine's stack
+        help="video: .mp4 or .gif (default output.mp4); images: .png, .jpg, .jpeg or .webp (default output.png; "
+        "several images get numbered names); audio: .wav, .flac or .mp3 (default output.wav); text: a file "
+        "(default: print)",
     )
     add_engine_arguments(parser)
     parser.add_argument(

@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         required=True,
-        help=".txt, or .jsonl / .json / .parquet records with 'text', 'prompt' + 'completion', or 'messages'",
+        help="a causal LM: .txt, or .jsonl / .json / .parquet records with 'text', 'prompt' + 'completion', or "
+        "'messages'; a diffusers pipeline: a folder of images or videos with same-name .txt captions, or a "
+        "metadata.jsonl / .csv with file_name and text columns (docs/training-diffusion.md)",
     )
     parser.add_argument("--text-key", default="text", help="field holding plain text")
     parser.add_argument(
@@ -112,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="NAME",
-        help="layers to adapt (default: every linear layer but the output head)",
+        help="layers to adapt (default: a causal LM's every linear layer but the output head; a diffusers "
+        "denoiser's attention projections to_q to_k to_v to_out.0)",
     )
     parser.add_argument(
         "--lora-adapter",
