@@ -103,7 +103,7 @@ def build_cache_config(
     an unknown name or field, or a value the class rejects."""
     classes = available_caches()
     if name not in classes:
-        raise ValueError(f"--cache {name}: unknown cache{did_you_mean(name, classes)}; available: {', '.join(classes)}")
+        raise ValueError(f"--cache {name}: unknown cache; available: {', '.join(classes)}{did_you_mean(name, classes)}")
     cls = classes[name]
     declared = {f.name: f for f in dataclasses.fields(cls)}
     values = {**DEFAULT_FIELDS.get(name, {}), **(fields or {})}
