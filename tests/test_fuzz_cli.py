@@ -11,6 +11,7 @@ for the sign sweep, where a value may be valid; a failure for the values that ar
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 from pathlib import Path
 
@@ -263,11 +264,17 @@ REQUIRED = {"generate": ["--model", "m", "--prompt", "p"], "serve": ["m"], "trai
 """What each subcommand's parser requires: a misspelt flag after these is the only mistake."""
 
 
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """The whole command line, built once for the parse-only cases (a parse leaves the parser as it was)."""
+    return cli.build_parser()
+
+
 def _parse_error(argv: list[str], capsys) -> str:
     """The parser's stderr for ``argv``, which it must refuse with exit 2."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
-        cli.build_parser().parse_args(argv)
+        _parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2, err
     return err
