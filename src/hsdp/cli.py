@@ -33,6 +33,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsdp.planning.cli",
         "will it fit, and how fast: per-rank memory and traffic of every layout, from the config",
     ),
+    "download": (
+        "hsdp.models.cli",
+        "fetch a Hugging Face Hub model (org/name) into the Hugging Face cache ahead of time",
+    ),
 }
 
 
@@ -131,6 +135,34 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     if "reshard_after_forward" in values:
         values["reshard_after_forward"] = _RESHARD[values["reshard_after_forward"]]
     return ParallelConfig(**values).resolved()
+
+
+def add_revision_argument(parser: argparse.ArgumentParser) -> None:
+    """``--revision`` of a Hugging Face Hub name (the model argument as ``org/name``)."""
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hugging Face Hub name (org/name): the branch, tag or commit to load (default: main)",
+    )
+
+
+def resolve_model_argument(args: argparse.Namespace, *, headers_only: bool = False) -> None:
+    """Resolve ``args.model`` once, before any rank needs it: a Hugging Face Hub name becomes its local snapshot
+    (downloaded once per node; ``headers_only``: configs and safetensors headers only, for planning), kept as
+    given in ``args.model_name``. A path or a built-in name is left as it is (resolved where it is used)."""
+    from pathlib import Path
+
+    from hsdp.models.builtin import BUILTIN_MODELS, resolve_model
+    from hsdp.models.hub import is_hub_name, plan_snapshot
+
+    args.model_name = args.model
+    revision = getattr(args, "revision", None)
+    hub = is_hub_name(str(args.model)) and not Path(args.model).expanduser().exists() and args.model not in BUILTIN_MODELS
+    if not hub:
+        if revision:
+            raise ValueError(f"--revision {revision} applies to a Hugging Face Hub name (org/name); {args.model} is not one")
+        return
+    args.model = str(plan_snapshot(args.model, revision) if headers_only else resolve_model(args.model, revision=revision))
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -15,7 +15,13 @@ import sys
 import threading
 from pathlib import Path
 
-from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import (
+    ALL_PARALLEL_GROUPS,
+    add_parallel_arguments,
+    add_revision_argument,
+    parallel_config_from_args,
+    resolve_model_argument,
+)
 from hsdp.engine.cli import add_engine_arguments
 from hsdp.serve.settings import ServeLimits, ServeSettings
 
@@ -26,8 +32,11 @@ API_KEY_ENV = "HSDP_API_KEY"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="built-in name (tiny-wan, tiny-llama) or a diffusers / Hugging Face model folder"
+        "model",
+        help="built-in name (tiny-wan, tiny-llama), a diffusers / Hugging Face model folder, or a Hugging Face Hub "
+        "name (org/name)",
     )
+    add_revision_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument(
@@ -147,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     leads the engine, the other ranks follow it headless (:mod:`hsdp.engine.leader`)."""
     from hsdp import distributed
 
+    resolve_model_argument(args)  # a hub name: downloaded (once per node) before the engine starts
+    args.served_model_name = args.served_model_name or args.model_name  # clients keep using the name given
     if not distributed.launched_by_torchrun():
         return _serve(args, None)
     from hsdp.engine.leader import LeaderRanks, follow
