@@ -146,16 +146,43 @@ def add_revision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_single_file_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--transformer FILE`` / ``--transformer-2 FILE`` / ``--vae FILE``: single-file checkpoints over the model."""
+    from hsdp.models.single_file import SINGLE_FILE_FLAGS
+
+    group = parser.add_argument_group("single-file checkpoints (docs/loading.md; converted by diffusers' converters)")
+    for component, flag in SINGLE_FILE_FLAGS.items():
+        group.add_argument(
+            flag,
+            dest=f"single_file_{component}",
+            default=None,
+            metavar="FILE",
+            help=f"a single .safetensors file (original / ComfyUI key layout) for the pipeline's {component}",
+        )
+
+
 def resolve_model_argument(args: argparse.Namespace, *, headers_only: bool = False) -> None:
     """Resolve ``args.model`` once, before any rank needs it: a Hugging Face Hub name becomes its local snapshot
     (downloaded once per node; ``headers_only``: configs and safetensors headers only, for planning), kept as
-    given in ``args.model_name``. A path or a built-in name is left as it is (resolved where it is used)."""
+    given in ``args.model_name``. A path or a built-in name is left as it is (resolved where it is used). With
+    single-file checkpoints (``--transformer FILE``...), the model becomes the pipeline folder with those converted
+    (:func:`hsdp.models.single_file.with_single_files`)."""
+    args.model_name = args.model
+    files = {k.removeprefix("single_file_"): v for k, v in vars(args).items() if k.startswith("single_file_") and v}
+    _resolve_name(args, headers_only=headers_only and not files)
+    if files:
+        from hsdp.models.builtin import resolve_model
+        from hsdp.models.single_file import with_single_files
+
+        args.model = str(with_single_files(resolve_model(args.model), files))
+
+
+def _resolve_name(args: argparse.Namespace, *, headers_only: bool) -> None:
     from pathlib import Path
 
     from hsdp.models.builtin import BUILTIN_MODELS, resolve_model
     from hsdp.models.hub import is_hub_name, plan_snapshot
 
-    args.model_name = args.model
     revision = getattr(args, "revision", None)
     hub = is_hub_name(str(args.model)) and not Path(args.model).expanduser().exists() and args.model not in BUILTIN_MODELS
     if not hub:

@@ -12,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hsdp.cli import add_revision_argument, resolve_model_argument
+from hsdp.cli import add_revision_argument, add_single_file_arguments, resolve_model_argument
 from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(org/name: only its configs and safetensors headers are fetched)",
     )
     add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
     parser.add_argument(
         "--device-memory",

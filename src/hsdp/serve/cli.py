@@ -19,6 +19,7 @@ from hsdp.cli import (
     ALL_PARALLEL_GROUPS,
     add_parallel_arguments,
     add_revision_argument,
+    add_single_file_arguments,
     parallel_config_from_args,
     resolve_model_argument,
 )
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "name (org/name)",
     )
     add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument(

@@ -15,6 +15,7 @@ from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import (
     add_parallel_arguments,
     add_revision_argument,
+    add_single_file_arguments,
     parallel_config_from_args,
     resolve_model_argument,
 )
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model folder, Hugging Face Hub name (org/name) or built-in name (default tiny-llama)",
     )
     add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument(
         "--data",
         required=True,
