@@ -198,3 +198,23 @@ def test_plan_of_a_hub_name_reads_only_configs_and_headers(repo_folder, tmp_path
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # no weights in the Hugging Face cache
     local = _hsdp("plan", str(repo_folder), "--devices", "2", "--json", env=env)
     assert json.loads(done.stdout) == json.loads(local.stdout)
+
+
+def test_load_pretrained_takes_a_hub_name(offline_cache):
+    """The library: ``load_pretrained("org/name", subfolder=...)`` and ``resolve_model`` (what ``Engine`` calls) read the cached
+    snapshot offline; a revision the cache does not hold is an error naming it."""
+    script = (
+        "import torch; from hsdp.loading import load_pretrained; from hsdp.models.builtin import resolve_model\n"
+        f"m = load_pretrained({REPO!r}, subfolder='transformer', dtype=torch.float32)\n"
+        f"print(sum(p.numel() for p in m.parameters()), resolve_model({REPO!r}).name)\n"
+        f"try:\n    resolve_model({REPO!r}, revision='v9')\nexcept FileNotFoundError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=_env(offline_cache, None, HF_HUB_OFFLINE="1"),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    count, name = done.stdout.splitlines()[0].split()
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() for t in load_file(resolve_model("tiny-wan") / "transformer" / "diffusion_pytorch_model.safetensors").values())
+    assert int(count) == stored and name == COMMIT
+    assert "model 'org/tiny-wan' at revision 'v9' is not in the Hugging Face cache" in done.stdout

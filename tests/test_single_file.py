@@ -117,3 +117,24 @@ def test_single_file_errors_name_the_flag(comfy_file, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"--transformer .*wrong.safetensors: after diffusers' conversion for "
                                          r"WanTransformer3DModel, \d+ keys are missing"):  # fmt: skip
         with_single_files(wan, {"transformer": wrong})
+
+
+def test_a_renaming_converter_never_loads_the_file(comfy_file, tmp_path, monkeypatch):
+    """Wan's converter only renames: found on empty tensors, so the converted file is the same bytes under
+    diffusers' names, streamed; no process loads the file's tensors (load_file would fail here)."""
+    import safetensors.torch
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    real_load = safetensors.torch.load_file
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole single file was loaded")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    folder = with_single_files(resolve_model("tiny-wan"), {"transformer": comfy_file})
+    monkeypatch.setattr(safetensors.torch, "load_file", real_load)
+    converted = real_load(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    expected = convert_wan_transformer_to_diffusers(real_load(comfy_file))
+    assert converted.keys() == expected.keys() and all(torch.equal(converted[k], expected[k]) for k in expected)
+    assert (folder / "vae").resolve() == (resolve_model("tiny-wan") / "vae").resolve()  # the base's, linked
