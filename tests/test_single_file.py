@@ -138,3 +138,30 @@ def test_a_renaming_converter_never_loads_the_file(comfy_file, tmp_path, monkeyp
     expected = convert_wan_transformer_to_diffusers(real_load(comfy_file))
     assert converted.keys() == expected.keys() and all(torch.equal(converted[k], expected[k]) for k in expected)
     assert (folder / "vae").resolve() == (resolve_model("tiny-wan") / "vae").resolve()  # the base's, linked
+
+
+def test_wan22_experts_as_two_files_and_the_whole_file_path(comfy_file, tmp_path, monkeypatch):
+    """Wan 2.2's two experts (``--transformer`` and ``--transformer-2``) each from its own file; and the path for
+    converters that compute tensors (here forced: the whole file through diffusers' converter) gives the same."""
+    import shutil
+
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    import hsdp.models.single_file as single_file
+
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "wan22"
+    shutil.copytree(resolve_model("tiny-wan"), base)
+    shutil.copytree(base / "transformer", base / "transformer_2")
+    index = json.loads((base / "model_index.json").read_text())
+    index |= {"transformer_2": index["transformer"], "boundary_ratio": 0.875}
+    (base / "model_index.json").write_text(json.dumps(index))
+    low = tmp_path / "low_noise.safetensors"
+    save_file({k: v * 0.5 for k, v in load_file(comfy_file).items()}, low)
+    monkeypatch.setattr(single_file, "_renames", lambda stored, converted: None)  # as for a computing converter
+    folder = with_single_files(base, {"transformer": comfy_file, "transformer_2": low})
+    for component, file in (("transformer", comfy_file), ("transformer_2", low)):
+        converted = load_file(folder / component / "diffusion_pytorch_model.safetensors")
+        expected = convert_wan_transformer_to_diffusers(load_file(file))
+        assert converted.keys() == expected.keys() and all(torch.equal(converted[k], expected[k]) for k in expected)
+    assert json.loads((folder / "model_index.json").read_text())["boundary_ratio"] == 0.875

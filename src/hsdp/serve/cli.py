@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from hsdp import distributed
 
     resolve_model_argument(args)  # a hub name: downloaded (once per node) before the engine starts
-    args.served_model_name = args.served_model_name or args.model_name  # clients keep using the name given
+    if args.model != args.model_name and not args.served_model_name:
+        args.served_model_name = args.model_name  # clients keep using the name given, not the snapshot's path
     if not distributed.launched_by_torchrun():
         return _serve(args, None)
     from hsdp.engine.leader import LeaderRanks, follow
