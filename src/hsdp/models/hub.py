@@ -243,7 +243,8 @@ def _message(repo_id: str, revision: str | None, exc: BaseException) -> str | No
     if isinstance(exc, RepositoryNotFoundError):
         token = "with the HF_TOKEN given" if _has_token() else "and no HF_TOKEN is set"
         return (
-            f"{name}: the hub has no such repository, or it is private {token} ({_status(exc)}); check the name, "
+            f"{name} is not a local folder, and the hub has no such repository, or it is private {token} "
+            f"({_status(exc)}); check the path or name, "
             "or set HF_TOKEN (or run `hf auth login`) with a token that can read it"
         )
     if isinstance(exc, RevisionNotFoundError):
