@@ -198,6 +198,13 @@ def test_plan_of_a_hub_name_reads_only_configs_and_headers(repo_folder, tmp_path
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # no weights in the Hugging Face cache
     local = _hsdp("plan", str(repo_folder), "--devices", "2", "--json", env=env)
     assert json.loads(done.stdout) == json.loads(local.stdout)
+    # offline afterwards: the plan again from those headers; a command that loads weights says they are not cached
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    again = _hsdp("plan", REPO, "--devices", "2", "--json", env=offline)
+    assert again.returncode == 0 and json.loads(again.stdout) == json.loads(local.stdout), again.stderr
+    refused = _hsdp("download", REPO, env=offline)
+    assert refused.returncode == 2 and "lacks ['text_encoder', 'transformer', 'vae'] or their weights" in refused.stderr
+    assert "only what `hsdp plan` fetched" in refused.stderr, refused.stderr
 
 
 def test_load_pretrained_takes_a_hub_name(offline_cache):

@@ -79,13 +79,20 @@ def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
     from huggingface_hub import HfApi, constants
 
     if constants.is_offline_mode():
-        return _cached_snapshot(repo_id, revision)
+        try:
+            return _cached_snapshot(repo_id, revision)
+        except HubError:  # weights not cached: the header stand-ins an online plan left, if any
+            snapshot = _cached_folder(repo_id, revision)
+            stand_ins = snapshot and _headers_folder(repo_id, snapshot.name)
+            if stand_ins and (stand_ins / ".complete").exists():
+                return stand_ins
+            raise
     commit, files = _repo_files(repo_id, revision)
     chosen = pipeline_files(files, _model_index(repo_id, commit, files))
     weights = [f for f in chosen if f.endswith(".safetensors")]
     text = [f for f in chosen if f not in weights and not f.endswith(".bin")]
     snapshot = _snapshot(repo_id, revision, text, local_only=False, progress=False)
-    folder = default_cache_dir() / "hub-headers" / repo_id.replace("/", "--") / snapshot.name
+    folder = _headers_folder(repo_id, snapshot.name)
     for name in text:
         target = folder / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,32 +104,56 @@ def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
             with _hub_errors(repo_id, revision):
                 header = api.parse_safetensors_file_metadata(repo_id, name, revision=snapshot.name)
             _write_header_stand_in(folder / name, header)
+    (folder / ".complete").write_text("")
     return folder
 
 
-def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
-    """Offline: the cached snapshot, checked by ``huggingface_hub`` against the repository listing it cached for
-    the files the pipeline loads (a component folder missing altogether is named here)."""
+def _headers_folder(repo_id: str, commit: str) -> Path:
+    return default_cache_dir() / "hub-headers" / repo_id.replace("/", "--") / commit
+
+
+def _cached_folder(repo_id: str, revision: str | None) -> Path | None:
+    """The cached snapshot folder of ``revision`` (as far as any of its configs is cached), or None."""
     from huggingface_hub import try_to_load_from_cache
 
     for probe in ("model_index.json", "config.json"):
         found = try_to_load_from_cache(repo_id, probe, revision=revision)
         if isinstance(found, str):
-            snapshot = Path(found).parent
-            break
-    else:  # huggingface_hub's own error for a snapshot not cached, with our message
+            return Path(found).parent
+    return None
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
+    """Offline: the cached snapshot, checked by ``huggingface_hub`` against the repository listing it cached for
+    the files the pipeline loads (a component folder missing altogether is named here)."""
+    snapshot = _cached_folder(repo_id, revision)
+    if snapshot is None:  # huggingface_hub's own error for a snapshot not cached, with our message
         return _snapshot(repo_id, revision, None, local_only=True, progress=False)
     files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
     index_file = snapshot / "model_index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else None
     chosen = pipeline_files(files, index)
-    missing = [k for k, v in (index or {}).items() if _is_component(v) and not any(f.startswith(f"{k}/") for f in chosen)]
+    folders = [k for k, v in index.items() if _is_component(v)] if index else [""]
+    missing = [k or "." for k in folders if not _has_weights_if_a_model([f for f in chosen if _parent(f) == k])]
     if missing:
         raise HubError(
-            f"model {repo_id!r}: the cached snapshot {snapshot} lacks the components {missing} (an interrupted or "
-            f"partial download); run `hsdp download {repo_id}` where the hub can be reached"
+            f"model {repo_id!r}: the cached snapshot {snapshot} lacks {missing} or their weights (an interrupted or "
+            f"partial download, or only what `hsdp plan` fetched); run `hsdp download {repo_id}` where the hub can "
+            "be reached"
         )
     return _snapshot(repo_id, revision, chosen, local_only=True, progress=False)
+
+
+def _parent(file: str) -> str:
+    parent = str(PurePosixPath(file).parent)
+    return "" if parent == "." else parent
+
+
+def _has_weights_if_a_model(files: list[str]) -> bool:
+    """A folder holds something, and a model's folder (its ``config.json``) holds weights too (tokenizers and
+    schedulers have none)."""
+    names = {PurePosixPath(f).name for f in files}
+    return bool(names) and ("config.json" not in names or any(n.endswith(_WEIGHTS) for n in names))
 
 
 def _write_header_stand_in(path: Path, header: object) -> None:
