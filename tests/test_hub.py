@@ -225,3 +225,14 @@ def test_load_pretrained_takes_a_hub_name(offline_cache):
     stored = sum(t.numel() for t in load_file(resolve_model("tiny-wan") / "transformer" / "diffusion_pytorch_model.safetensors").values())
     assert int(count) == stored and name == COMMIT
     assert "model 'org/tiny-wan' at revision 'v9' is not in the Hugging Face cache" in done.stdout
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(offline_cache, tmp_path):
+    """No network and HF_HUB_OFFLINE unset (the endpoint refuses connections): the cached snapshot serves, as in
+    diffusers and transformers; with nothing cached, the message says so instead of a traceback."""
+    done = _hsdp("download", REPO, env=_env(offline_cache, None))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(offline_cache / "models--org--tiny-wan" / "snapshots" / COMMIT)
+    empty = _hsdp("download", REPO, env=_env(tmp_path / "empty", None))
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr
+    assert f"model '{REPO}': cannot reach the hub at http://127.0.0.1:9" in empty.stderr

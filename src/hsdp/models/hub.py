@@ -42,6 +42,13 @@ DEFAULT_TIMEOUT_S = 3600.0
 class HubError(FileNotFoundError):
     """A hub name that cannot be resolved: no access, no such revision, offline and not cached, no network."""
 
+    unreachable = False
+    """The hub could not be reached (no network, a dead mirror): the cached snapshot may still serve."""
+
+
+_NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError")
+"""Class names of the connection errors of the HTTP clients huggingface_hub uses (httpx, requests)."""
+
 
 def is_hub_name(name: str) -> bool:
     """``org/name``: the form of a Hugging Face repository id (a path that exists is taken as a path first)."""
@@ -64,6 +71,13 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: bool 
             commit, files = _repo_files(repo_id, revision)
             return _snapshot(repo_id, revision, pipeline_files(files, _model_index(repo_id, commit, files)),
                              local_only=False, progress=progress)
+    except HubError as exc:
+        if not exc.unreachable:
+            raise
+        try:  # as diffusers and transformers do without a network: the cached snapshot, if it is complete
+            return _cached_snapshot(repo_id, revision)
+        except HubError:
+            raise exc from None
     except Timeout:
         raise HubError(
             f"model {repo_id!r}: another process on this machine has held the download lock {lock_path} for "
@@ -247,6 +261,16 @@ def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if any(c.__name__ in _NETWORK_ERRORS for c in type(exc).__mro__):
+            from huggingface_hub import constants
+
+            error = HubError(
+                f"model {repo_id!r}: cannot reach the hub at {constants.ENDPOINT} ({exc}) and the model is not in "
+                f"the Hugging Face cache {constants.HF_HUB_CACHE}; run `hsdp download {repo_id}` where the hub can "
+                "be reached, with the same HF_HOME / HF_HUB_CACHE"
+            )
+            error.unreachable = True
+            raise error from exc
         message = _message(repo_id, revision, exc)
         if message is None:
             raise
@@ -288,8 +312,6 @@ def _message(repo_id: str, revision: str | None, exc: BaseException) -> str | No
         )
     if isinstance(exc, HfHubHTTPError):
         return f"{name}: the hub answered {_status(exc)}: {exc}"
-    if isinstance(exc, OSError) and "connect" in str(exc).lower():
-        return f"{name}: cannot reach the hub at {constants.ENDPOINT} ({exc}); set HF_HUB_OFFLINE=1 to use the cache"
     return None
 
 
