@@ -260,7 +260,7 @@ def test_a_field_of_another_family_exits_2_before_loading(command, model, flags,
 # the closest known flag or value. Parse-time only: nothing is built or loaded.
 
 REQUIRED = {"generate": ["--model", "m", "--prompt", "p"], "serve": ["m"], "train": ["--data", "d"],
-            "plan": ["m", "--devices", "2"], "demo": []}  # fmt: skip
+            "plan": ["m", "--devices", "2"], "demo": [], "download": ["m"]}  # fmt: skip
 """What each subcommand's parser requires: a misspelt flag after these is the only mistake."""
 
 

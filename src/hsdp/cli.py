@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hsdp.planning.cli",
         "will it fit, and how fast: per-rank memory and traffic of every layout, from the config",
     ),
+    "download": (
+        "hsdp.models.cli",
+        "fetch a Hugging Face Hub model (org/name) into the Hugging Face cache ahead of time",
+    ),
 }
 
 
@@ -165,6 +169,61 @@ def _unrecognized(extras: list[str], known: list[str]) -> str:
     matches = {flag: match for flag in flags if (match := closest(flag, known))}
     hint = ", ".join(m if len(flags) == 1 else f"{m} for {f}" for f, m in matches.items())
     return f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {hint}?" if hint else "")
+
+
+def add_revision_argument(parser: argparse.ArgumentParser) -> None:
+    """``--revision`` of a Hugging Face Hub name (the model argument as ``org/name``)."""
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hugging Face Hub name (org/name): the branch, tag or commit to load (default: main)",
+    )
+
+
+def add_single_file_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--transformer FILE`` / ``--transformer-2 FILE`` / ``--vae FILE``: single-file checkpoints over the model."""
+    from hsdp.models.single_file import SINGLE_FILE_FLAGS
+
+    group = parser.add_argument_group("single-file checkpoints (docs/loading.md; converted by diffusers' converters)")
+    for component, flag in SINGLE_FILE_FLAGS.items():
+        group.add_argument(
+            flag,
+            dest=f"single_file_{component}",
+            default=None,
+            metavar="FILE",
+            help=f"a single .safetensors file (original / ComfyUI key layout) for the pipeline's {component}",
+        )
+
+
+def resolve_model_argument(args: argparse.Namespace, *, headers_only: bool = False) -> None:
+    """Resolve ``args.model`` once, before any rank needs it: a Hugging Face Hub name becomes its local snapshot
+    (downloaded once per node; ``headers_only``: configs and safetensors headers only, for planning), kept as
+    given in ``args.model_name``. A path or a built-in name is left as it is (resolved where it is used). With
+    single-file checkpoints (``--transformer FILE``...), the model becomes the pipeline folder with those converted
+    (:func:`hsdp.models.single_file.with_single_files`)."""
+    args.model_name = args.model
+    files = {k.removeprefix("single_file_"): v for k, v in vars(args).items() if k.startswith("single_file_") and v}
+    _resolve_name(args, headers_only=headers_only and not files)
+    if files:
+        from hsdp.models.builtin import resolve_model
+        from hsdp.models.single_file import with_single_files
+
+        args.model = str(with_single_files(resolve_model(args.model), files))
+
+
+def _resolve_name(args: argparse.Namespace, *, headers_only: bool) -> None:
+    from pathlib import Path
+
+    from hsdp.models.builtin import BUILTIN_MODELS, resolve_model
+    from hsdp.models.hub import is_hub_name, plan_snapshot
+
+    revision = getattr(args, "revision", None)
+    hub = is_hub_name(str(args.model)) and not Path(args.model).expanduser().exists() and args.model not in BUILTIN_MODELS
+    if not hub:
+        if revision:
+            raise ValueError(f"--revision {revision} applies to a Hugging Face Hub name (org/name); {args.model} is not one")
+        return
+    args.model = str(plan_snapshot(args.model, revision) if headers_only else resolve_model(args.model, revision=revision))
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -396,6 +396,16 @@ def _to_empty_split(model: nn.Module, device: torch.device, host: set[int]) -> N
             fsdp_param.reset_sharded_param()
 
 
+def _local_folder(path: str | Path, revision: str | None, subfolder: str | None) -> Path:
+    """``path``, or a hub name's snapshot (:func:`hsdp.models.builtin.resolve_model`), then its ``subfolder``."""
+    folder = Path(path)
+    if not folder.exists() or revision is not None:
+        from hsdp.models.builtin import resolve_model
+
+        folder = resolve_model(path, revision=revision)
+    return folder / subfolder if subfolder else folder
+
+
 def load_pretrained(
     path: str | Path,
     parallel_config: ParallelConfig | None = None,
@@ -410,6 +420,8 @@ def load_pretrained(
     weight_dtype: str | None = None,
     plan: ShardPlan | Callable[[nn.Module], ShardPlan] | None = None,
     model_config: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+    subfolder: str | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
@@ -420,13 +432,15 @@ def load_pretrained(
     checkpoint is validated and before sharding, e.g. to inject LoRA adapters; parameters it adds are left
     uninitialised for the caller to fill. ``plan`` overrides the shard plan
     :func:`~hsdp.shard_rules.resolve_plan` would pick: a plan, or a function of the empty model that returns one
-    (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``model_config`` sets fields over a diffusers model's
+    (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``path`` may be a Hugging Face Hub name
+    (``org/name`` at ``revision``; ``subfolder``: a pipeline's component, e.g. ``transformer``): every rank resolves
+    it, one per node downloads (:mod:`hsdp.models.hub`). ``model_config`` sets fields over a diffusers model's
     ``config.json`` (:func:`build_empty_model`). ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
     each rank quantizing its rows as it reads them (:mod:`hsdp.quantize`; needs ``use_hsdp``). Needs the process
     group to be initialised when the layout has more than one rank.
     """
     started = time.perf_counter()
-    folder = Path(path)
+    folder = _local_folder(path, revision, subfolder)
     config = (parallel_config or ParallelConfig()).resolved()
     cls = model_class or model_class_for(folder)
     if weight_dtype is not None and not config.use_hsdp:

@@ -17,7 +17,14 @@ import math
 import sys
 from pathlib import Path
 
-from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import (
+    ALL_PARALLEL_GROUPS,
+    add_parallel_arguments,
+    add_revision_argument,
+    add_single_file_arguments,
+    parallel_config_from_args,
+    resolve_model_argument,
+)
 from hsdp.models.builtin import builtin_names
 
 __all__ = ["add_arguments", "add_engine_arguments", "run"]
@@ -41,8 +48,12 @@ def json_object(text: str) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", required=True, help=f"a local model folder or a built-in name ({builtin_names()})"
+        "--model",
+        required=True,
+        help=f"a local model folder, a Hugging Face Hub name (org/name) or a built-in name ({builtin_names()})",
     )
+    add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several requests")
     parser.add_argument("--negative-prompt", default=None, help="for the unconditional guidance branch")
     video = parser.add_argument_group(
@@ -281,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     from hsdp.launch import WorkerError
     from hsdp.models.builtin import resolve_model
 
+    resolve_model_argument(args)  # a hub name: downloaded (once per node) before any rank starts
     try:  # everything checkable is checked before any process starts
         config = parallel_config_from_args(args)
         info = inspect_model(resolve_model(args.model))

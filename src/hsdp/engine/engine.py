@@ -129,9 +129,11 @@ class Engine:
         vae_parallel: bool | None = None,
         vae_tiling: bool = False,
         vae_slicing: bool = False,
+        revision: str | None = None,
     ):
-        """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
-        Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
+        """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder, a Hugging
+        Face causal-LM folder or a Hugging Face Hub name (``org/name``, at ``revision``; downloaded here, once
+        per node, before any rank starts: :mod:`hsdp.models.hub`). ``dtype`` converts the sharded components (default: as stored).
         ``forward_prefetch`` chains explicit all-gather prefetch through the blocks. ``progress`` shows a bar
         over denoising steps (rank 0). ``call_timeout_s`` bounds each ``generate`` call (None: no limit; a
         dead worker is still noticed at once). ``workers``: an existing group of ``world_size`` ranks to load
@@ -162,7 +164,7 @@ class Engine:
         from hsdp.engine.compile import compile_problems
 
         self.config = (parallel_config or ParallelConfig()).resolved()
-        self.info = inspect_model(resolve_model(model))
+        self.info = inspect_model(resolve_model(model, revision=revision))
         self.cache, self.cache_config, self.compiled = cache, cache_config, compile
         problems = layout_problems(self.info, self.config) + weight_dtype_problems(weight_dtype, self.config)
         problems += cache_problems(cache, cache_config, self.info, self.config)

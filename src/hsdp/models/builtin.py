@@ -2,7 +2,8 @@
 
 ``resolve_model("tiny-llama")`` returns a folder laid out exactly like a downloaded Hugging Face model
 (``config.json``, ``model.safetensors``, tokenizer files), so everything downstream uses the normal loading path.
-A path that exists is returned as is; anything else is an error that lists the built-in names.
+A path that exists is returned as is; an ``org/name`` that is neither is a Hugging Face Hub name
+(:mod:`hsdp.models.hub`); anything else is an error that lists the built-in names.
 
 A cached folder is complete when its ``.complete`` marker holds the model's version (:data:`BUILTIN_VERSIONS`); a
 folder written by an older version of a built-in (another tokenizer, another size) is written again.
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hsdp.models.hub import download_model, is_hub_name
 from hsdp.models.registry import BUILTIN_MODELS, BUILTIN_VERSIONS, register_builtin
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama, default_cache_dir
 
@@ -45,16 +47,22 @@ def builtin_names() -> str:
     return ", ".join(sorted(BUILTIN_MODELS))
 
 
-def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
-    """A local folder for a model path or a built-in name, writing the built-in model on first use."""
+def resolve_model(
+    name_or_path: str | os.PathLike, cache_dir: Path | None = None, *, revision: str | None = None
+) -> Path:
+    """A local folder for a model path, a built-in name (written on first use) or a Hugging Face Hub name
+    (``org/name``: its snapshot in the Hugging Face cache, downloading only what the pipeline loads; ``revision``:
+    a branch, tag or commit, default ``main``; :mod:`hsdp.models.hub`)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
     name = str(name_or_path)
     if name not in BUILTIN_MODELS:
+        if is_hub_name(name):
+            return _hub_snapshot(name, revision)
         raise FileNotFoundError(
-            f"model {name!r} is neither an existing path nor a built-in model ({builtin_names()}); "
-            "pass a local Hugging Face or diffusers folder (there is no model hub download)"
+            f"model {name!r} is neither an existing path nor a built-in model ({builtin_names()}) nor a Hugging "
+            "Face Hub name (org/name); pass a local Hugging Face or diffusers folder, or a hub repository id"
         )
     folder = (cache_dir or default_cache_dir()) / name
     if _is_current(folder, name):
@@ -69,6 +77,17 @@ def resolve_model(name_or_path: str | os.PathLike, cache_dir: Path | None = None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+_SNAPSHOTS: dict[tuple[str, str | None], Path] = {}
+"""Hub names this process resolved: one lookup per process, whichever command asks again."""
+
+
+def _hub_snapshot(name: str, revision: str | None) -> Path:
+    key = (name, revision)
+    if key not in _SNAPSHOTS:
+        _SNAPSHOTS[key] = download_model(name, revision)
+    return _SNAPSHOTS[key]
 
 
 def _write_builtin(name: str, folder: Path) -> None:

@@ -12,6 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from hsdp.cli import add_revision_argument, add_single_file_arguments, resolve_model_argument
 from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
@@ -23,8 +24,12 @@ __all__ = ["add_arguments", "run", "command_line", "throughput_command_line"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="model folder (HF or diffusers pipeline / component) or a built-in name"
+        "model",
+        help="model folder (HF or diffusers pipeline / component), a built-in name, or a Hugging Face Hub name "
+        "(org/name: only its configs and safetensors headers are fetched)",
     )
+    add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
     parser.add_argument(
         "--device-memory",
@@ -164,6 +169,7 @@ def _table(result: Plan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_model_argument(args, headers_only=True)
     try:
         _check_args(args)
         memory = _device_memory(args)
@@ -217,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
         if not work.training and config.request_parallel and config.hsdp_shard_size == 1:
             print("one request runs on one device (the model fits whole there; replicas would repeat its work)")
         extra = _diffusion_train_flags(args) if work.activation_bytes is not None else _lora_flags(args)
-        print(f"run it: {command_line(args.model, result.recommended, work.training, extra)}")
-        throughput = throughput_command_line(args.model, result.recommended, work.training)
+        print(f"run it: {command_line(args.model_name, result.recommended, work.training, extra)}")
+        throughput = throughput_command_line(args.model_name, result.recommended, work.training)
         if throughput:
             slots = config.data_parallel_size
             print(f"for throughput, {slots} requests at a time (one per replica): {throughput}")

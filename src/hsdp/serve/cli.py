@@ -15,7 +15,14 @@ import sys
 import threading
 from pathlib import Path
 
-from hsdp.cli import ALL_PARALLEL_GROUPS, add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import (
+    ALL_PARALLEL_GROUPS,
+    add_parallel_arguments,
+    add_revision_argument,
+    add_single_file_arguments,
+    parallel_config_from_args,
+    resolve_model_argument,
+)
 from hsdp.engine.cli import add_engine_arguments
 from hsdp.serve.settings import ServeLimits, ServeSettings
 
@@ -26,8 +33,12 @@ API_KEY_ENV = "HSDP_API_KEY"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", help="built-in name (tiny-wan, tiny-llama) or a diffusers / Hugging Face model folder"
+        "model",
+        help="built-in name (tiny-wan, tiny-llama), a diffusers / Hugging Face model folder, or a Hugging Face Hub "
+        "name (org/name)",
     )
+    add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8091)
     parser.add_argument(
@@ -147,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     leads the engine, the other ranks follow it headless (:mod:`hsdp.engine.leader`)."""
     from hsdp import distributed
 
+    resolve_model_argument(args)  # a hub name: downloaded (once per node) before the engine starts
+    if args.model != args.model_name and not args.served_model_name:
+        args.served_model_name = args.model_name  # clients keep using the name given, not the snapshot's path
     if not distributed.launched_by_torchrun():
         return _serve(args, None)
     from hsdp.engine.leader import LeaderRanks, follow

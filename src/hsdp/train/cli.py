@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 from hsdp.checkpoint import latest_checkpoint
-from hsdp.cli import add_parallel_arguments, parallel_config_from_args
+from hsdp.cli import (
+    add_parallel_arguments,
+    add_revision_argument,
+    add_single_file_arguments,
+    parallel_config_from_args,
+    resolve_model_argument,
+)
 from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.lora_formats import FORMATS
@@ -29,8 +35,12 @@ logger = logging.getLogger("hsdp")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="tiny-llama", help="model folder or built-in name (default tiny-llama)"
+        "--model",
+        default="tiny-llama",
+        help="model folder, Hugging Face Hub name (org/name) or built-in name (default tiny-llama)",
     )
+    add_revision_argument(parser)
+    add_single_file_arguments(parser)
     parser.add_argument(
         "--data",
         required=True,
@@ -294,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
     if args.summary_json and Path(args.summary_json).is_dir():
         print(f"hsdp train: --summary-json {args.summary_json} is a folder; it names the file to write", file=sys.stderr)
         return 2
+    resolve_model_argument(args)  # a hub name: downloaded (once per node) before any rank starts
     try:
         cfg = config_from_args(args)
         if _names_no_layout(args):
