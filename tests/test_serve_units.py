@@ -382,6 +382,20 @@ def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, monkeypatch, arg
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["default", "tiny-flux", "base"])
+def test_an_adapter_named_like_the_base_is_refused_at_start(tmp_path, capsys, monkeypatch, name):
+    """Issue 33 item 4: ``--lora default=DIR`` (or the served model's name) was accepted at start-up, and then a
+    request for the base (``model: "default"``) got the adapter; the run-time load already refused such names."""
+    from hsdp.cli import main
+
+    monkeypatch.setattr("hsdp.engine.engine.WorkerGroup", _no_ranks)
+    argv = ["serve", "tiny-flux", "--served-model-name", "base", "--lora", f"{name}={tmp_path}"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"--lora: the adapter name {name!r} is what requests say for the base model" in err, err
+    assert f"--lora {name}-lora=DIR" in err
+
+
 def _no_ranks(*args, **kwargs):
     raise AssertionError("ranks started to load the model before the refusal")
 

@@ -90,6 +90,25 @@ def _await_torchrun_restart(stopped: threading.Event) -> None:
     os._exit(TORCHRUN_RESTART_EXIT)
 
 
+def _base_names(settings: ServeSettings, folder: Path) -> tuple[str, ...]:
+    """What a request's ``model`` may say for the base: ``default``, the served name, ``MODEL`` as given and its
+    folder."""
+    return (DEFAULT_MODEL_ALIAS, settings.name, str(settings.model), str(folder))
+
+
+def adapter_name_problem(name: str, base_names: tuple[str, ...], flag: str) -> str | None:
+    """Why an adapter cannot be served as ``name``: a request's ``model`` naming the base (``base_names``) would
+    get the adapter instead (issue 33 item 4). One check for ``--lora NAME=DIR`` at start-up and
+    ``/v1/load_lora_adapter`` at run time."""
+    if name not in base_names:
+        return None
+    fix = f"e.g. {flag} {name}-lora=DIR" if flag == "--lora" else "pick another name"
+    return (
+        f"{flag}: the adapter name {name!r} is what requests say for the base model "
+        f"({', '.join(repr(n) for n in base_names[:2])}), which the adapter would replace; name it apart ({fix})"
+    )
+
+
 class Server:
     """One model behind one queue. Building it checks what needs no loading (the settings, the model folder);
     ``start`` loads the model (errors surface before the server listens).
@@ -97,7 +116,15 @@ class Server:
 
     def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
-        kind = inspect_model(resolve_model(settings.model)).kind  # from the folder's files: nothing loads yet
+        folder = resolve_model(settings.model)
+        kind = inspect_model(folder).kind  # from the folder's files: nothing loads yet
+        try:
+            startup_adapters = parse_adapters(settings.lora)
+        except ValueError as exc:
+            problems.append(str(exc))
+            startup_adapters = {}
+        base_names = _base_names(settings, folder)
+        problems += [p for name in startup_adapters if (p := adapter_name_problem(name, base_names, "--lora"))]
         if kind == "causal_lm" and settings.max_batch_size > 1:
             problems.append(
                 f"--max-batch-size {settings.max_batch_size}: causal LMs run one request at a time per rank "
@@ -116,7 +143,7 @@ class Server:
         self.runner.job_timeout_s = settings.job_timeout_s
         self.tokenizer = None
         self.max_positions: int | None = None
-        self.startup_adapters: dict[str, Path] = parse_adapters(settings.lora)
+        self.startup_adapters: dict[str, Path] = startup_adapters
         self.adapter_paths: dict[str, Path] = dict(self.startup_adapters)
         """Adapter name -> folder: ``--lora`` and those loaded since, which a restarted engine serves again (those
         that still load) and a restarted server too (:meth:`_recall_adapters`)."""
@@ -282,7 +309,7 @@ class Server:
     # -- checks ----------------------------------------------------------------------------------------------
     def _model_names(self) -> tuple[str, ...]:
         """What a request's ``model`` may say for the base (adapters go by their names)."""
-        return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.model), str(self.info.path))
+        return _base_names(self.settings, self.info.path)
 
     def _not_served(self, requested: str, param: str) -> ApiError:
         served = ", ".join([repr(self.name), *(repr(n) for n in sorted(self.adapter_paths))])
@@ -383,8 +410,11 @@ class Server:
         with self._adapters_lock:
             if self.adapter_paths.get(name) == folder:
                 return
-            if name in self.adapter_paths or name in self._model_names():
+            if name in self.adapter_paths:
                 raise ApiError(400, f"{flag}: the name {name!r} is already served; unload it or pick another")
+            problem = adapter_name_problem(name, self._model_names(), flag)
+            if problem:
+                raise ApiError(400, problem, param=flag)
             engine = self.runner.engine
             if engine is None or engine.closed:
                 raise ApiError(503, f"{flag}: the engine is restarting; retry in a few seconds", code="restarting")
