@@ -348,7 +348,9 @@ class SpeechRequest(DiffusionFields):
         None, description="Accepted and ignored: a text-to-audio pipeline has no voices (the client needs one)"
     )
     instructions: str | None = Field(None, max_length=MAX_TEXT, description="Accepted and ignored")
-    response_format: AudioFormat = Field("mp3", description="OpenAI's default mp3; pcm: 16-bit little-endian")
+    response_format: AudioFormat = Field(
+        "mp3", description="OpenAI's default mp3; pcm as OpenAI's: 24 kHz mono 16-bit little-endian"
+    )
     speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False, description="Only 1.0 is served")
     stream_format: Literal["audio"] | None = Field(None, description="Only the whole file ('audio') is served")
 
@@ -429,6 +431,9 @@ class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    n: int = Field(
+        1, ge=1, le=64, description="Choices: a diffusion model makes n (seeds seed + i); a causal LM answers one"
+    )
     max_tokens: int | None = Field(
         None, ge=1, le=1_000_000, description="Deprecated name of max_completion_tokens"
     )
