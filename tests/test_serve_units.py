@@ -458,9 +458,9 @@ def test_input_images_are_stored_beside_the_record(tmp_path):
 
 
 def test_seconds_become_frames_of_the_model_rule():
-    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(4) == 17  # 16 frames, rounded to 4k+1
-    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(1) == 16
-    assert VideoRequest(prompt="x", seconds=2, num_frames=9).frames(4) == 9
+    assert VideoRequest(prompt="x", seconds=2).frames(4, 8) == 17  # 16 frames, rounded to 4k+1
+    assert VideoRequest(prompt="x", seconds=2).frames(1, 8) == 16
+    assert VideoRequest(prompt="x", seconds=2, num_frames=9).frames(4, 8) == 9
 
 
 def _png(size: int = 8) -> bytes:

@@ -230,20 +230,27 @@ class VideoRequest(DiffusionFields):
     num_frames: int | None = Field(
         None, ge=1, le=4096, description="4k+1 for Wan; None: from seconds, else the model's default"
     )
-    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Frames per second of the mp4")
+    fps: int | None = Field(
+        None,
+        ge=1,
+        le=240,
+        description="Frames per second of the mp4 (and of the pipeline's frame_rate, LTX-2's sound); None: the "
+        f"pipeline's frame_rate default, else {DEFAULT_FPS}",
+    )
     seconds: int | None = Field(
         None,
         ge=1,
         le=3600,
-        description="OpenAI: the length; num_frames = seconds x fps (to the model's rule)",
+        description="OpenAI: the length; num_frames = seconds x fps rounded down to the model's rule (t*k+1)",
     )
     user: str | None = Field(None, max_length=512)
 
-    def frames(self, temporal_factor: int) -> int | None:
-        """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``."""
+    def frames(self, temporal_factor: int, fps: int) -> int | None:
+        """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``
+        (the VAE's temporal compression, :mod:`hsdp.pipeline_sizes`)."""
         if self.num_frames is not None or self.seconds is None:
             return self.num_frames
-        frames = self.seconds * self.fps
+        frames = self.seconds * fps
         return frames // temporal_factor * temporal_factor + 1 if temporal_factor > 1 else frames
 
 
@@ -326,7 +333,9 @@ class ChatImageParams(DiffusionFields):
 
     num_outputs_per_prompt: int = Field(1, ge=1, le=64, description="Images to generate")
     num_frames: int | None = Field(None, ge=1, le=4096, description="Video pipelines")
-    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Video pipelines: frames per second of the mp4")
+    fps: int | None = Field(
+        None, ge=1, le=240, description="Video pipelines: frames per second of the mp4 (as /v1/videos' fps)"
+    )
     output_format: OutputFormat = "png"
     modalities: list[Literal["text", "image", "video", "audio"]] | None = Field(
         None, description="OpenAI: ['audio'] answers in message.audio (audio pipelines)"

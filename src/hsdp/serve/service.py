@@ -25,7 +25,7 @@ from hsdp.engine.adapters import SlotSpec, parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.model_info import inspect_model
-from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
+from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests, frame_rate_args, video_fps
 from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable, answered_by
 from hsdp.serve.media import Upload
@@ -565,7 +565,7 @@ class Server:
         *,
         count: int = 1,
         num_frames: int | None = None,
-        fps: int = DEFAULT_FPS,
+        fps: int | None = None,
         output_format: str = "png",
         image: Upload | None = None,
         mask: Upload | None = None,
@@ -585,7 +585,9 @@ class Server:
                 raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
         extra = request.extra_args or {}
         self._check_extra_args(extra)
-        kwargs = {**extra, **kwargs}
+        # The pipeline generates for the mp4's rate (LTX-2's sound), as hsdp generate --fps; extra_args may override.
+        rate = frame_rate_args(self.info, fps) if kind in ("video", "video_sync") else {}
+        kwargs = {**rate, **extra, **kwargs}
         decoded = {u.engine_field: self._decode(u) for u in (image, mask) if u is not None}
         width, height = self._size(request, decoded.get("image"))
         check_limits(request, self.settings.limits, width, height)
@@ -615,7 +617,7 @@ class Server:
             )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
         adapter = self.adapter_choice(request.model, request.lora)
-        meta = {"fps": fps, "model": answered_by(adapter, self.name), "format": output_format, **adapter}
+        meta = {"fps": self.video_fps(fps), "model": answered_by(adapter, self.name), "format": output_format, **adapter}
         inputs = {u.engine_field: u.data for u in (image, mask) if u is not None}
         return [
             Job(
@@ -629,6 +631,10 @@ class Server:
             )
             for i in range(count)
         ]
+
+    def video_fps(self, fps: int | None) -> int:
+        """The mp4's frame rate: the request's ``fps``, else the pipeline's ``frame_rate`` default, else 16."""
+        return video_fps(self.info, fps, DEFAULT_FPS)
 
     def video_view(self, job: Job) -> VideoJob:
         p = job.params

@@ -63,7 +63,7 @@ async def _video_jobs(server: Server, request: Request, kind: str) -> list[Job]:
     return server.diffusion_jobs(
         body,
         kind,
-        num_frames=body.frames(server.info.temporal_factor),
+        num_frames=body.frames(server.info.temporal_factor, server.video_fps(body.fps)),
         fps=body.fps,
         image=image,
         image_field=REFERENCE,
