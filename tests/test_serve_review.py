@@ -1,6 +1,6 @@
 """Issue 33's silent differences between ``hsdp serve`` and plain diffusers in one process, on a tiny LTX-2 (video and
 its sound) and LTX: the served video's sound is made for the mp4's frame rate (item 2), and frame counts follow the
-pipeline's own rule (item 3).
+pipeline's own rule (item 3); vLLM-Omni's own edit fields are accepted (item 10, on tiny-wan-i2v).
 
 The server here is the real app, service and runner in this process (FastAPI's test client) over an engine
 stand-in that runs the diffusers pipeline in this process, through the engine's own request building
@@ -11,10 +11,12 @@ these items are about is what the server asks of the pipeline, and the sharded e
 from __future__ import annotations
 
 import contextlib
+import io
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from hsdp.engine import GenerationOutput, Timings
 from hsdp.engine.diffusion import _numpy, call_kwargs, sample_rate
@@ -70,17 +72,13 @@ class OneProcessEngine:
                 output_type="np",
                 **kwargs,
             )
+            sound = getattr(result, "audio", None)
+            made = {"frames": result.frames[0]} if hasattr(result, "frames") else {"images": result.images}
+            if sound is not None:
+                made |= {"audio": _numpy(sound)[0], "sample_rate": sample_rate(self.pipe)}
             outputs.append(
                 GenerationOutput(
-                    request.request_id,
-                    request.prompt,
-                    request.seed,
-                    Timings(total_s=0.0),
-                    [0],
-                    "cpu",
-                    frames=result.frames[0],
-                    audio=_numpy(result.audio)[0],
-                    sample_rate=sample_rate(self.pipe),
+                    request.request_id, request.prompt, request.seed, Timings(total_s=0.0), [0], "cpu", **made
                 )
             )
         return outputs
@@ -201,3 +199,34 @@ def test_a_frame_count_off_the_rule_is_refused_with_the_nearest(ltx2, ltx2_pipe,
         job = client.post("/v1/videos", json={"prompt": PROMPT, "seconds": 1, "fps": 8, **SMALL}).json()
         assert job["num_frames"] == 9 and job["fps"] == 8, job
         client.delete(f"/v1/videos/{job['id']}")
+
+
+def test_vllm_omni_edit_fields_are_accepted_applied_or_named_unused(tmp_path):
+    """Issue 33 item 10: vLLM-Omni's benchmark client sends ``bot_task=think`` on ``/v1/images/edits`` (a field of
+    its edits API, with ``sys_type`` and ``system_prompt``), and hsdp answered 400 "bot_task: unknown field". Now
+    every field of OpenAI's or vLLM-Omni's schema for the route is accepted: those the pipeline takes are applied
+    (vLLM-Omni's ``extra_params``, its ``extra_args``, here ``attention_kwargs``), the others are named in
+    ``X-Hsdp-Unused-Fields``; a name neither API knows is still a 400 with the closest known one."""
+    from diffusers import DiffusionPipeline
+
+    from hsdp.models.builtin import resolve_model
+
+    folder = resolve_model("tiny-wan-i2v")
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    image = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(image, format="PNG")
+    files = {"image": ("in.png", image.getvalue(), "application/octet-stream")}
+    form = {"prompt": PROMPT, "size": "32x32", "num_inference_steps": "1", "seed": "3"}
+    vllm_omni = {"bot_task": "think", "sys_type": "en_unified", "system_prompt": "be brief",
+                 "extra_params": '{"attention_kwargs": {"scale": 1.0}}', "output_compression": "90"}  # fmt: skip
+    with served(folder, pipe, tmp_path) as (client, engine):
+        answer = client.post("/v1/images/edits", data={**form, **vllm_omni}, files=files)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["X-Hsdp-Unused-Fields"] == "bot_task, output_compression, sys_type, system_prompt"
+        assert engine.calls[-1]["attention_kwargs"] == {"scale": 1.0} and len(answer.json()["data"]) == 1
+        plain = client.post("/v1/images/edits", data=form, files=files)
+        assert plain.status_code == 200 and "X-Hsdp-Unused-Fields" not in plain.headers
+        assert "attention_kwargs" not in engine.calls[-1]
+        typo = client.post("/v1/images/edits", data={**form, "bot_tsk": "think"}, files=files)
+        assert typo.status_code == 400 and typo.json()["error"]["param"] == "bot_tsk", typo.text
+        assert "bot_tsk: unknown field; did you mean bot_task?" in typo.json()["error"]["message"]

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.adapters import SlotSpec, parse_adapters
@@ -33,6 +33,7 @@ from hsdp.serve.runner import EngineRunner
 from hsdp.serve.schemas import (
     DEFAULT_FPS,
     DEFAULT_MODEL_ALIAS,
+    EXTRA_PARAMS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -107,6 +108,16 @@ def adapter_name_problem(name: str, base_names: tuple[str, ...], flag: str) -> s
         f"{flag}: the adapter name {name!r} is what requests say for the base model "
         f"({', '.join(repr(n) for n in base_names[:2])}), which the adapter would replace; name it apart ({fix})"
     )
+
+
+def _form_value(value: Any) -> Any:
+    """A multipart form's text as the JSON value it spells, else the text itself."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 class Server:
@@ -550,6 +561,24 @@ class Server:
                 param="extra_args",
             )
 
+    def _other_api_args(self, request: DiffusionFields) -> dict:
+        """The other API's fields (:attr:`~hsdp.serve.schemas._Strict.other_fields`) the pipeline's ``__call__``
+        takes, and vLLM-Omni's ``extra_params`` (its ``extra_args``), as pipeline arguments. Form fields come as
+        text: a value that reads as JSON (``4``, ``0.5``, ``true``) is that value."""
+        takes = self.info.call_params - RESERVED_ARGS
+        other = request.other_fields
+        args = {name: _form_value(value) for name, value in other.items() if name in takes}
+        params = _form_value(other.get(EXTRA_PARAMS)) or {}
+        if not isinstance(params, dict):
+            raise ApiError(400, f"{EXTRA_PARAMS}: give a JSON object of pipeline arguments", param=EXTRA_PARAMS)
+        return {**args, **params}
+
+    def unused_fields(self, request: DiffusionFields) -> list[str]:
+        """The other API's fields this request gave that the pipeline does not take: accepted, not applied, and
+        named in the ``X-Hsdp-Unused-Fields`` response header."""
+        takes = self.info.call_params - RESERVED_ARGS
+        return sorted(name for name in request.other_fields if name not in takes and name != EXTRA_PARAMS)
+
     def _size(self, request: DiffusionFields, image: Image | None) -> tuple[int | None, int | None]:
         """``size``/``width``/``height``; ``size='auto'`` with an input image is its size, rounded down to the
         model's spatial multiple (the pipeline refuses other sizes)."""
@@ -583,7 +612,7 @@ class Server:
         for name in kwargs:
             if name not in self.info.call_params:
                 raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
-        extra = request.extra_args or {}
+        extra = {**self._other_api_args(request), **(request.extra_args or {})}
         self._check_extra_args(extra)
         # The pipeline generates for the mp4's rate (LTX-2's sound), as hsdp generate --fps; extra_args may override.
         rate = frame_rate_args(self.info, fps) if kind in ("video", "video_sync") else {}

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hsdp.serve.jobs import Job, answered_by
 from hsdp.serve.media import chat_audio_body, chat_generation, chat_media_body, data_url
-from hsdp.serve.routes.common import ServerDep, run_jobs
+from hsdp.serve.routes.common import ServerDep, run_jobs, unused_headers
 from hsdp.serve.schemas import ApiError, ChatCompletionRequest, ChatImageParams, CompletionRequest
 from hsdp.serve.service import Server
 from hsdp.serve.text import (
@@ -137,7 +137,8 @@ async def _chat_media(server: Server, body: ChatCompletionRequest, request: Requ
     fmt = "mp4" if video else params.output_format
     done = await run_jobs(server, jobs, request)
     urls = [[data_url(j.result, fmt) for j in choice] for choice in _choices(done, per_choice)]
-    return JSONResponse(chat_media_body(_answered_by(server, jobs), params.prompt, urls))
+    body = chat_media_body(_answered_by(server, jobs), params.prompt, urls)
+    return JSONResponse(body, headers=unused_headers(server, params))
 
 
 async def _chat_audio(server: Server, params: ChatImageParams, choices: int, request: Request) -> JSONResponse:
@@ -158,10 +159,11 @@ async def _chat_audio(server: Server, params: ChatImageParams, choices: int, req
     jobs = server.diffusion_jobs(params, "audio", count=choices * per_choice, output_format=fmt)
     done = await run_jobs(server, jobs, request)
     model = done[0].meta.get("model", server.name)
+    headers = unused_headers(server, params)
     if openai_shape:
-        return JSONResponse(chat_audio_body(model, params.prompt, [j.result for j in done]))
+        return JSONResponse(chat_audio_body(model, params.prompt, [j.result for j in done]), headers=headers)
     urls = [[data_url(j.result, fmt) for j in choice] for choice in _choices(done, per_choice)]
-    return JSONResponse(chat_media_body(model, params.prompt, urls, "audio_url"))
+    return JSONResponse(chat_media_body(model, params.prompt, urls, "audio_url"), headers=headers)
 
 
 @router.post("/v1/completions", response_class=Response, responses=_TEXT_OR_SSE)
