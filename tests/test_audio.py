@@ -67,8 +67,20 @@ def test_audio_files_hold_the_waveform(tmp_path):
     assert [p.name for p in paths] == ["two_0.mp3", "two_1.mp3"]
     read, rate = soundfile.read(paths[0], dtype="float32", always_2d=True)
     assert rate == 16000 and abs(read.shape[0] - 4000) < 1200  # mp3 pads to whole frames
-    pcm = np.frombuffer(encode_audio(waveform, 16000, ".pcm"), dtype="<i2").reshape(-1, 2)
-    np.testing.assert_array_equal(pcm.T, np.round(waveform * 32767).astype(np.int16))
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 44100])
+def test_pcm_is_openai_pcm_24khz_mono(rate):
+    """Issue 33 item 6: ``pcm`` was the pipeline's raw samples (8 kHz stereo for tiny-stable-audio), which OpenAI's
+    clients play as 24 kHz mono: 3x too fast, channels interleaved into one. Now a 440 Hz tone in two channels comes
+    back as the 24 kHz mono tone of their mean; away from the ends (the resampler's FIR has no samples beyond
+    them) it is within 1e-3 (the Kaiser filter's passband ripple plus 16-bit rounding, measured 6e-4 at 8 kHz)."""
+    t = np.arange(rate // 2) / rate
+    tone = np.sin(2 * np.pi * 440 * t)
+    pcm = np.frombuffer(encode_audio(np.stack([0.5 * tone, 0.3 * tone]), rate, ".pcm"), dtype="<i2") / 32767
+    assert len(pcm) == 12000  # half a second at 24 kHz, one channel
+    expected = 0.4 * np.sin(2 * np.pi * 440 * np.arange(12000) / 24000)
+    np.testing.assert_allclose(pcm[200:-200], expected[200:-200], atol=1e-3, rtol=0)
 
 
 def test_bad_audio_input_refused_before_loading(model):

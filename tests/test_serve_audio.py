@@ -86,3 +86,54 @@ def test_routes_the_audio_model_cannot_serve_name_the_ones_it_can(server):
         assert "exceeds the 0.256 s" in too_long.json()["error"]["message"]
         fast = client.post("/v1/audio/speech", json={"input": PROMPT, "speed": 2.0})
         assert fast.status_code == 400 and fast.json()["error"]["param"] == "speed"
+
+
+def test_pcm_is_what_openai_clients_play(server, expected):
+    """Issue 33 item 6: ``response_format: "pcm"`` was the pipeline's 8 kHz stereo samples; the ``openai`` SDK's
+    own player reads pcm as 24 kHz mono int16. Read that way, the answer is the one-process waveform's channel mean
+    at 24 kHz (resampled as :func:`hsdp.engine.outputs.openai_pcm` documents), within 16-bit rounding."""
+    import asyncio
+
+    import openai
+    from openai.helpers.local_audio_player import SAMPLE_RATE, LocalAudioPlayer
+    from scipy.signal import resample_poly
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    speech = client.audio.speech.create(
+        model="tiny-stable-audio", input=PROMPT, voice="alloy", response_format="pcm", extra_body=GENERATION
+    )
+    played = asyncio.run(LocalAudioPlayer()._tts_response_to_buffer(speech))  # (samples, 1) float32
+    assert SAMPLE_RATE == 24000 and played.shape == (expected.shape[1] * 3, 1)  # 0.25 s at 24 kHz, mono
+    reference = np.clip(resample_poly(expected.astype(np.float64).mean(axis=0), 3, 1), -1, 1)
+    np.testing.assert_allclose(played[:, 0], reference, atol=PCM16 + 1e-6, rtol=0)
+
+
+def test_chat_audio_makes_n_choices(server, expected):
+    """Issue 33 item 8: chat completions with audio output made one output whatever ``n`` asked (n > 1 was
+    refused outright, ``num_outputs_per_prompt`` ignored). Now ``n`` choices, seeds ``seed + i``: the first is
+    the one-process waveform of seed 5, the second another one (seed 6)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny-stable-audio",
+        messages=[{"role": "user", "content": PROMPT}],
+        modalities=["audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        n=2,
+        extra_body=GENERATION,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    first, second = (_waveform(base64.b64decode(c.message.audio.data)) for c in chat.choices)
+    np.testing.assert_allclose(first, expected, atol=PCM16, rtol=0)
+    assert np.abs(second - first).max() > 0.01  # another seed, not the same output twice
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "n": 2, "num_outputs_per_prompt": 2, **GENERATION}
+        answer = http.post("/v1/chat/completions", json=body)  # vLLM-Omni's shape: audio_url parts per choice
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        assert [len(c["message"]["content"]) for c in choices] == [2, 2]
+        urls = [part["audio_url"]["url"] for c in choices for part in c["message"]["content"]]
+        assert len(set(urls)) == 4  # seeds 5..8
+        too_many = http.post("/v1/chat/completions", json={**body, "n": 3})
+        assert too_many.status_code == 400 and "--max-images" in too_many.json()["error"]["message"]

@@ -382,6 +382,20 @@ def test_cli_refuses_bad_input_before_serving(tmp_path, capsys, monkeypatch, arg
     assert needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["default", "tiny-flux", "base"])
+def test_an_adapter_named_like_the_base_is_refused_at_start(tmp_path, capsys, monkeypatch, name):
+    """Issue 33 item 4: ``--lora default=DIR`` (or the served model's name) was accepted at start-up, and then a
+    request for the base (``model: "default"``) got the adapter; the run-time load already refused such names."""
+    from hsdp.cli import main
+
+    monkeypatch.setattr("hsdp.engine.engine.WorkerGroup", _no_ranks)
+    argv = ["serve", "tiny-flux", "--served-model-name", "base", "--lora", f"{name}={tmp_path}"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"--lora: the adapter name {name!r} is what requests say for the base model" in err, err
+    assert f"--lora {name}-lora=DIR" in err
+
+
 def _no_ranks(*args, **kwargs):
     raise AssertionError("ranks started to load the model before the refusal")
 
@@ -444,9 +458,9 @@ def test_input_images_are_stored_beside_the_record(tmp_path):
 
 
 def test_seconds_become_frames_of_the_model_rule():
-    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(4) == 17  # 16 frames, rounded to 4k+1
-    assert VideoRequest(prompt="x", seconds=2, fps=8).frames(1) == 16
-    assert VideoRequest(prompt="x", seconds=2, num_frames=9).frames(4) == 9
+    assert VideoRequest(prompt="x", seconds=2).frames(4, 8) == 17  # 16 frames, rounded to 4k+1
+    assert VideoRequest(prompt="x", seconds=2).frames(1, 8) == 16
+    assert VideoRequest(prompt="x", seconds=2, num_frames=9).frames(4, 8) == 9
 
 
 def _png(size: int = 8) -> bytes:

@@ -210,17 +210,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def video_fps(info, fps: int | None) -> int:
-    """The written video's frame rate: ``--fps``, else the rate the pipeline generates at (its ``frame_rate``
-    default: LTX-2's sound track is made for it), else 8."""
-    return fps or int(info.defaults.get("frame_rate") or 8)
-
-
-def _frame_rate(info, fps: int | None) -> dict:
-    """``--fps`` for a pipeline that generates for a frame rate (``frame_rate``): the video and its sound match."""
-    return {"frame_rate": float(fps)} if fps and "frame_rate" in info.call_params else {}
-
-
 def _comm_line(comm: dict) -> str:
     calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm["calls"].items())) or "no collectives"
     forwards = max(1, comm["forwards"])
@@ -288,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     from hsdp.engine.adapters import parse_adapters
     from hsdp.engine.model_info import inspect_model
     from hsdp.engine.outputs import output_suffix_problem
-    from hsdp.engine.params import batch_size_problem, build_requests
+    from hsdp.engine.params import batch_size_problem, build_requests, frame_rate_args, video_fps
     from hsdp.launch import WorkerError
     from hsdp.models.builtin import resolve_model
 
@@ -313,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             negative_prompt=args.negative_prompt,
             image=args.image,
             mask_image=args.mask_image,
-            pipeline_kwargs=_frame_rate(info, args.fps) | (args.pipeline_kwargs or {}),
+            pipeline_kwargs=frame_rate_args(info, args.fps) | (args.pipeline_kwargs or {}),
             cache=args.cache,
             cache_config=args.cache_config,
             max_new_tokens=args.max_new_tokens,

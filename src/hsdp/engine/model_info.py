@@ -24,6 +24,7 @@ from typing import Literal
 
 from hsdp.families import family_for
 from hsdp.generation_defaults import DEFAULTS_FILE
+from hsdp.pipeline_sizes import pipeline_compression, skeleton_pipeline
 from hsdp.vae_parallel import split_refusal
 
 __all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION", "AUDIO_LENGTH_PARAMS"]
@@ -236,6 +237,15 @@ def _compression(vae: dict) -> tuple[int, int]:
     return (2 ** (len(blocks) - 1) if blocks else 8), 1
 
 
+def _sizes(folder: Path, pipeline_cls: type, vae: dict) -> tuple[int, int]:
+    """(spatial, temporal) compression as the pipeline states it (:mod:`hsdp.pipeline_sizes`, the trainer's rule),
+    from the config where the pipeline cannot be set up without its other components."""
+    spatial, temporal = _compression(vae)
+    skeleton = skeleton_pipeline(folder, pipeline_cls)
+    asked = pipeline_compression(skeleton) if skeleton is not None else (None, None)
+    return asked[0] or spatial, asked[1] or temporal
+
+
 def _spatial_patch(denoiser: dict) -> int:
     patch = denoiser.get("patch_size") or 1
     return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
@@ -293,7 +303,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
     )
     denoiser_config = _read_json(folder / denoisers[0] / "config.json")
     vae = _read_json(folder / "vae" / "config.json") if (folder / "vae" / "config.json").exists() else {}
-    spatial, temporal = _compression(vae)
+    spatial, temporal = _sizes(folder, pipeline_cls, vae)
     family = family_for(class_name)
     defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():

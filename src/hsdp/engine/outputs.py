@@ -23,6 +23,8 @@ __all__ = [
     "AUDIO_SUFFIXES",
     "save_audio",
     "encode_audio",
+    "openai_pcm",
+    "OPENAI_PCM_RATE",
 ]
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -158,14 +160,34 @@ def _mux_audio(video: Path, waveform: np.ndarray, sample_rate: int) -> None:
         muxed.replace(video)
 
 
+OPENAI_PCM_RATE = 24_000
+"""Samples per second of OpenAI's ``pcm`` (mono, 16-bit little-endian): what its clients play it at."""
+
+
+def openai_pcm(waveform: np.ndarray, sample_rate: int) -> bytes:
+    """One ``(channels, samples)`` waveform as OpenAI defines ``pcm``: mono (the channels' mean), 24 kHz, 16-bit
+    little-endian; its clients assume exactly this (the ``openai`` SDK's player reads int16 at 24 kHz, one channel).
+    The rate changes with scipy's polyphase resampler (``resample_poly``: up by ``24000 / gcd``, an anti-aliasing
+    Kaiser-windowed FIR, down by ``sample_rate / gcd``; scipy comes with the diffusers extra)."""
+    from math import gcd
+
+    from scipy.signal import resample_poly
+
+    mono = np.asarray(waveform, dtype=np.float64).mean(axis=0)
+    divisor = gcd(OPENAI_PCM_RATE, int(sample_rate))
+    up, down = OPENAI_PCM_RATE // divisor, int(sample_rate) // divisor
+    resampled = resample_poly(mono, up, down) if up != down else mono
+    return (np.clip(resampled, -1.0, 1.0) * 32767).round().astype("<i2").tobytes()
+
+
 def encode_audio(waveform: np.ndarray, sample_rate: int, suffix: str = ".wav") -> bytes:
     """One ``(channels, samples)`` float waveform in [-1, 1] as the bytes of a wav (16-bit PCM), flac (16-bit) or
-    mp3 file; ``.pcm`` gives raw 16-bit little-endian samples, interleaved (OpenAI's ``pcm``)."""
+    mp3 file; ``.pcm`` gives OpenAI's ``pcm`` (:func:`openai_pcm`: 24 kHz mono 16-bit little-endian)."""
     import soundfile
 
-    samples = np.clip(np.asarray(waveform, dtype=np.float32), -1.0, 1.0).T  # soundfile takes (frames, channels)
     if suffix.lower() == ".pcm":
-        return (samples * 32767).round().astype("<i2").tobytes()
+        return openai_pcm(waveform, sample_rate)
+    samples = np.clip(np.asarray(waveform, dtype=np.float32), -1.0, 1.0).T  # soundfile takes (frames, channels)
     buffer = io.BytesIO()
     fmt = suffix.lower().lstrip(".").upper()
     try:

@@ -25,7 +25,21 @@ __all__ = [
     "lockstep_rounds",
     "batch_size_problem",
     "PIPELINE_ARGS",
+    "video_fps",
+    "frame_rate_args",
 ]
+
+
+def video_fps(info: ModelInfo, fps: int | None, default: int = 8) -> int:
+    """A written video's frame rate: ``fps`` as asked, else the rate the pipeline generates at (its ``frame_rate``
+    default: LTX-2's sound track is made for it), else ``default`` (``hsdp generate`` 8, ``hsdp serve`` 16)."""
+    return fps or int(info.defaults.get("frame_rate") or default)
+
+
+def frame_rate_args(info: ModelInfo, fps: int | None) -> dict:
+    """The asked ``fps`` for a pipeline that generates for a frame rate (``frame_rate``), so that the video and its
+    sound match (issue 33 item 2): what ``hsdp generate --fps`` and the server's ``fps`` both pass."""
+    return {"frame_rate": float(fps)} if fps and "frame_rate" in info.call_params else {}
 
 
 PER_REQUEST_INPUTS = ("negative_prompt", "image", "mask_image")
@@ -262,9 +276,11 @@ def _shape_problems(info: ModelInfo, config: ParallelConfig, p: SamplingParams, 
             )
     frames = p.num_frames
     if frames is not None and (not isinstance(frames, int) or frames < 1 or (frames - 1) % k):
-        near = max(1, ((frames if isinstance(frames, int) else 1) - 1) // k * k + 1)
+        below = max(1, ((frames if isinstance(frames, int) else 1) - 1) // k * k + 1)
+        near = f"{below} or {below + k}" if isinstance(frames, int) and frames > 1 else f"{below}"
         problems.append(
-            f"num_frames={frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...) ({name_of('num_frames')}); e.g. {near}"
+            f"num_frames={frames} must be {k}k+1 (1, {k + 1}, {2 * k + 1}, ...: the VAE compresses {k} frames into "
+            f"one after the first) ({name_of('num_frames')}); the nearest are {near}"
         )
     steps = p.num_inference_steps
     if steps is not None and (not isinstance(steps, int) or steps < 1):

@@ -128,22 +128,43 @@ def chat_generation(body: ChatCompletionRequest) -> tuple[ChatImageParams, Uploa
     return params, _first_image(body)
 
 
-def chat_media_body(model: str, prompt: str, urls: list[str], part: str = "image_url") -> dict:
-    """vLLM-Omni's diffusion chat answer: one ``image_url`` (``audio_url`` for sound) part per output, all in
-    ``choices[0]``."""
-    parts = [{"type": part, part: {"url": url}} for url in urls]
-    return chat_completion(model, parts, "stop", _media_usage(prompt, len(urls)))
+def chat_media_body(model: str, prompt: str, urls: list[list[str]], part: str = "image_url") -> dict:
+    """vLLM-Omni's diffusion chat answer: one choice per list of ``urls`` (OpenAI's ``n``), each with one
+    ``image_url`` (``audio_url`` for sound) part per output (``num_outputs_per_prompt``)."""
+    outputs = sum(len(choice) for choice in urls)
+    body = chat_completion(model, None, "stop", _media_usage(prompt, outputs))
+    body["choices"] = [
+        {**body["choices"][0], "index": i, "message": {"role": "assistant", "content": _parts(part, choice)}}
+        for i, choice in enumerate(urls)
+    ]
+    return body
 
 
-def chat_audio_body(model: str, prompt: str, data: bytes) -> dict:
-    """OpenAI's answer to ``modalities: ["audio"]``: no text content, the file in ``message.audio.data``."""
-    body = chat_completion(model, None, "stop", _media_usage(prompt, 1))
-    body["choices"][0]["message"]["audio"] = {
-        "id": f"audio_{uuid.uuid4().hex}",
-        "data": base64.b64encode(data).decode(),
-        "expires_at": int(time.time()) + 3600,
-        "transcript": "",
-    }
+def _parts(part: str, urls: list[str]) -> list[dict]:
+    return [{"type": part, part: {"url": url}} for url in urls]
+
+
+def chat_audio_body(model: str, prompt: str, files: list[bytes]) -> dict:
+    """OpenAI's answer to ``modalities: ["audio"]``: one choice per file (``n``), each with no text content and
+    its file in ``message.audio.data``."""
+    body = chat_completion(model, None, "stop", _media_usage(prompt, len(files)))
+    body["choices"] = [
+        {
+            **body["choices"][0],
+            "index": i,
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "audio": {
+                    "id": f"audio_{uuid.uuid4().hex}",
+                    "data": base64.b64encode(data).decode(),
+                    "expires_at": int(time.time()) + 3600,
+                    "transcript": "",
+                },
+            },
+        }
+        for i, data in enumerate(files)
+    ]
     return body
 
 

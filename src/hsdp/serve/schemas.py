@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     field_validator,
     model_validator,
@@ -98,24 +99,42 @@ def unknown_fields_problem(closest: dict[str, str | None], hint: str = "", prefi
 
 class _Strict(BaseModel):
     """A request body whose fields are all declared: an unknown one is a 400 naming it and the closest known
-    one; pipeline-specific arguments have their own field (``extra_args``)."""
+    one; pipeline-specific arguments have their own field (``extra_args``).
+
+    ``other_api_fields`` are the names OpenAI's or vLLM-Omni's documented schema for the same route has and this
+    one does not declare (issue 33 item 10: vLLM-Omni's own clients send ``bot_task``): they are accepted and kept
+    apart (:attr:`other_fields`), the server applies those the pipeline takes and reports the rest as unused
+    (``X-Hsdp-Unused-Fields``); only names neither API knows are refused."""
 
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+    other_api_fields: ClassVar[frozenset[str]] = frozenset()
+    _other: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _known_fields(cls, data: Any) -> Any:
+    def _known_fields(cls, data: Any, handler: Any) -> Any:
+        other = {}
         if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":
+            other = {k: v for k, v in data.items() if k not in cls.model_fields and k in cls.other_api_fields}
+            data = {k: v for k, v in data.items() if k not in other}
             unknown = [str(k) for k in data if k not in cls.model_fields]
             if unknown:
-                closest = closest_fields(unknown, cls.model_fields)
+                closest = closest_fields(unknown, set(cls.model_fields) | cls.other_api_fields)
                 hint = EXTRA_ARGS_HINT if "extra_args" in cls.model_fields else ""
                 raise PydanticCustomError(
                     UNKNOWN_FIELD,
                     "{problem}",
                     {"closest": closest, "hint": hint, "problem": unknown_fields_problem(closest, hint)},
                 )
-        return data
+        model = handler(data)
+        if isinstance(model, _Strict):
+            model._other = other
+        return model
+
+    @property
+    def other_fields(self) -> dict[str, Any]:
+        """The fields of the other API's schema that were given (name -> value as sent)."""
+        return dict(self._other)
 
 
 class LoraRequest(_Strict):
@@ -176,6 +195,25 @@ class UnloadLoraAdapterRequest(_Strict):
     lora_name: str = Field(..., min_length=1, max_length=256)
 
 
+_VLLM_OMNI_GENERATION = frozenset(
+    {"bot_task", "system_prompt", "use_system_prompt", "flow_shift", "extra_params", "infer_align_image_size",
+     "generator_device", "vae_use_slicing", "vae_use_tiling", "layers", "resolution", "return_stage_metrics"}
+)  # fmt: skip
+"""vLLM-Omni's generation fields hsdp declares no field for (its ``ImageGenerationRequest``, chat ``extra_body``)."""
+_OPENAI_IMAGES = frozenset({"moderation", "output_compression", "partial_images", "stream", "input_fidelity"})
+"""OpenAI's images fields hsdp declares no field for (generations and edits)."""
+_VLLM_OMNI_EDITS = frozenset({"sys_type", "reference_image", "url", "url[]"})
+"""vLLM-Omni's ``/v1/images/edits`` form fields beyond its generation ones."""
+_VLLM_OMNI_VIDEOS = frozenset(
+    {"image_reference", "video_params", "boundary_ratio", "flow_shift", "generate_sound", "sound_duration",
+     "enable_frame_interpolation", "frame_interpolation_exp", "frame_interpolation_scale",
+     "frame_interpolation_model_path", "extra_params"}
+)  # fmt: skip
+"""vLLM-Omni's ``VideoGenerationRequest`` fields hsdp declares no field for."""
+EXTRA_PARAMS = "extra_params"
+"""vLLM-Omni's name for ``extra_args``: merged into them."""
+
+
 class DiffusionFields(_Strict):
     """Generation fields every diffusion endpoint takes. A field the pipeline's ``__call__`` does not take
     (``true_cfg_scale`` for Wan, ``guidance_scale_2`` for FLUX, ...) is a 400 naming it when set."""
@@ -227,23 +265,32 @@ class VideoRequest(DiffusionFields):
     """``POST /v1/videos`` and ``/v1/videos/sync``, as JSON or multipart form fields (the input image is the
     ``input_reference`` file part, or a data URL in JSON)."""
 
+    other_api_fields: ClassVar[frozenset[str]] = _VLLM_OMNI_VIDEOS
+
     num_frames: int | None = Field(
         None, ge=1, le=4096, description="4k+1 for Wan; None: from seconds, else the model's default"
     )
-    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Frames per second of the mp4")
+    fps: int | None = Field(
+        None,
+        ge=1,
+        le=240,
+        description="Frames per second of the mp4 (and of the pipeline's frame_rate, LTX-2's sound); None: the "
+        f"pipeline's frame_rate default, else {DEFAULT_FPS}",
+    )
     seconds: int | None = Field(
         None,
         ge=1,
         le=3600,
-        description="OpenAI: the length; num_frames = seconds x fps (to the model's rule)",
+        description="OpenAI: the length; num_frames = seconds x fps rounded down to the model's rule (t*k+1)",
     )
     user: str | None = Field(None, max_length=512)
 
-    def frames(self, temporal_factor: int) -> int | None:
-        """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``."""
+    def frames(self, temporal_factor: int, fps: int) -> int | None:
+        """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``
+        (the VAE's temporal compression, :mod:`hsdp.pipeline_sizes`)."""
         if self.num_frames is not None or self.seconds is None:
             return self.num_frames
-        frames = self.seconds * self.fps
+        frames = self.seconds * fps
         return frames // temporal_factor * temporal_factor + 1 if temporal_factor > 1 else frames
 
 
@@ -291,6 +338,8 @@ OutputFormat = Literal["png", "jpeg", "jpg", "webp"]
 class ImageRequest(DiffusionFields):
     """OpenAI ``POST /v1/images/generations`` (``n`` images, seeds ``seed + i``) plus vLLM-Omni's fields."""
 
+    other_api_fields: ClassVar[frozenset[str]] = _OPENAI_IMAGES | _VLLM_OMNI_GENERATION
+
     n: int = Field(1, ge=1, le=64)
     response_format: Literal["b64_json", "url"] | None = Field(None, description="Only b64_json is served")
     output_format: OutputFormat = Field("png", description="Encoding of b64_json")
@@ -304,6 +353,7 @@ class ImageEditRequest(ImageRequest):
     """OpenAI ``POST /v1/images/edits`` form fields (the ``image`` / ``image[]`` and ``mask`` / ``mask_image``
     files are read beside them)."""
 
+    other_api_fields: ClassVar[frozenset[str]] = _OPENAI_IMAGES | _VLLM_OMNI_GENERATION | _VLLM_OMNI_EDITS
     size: str | None = Field(
         "auto", pattern=r"^(auto|\d{1,5}x\d{1,5})$", description="'WIDTHxHEIGHT' or 'auto' (the image's size)"
     )
@@ -324,9 +374,13 @@ class ChatImageParams(DiffusionFields):
     """Generation parameters of a chat completion on a diffusion model, as vLLM-Omni reads them from
     ``extra_body`` (nested in the JSON, or flattened to the top level by the ``openai`` client)."""
 
+    other_api_fields: ClassVar[frozenset[str]] = _VLLM_OMNI_GENERATION
+
     num_outputs_per_prompt: int = Field(1, ge=1, le=64, description="Images to generate")
     num_frames: int | None = Field(None, ge=1, le=4096, description="Video pipelines")
-    fps: int = Field(DEFAULT_FPS, ge=1, le=240, description="Video pipelines: frames per second of the mp4")
+    fps: int | None = Field(
+        None, ge=1, le=240, description="Video pipelines: frames per second of the mp4 (as /v1/videos' fps)"
+    )
     output_format: OutputFormat = "png"
     modalities: list[Literal["text", "image", "video", "audio"]] | None = Field(
         None, description="OpenAI: ['audio'] answers in message.audio (audio pipelines)"
@@ -348,7 +402,9 @@ class SpeechRequest(DiffusionFields):
         None, description="Accepted and ignored: a text-to-audio pipeline has no voices (the client needs one)"
     )
     instructions: str | None = Field(None, max_length=MAX_TEXT, description="Accepted and ignored")
-    response_format: AudioFormat = Field("mp3", description="OpenAI's default mp3; pcm: 16-bit little-endian")
+    response_format: AudioFormat = Field(
+        "mp3", description="OpenAI's default mp3; pcm as OpenAI's: 24 kHz mono 16-bit little-endian"
+    )
     speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False, description="Only 1.0 is served")
     stream_format: Literal["audio"] | None = Field(None, description="Only the whole file ('audio') is served")
 
@@ -429,6 +485,9 @@ class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    n: int = Field(
+        1, ge=1, le=64, description="Choices: a diffusion model makes n (seeds seed + i); a causal LM answers one"
+    )
     max_tokens: int | None = Field(
         None, ge=1, le=1_000_000, description="Deprecated name of max_completion_tokens"
     )

@@ -18,14 +18,14 @@ import time
 from collections import Counter
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.adapters import SlotSpec, parse_adapters
 from hsdp.engine.images import load_image
 from hsdp.engine.leader import RESTART_GRACE_S, LeaderRanks
 from hsdp.engine.model_info import inspect_model
-from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests
+from hsdp.engine.params import PER_REQUEST_INPUTS, RESERVED_ARGS, build_requests, frame_rate_args, video_fps
 from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job, JobStore, QueueFull, Unavailable, answered_by
 from hsdp.serve.media import Upload
@@ -33,6 +33,7 @@ from hsdp.serve.runner import EngineRunner
 from hsdp.serve.schemas import (
     DEFAULT_FPS,
     DEFAULT_MODEL_ALIAS,
+    EXTRA_PARAMS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,6 +91,35 @@ def _await_torchrun_restart(stopped: threading.Event) -> None:
     os._exit(TORCHRUN_RESTART_EXIT)
 
 
+def _base_names(settings: ServeSettings, folder: Path) -> tuple[str, ...]:
+    """What a request's ``model`` may say for the base: ``default``, the served name, ``MODEL`` as given and its
+    folder."""
+    return (DEFAULT_MODEL_ALIAS, settings.name, str(settings.model), str(folder))
+
+
+def adapter_name_problem(name: str, base_names: tuple[str, ...], flag: str) -> str | None:
+    """Why an adapter cannot be served as ``name``: a request's ``model`` naming the base (``base_names``) would
+    get the adapter instead (issue 33 item 4). One check for ``--lora NAME=DIR`` at start-up and
+    ``/v1/load_lora_adapter`` at run time."""
+    if name not in base_names:
+        return None
+    fix = f"e.g. {flag} {name}-lora=DIR" if flag == "--lora" else "pick another name"
+    return (
+        f"{flag}: the adapter name {name!r} is what requests say for the base model "
+        f"({', '.join(repr(n) for n in base_names[:2])}), which the adapter would replace; name it apart ({fix})"
+    )
+
+
+def _form_value(value: Any) -> Any:
+    """A multipart form's text as the JSON value it spells, else the text itself."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
 class Server:
     """One model behind one queue. Building it checks what needs no loading (the settings, the model folder);
     ``start`` loads the model (errors surface before the server listens).
@@ -97,7 +127,15 @@ class Server:
 
     def __init__(self, settings: ServeSettings, workers: LeaderRanks | None = None):
         problems = settings.problems()
-        kind = inspect_model(resolve_model(settings.model)).kind  # from the folder's files: nothing loads yet
+        folder = resolve_model(settings.model)
+        kind = inspect_model(folder).kind  # from the folder's files: nothing loads yet
+        try:
+            startup_adapters = parse_adapters(settings.lora)
+        except ValueError as exc:
+            problems.append(str(exc))
+            startup_adapters = {}
+        base_names = _base_names(settings, folder)
+        problems += [p for name in startup_adapters if (p := adapter_name_problem(name, base_names, "--lora"))]
         if kind == "causal_lm" and settings.max_batch_size > 1:
             problems.append(
                 f"--max-batch-size {settings.max_batch_size}: causal LMs run one request at a time per rank "
@@ -116,7 +154,7 @@ class Server:
         self.runner.job_timeout_s = settings.job_timeout_s
         self.tokenizer = None
         self.max_positions: int | None = None
-        self.startup_adapters: dict[str, Path] = parse_adapters(settings.lora)
+        self.startup_adapters: dict[str, Path] = startup_adapters
         self.adapter_paths: dict[str, Path] = dict(self.startup_adapters)
         """Adapter name -> folder: ``--lora`` and those loaded since, which a restarted engine serves again (those
         that still load) and a restarted server too (:meth:`_recall_adapters`)."""
@@ -282,7 +320,7 @@ class Server:
     # -- checks ----------------------------------------------------------------------------------------------
     def _model_names(self) -> tuple[str, ...]:
         """What a request's ``model`` may say for the base (adapters go by their names)."""
-        return (DEFAULT_MODEL_ALIAS, self.name, str(self.settings.model), str(self.info.path))
+        return _base_names(self.settings, self.info.path)
 
     def _not_served(self, requested: str, param: str) -> ApiError:
         served = ", ".join([repr(self.name), *(repr(n) for n in sorted(self.adapter_paths))])
@@ -383,8 +421,11 @@ class Server:
         with self._adapters_lock:
             if self.adapter_paths.get(name) == folder:
                 return
-            if name in self.adapter_paths or name in self._model_names():
+            if name in self.adapter_paths:
                 raise ApiError(400, f"{flag}: the name {name!r} is already served; unload it or pick another")
+            problem = adapter_name_problem(name, self._model_names(), flag)
+            if problem:
+                raise ApiError(400, problem, param=flag)
             engine = self.runner.engine
             if engine is None or engine.closed:
                 raise ApiError(503, f"{flag}: the engine is restarting; retry in a few seconds", code="restarting")
@@ -520,6 +561,24 @@ class Server:
                 param="extra_args",
             )
 
+    def _other_api_args(self, request: DiffusionFields) -> dict:
+        """The other API's fields (:attr:`~hsdp.serve.schemas._Strict.other_fields`) the pipeline's ``__call__``
+        takes, and vLLM-Omni's ``extra_params`` (its ``extra_args``), as pipeline arguments. Form fields come as
+        text: a value that reads as JSON (``4``, ``0.5``, ``true``) is that value."""
+        takes = self.info.call_params - RESERVED_ARGS
+        other = request.other_fields
+        args = {name: _form_value(value) for name, value in other.items() if name in takes}
+        params = _form_value(other.get(EXTRA_PARAMS)) or {}
+        if not isinstance(params, dict):
+            raise ApiError(400, f"{EXTRA_PARAMS}: give a JSON object of pipeline arguments", param=EXTRA_PARAMS)
+        return {**args, **params}
+
+    def unused_fields(self, request: DiffusionFields) -> list[str]:
+        """The other API's fields this request gave that the pipeline does not take: accepted, not applied, and
+        named in the ``X-Hsdp-Unused-Fields`` response header."""
+        takes = self.info.call_params - RESERVED_ARGS
+        return sorted(name for name in request.other_fields if name not in takes and name != EXTRA_PARAMS)
+
     def _size(self, request: DiffusionFields, image: Image | None) -> tuple[int | None, int | None]:
         """``size``/``width``/``height``; ``size='auto'`` with an input image is its size, rounded down to the
         model's spatial multiple (the pipeline refuses other sizes)."""
@@ -535,7 +594,7 @@ class Server:
         *,
         count: int = 1,
         num_frames: int | None = None,
-        fps: int = DEFAULT_FPS,
+        fps: int | None = None,
         output_format: str = "png",
         image: Upload | None = None,
         mask: Upload | None = None,
@@ -553,9 +612,11 @@ class Server:
         for name in kwargs:
             if name not in self.info.call_params:
                 raise ApiError(400, f"{name}: {self.info.class_name} takes no {name}; drop it", param=name)
-        extra = request.extra_args or {}
+        extra = {**self._other_api_args(request), **(request.extra_args or {})}
         self._check_extra_args(extra)
-        kwargs = {**extra, **kwargs}
+        # The pipeline generates for the mp4's rate (LTX-2's sound), as hsdp generate --fps; extra_args may override.
+        rate = frame_rate_args(self.info, fps) if kind in ("video", "video_sync") else {}
+        kwargs = {**rate, **extra, **kwargs}
         decoded = {u.engine_field: self._decode(u) for u in (image, mask) if u is not None}
         width, height = self._size(request, decoded.get("image"))
         check_limits(request, self.settings.limits, width, height)
@@ -585,7 +646,7 @@ class Server:
             )
         seed = request.seed if request.seed is not None else random.randrange(2**31)
         adapter = self.adapter_choice(request.model, request.lora)
-        meta = {"fps": fps, "model": answered_by(adapter, self.name), "format": output_format, **adapter}
+        meta = {"fps": self.video_fps(fps), "model": answered_by(adapter, self.name), "format": output_format, **adapter}
         inputs = {u.engine_field: u.data for u in (image, mask) if u is not None}
         return [
             Job(
@@ -599,6 +660,10 @@ class Server:
             )
             for i in range(count)
         ]
+
+    def video_fps(self, fps: int | None) -> int:
+        """The mp4's frame rate: the request's ``fps``, else the pipeline's ``frame_rate`` default, else 16."""
+        return video_fps(self.info, fps, DEFAULT_FPS)
 
     def video_view(self, job: Job) -> VideoJob:
         p = job.params

@@ -26,6 +26,7 @@ __all__ = [
     "json_object",
     "read_form",
     "run_jobs",
+    "unused_headers",
     "validate",
 ]
 
@@ -89,6 +90,16 @@ def validate(model: type[BaseModelT], data: dict) -> BaseModelT:
     except ValidationError as exc:
         message, param = describe_validation_errors(list(exc.errors()))
         raise ApiError(400, message, param=param, code="invalid_request") from exc
+
+
+UNUSED_HEADER = "X-Hsdp-Unused-Fields"
+"""Names the fields of OpenAI's or vLLM-Omni's schema a request gave that the pipeline does not take (accepted,
+not applied), comma-separated; absent when every field was used."""
+
+
+def unused_headers(server: Server, body: BaseModel) -> dict[str, str]:
+    unused = server.unused_fields(body)
+    return {UNUSED_HEADER: ", ".join(unused)} if unused else {}
 
 
 # -- waiting for jobs ----------------------------------------------------------------------------------------

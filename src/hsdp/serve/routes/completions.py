@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hsdp.serve.jobs import Job, answered_by
 from hsdp.serve.media import chat_audio_body, chat_generation, chat_media_body, data_url
-from hsdp.serve.routes.common import ServerDep, run_jobs
+from hsdp.serve.routes.common import ServerDep, run_jobs, unused_headers
 from hsdp.serve.schemas import ApiError, ChatCompletionRequest, ChatImageParams, CompletionRequest
 from hsdp.serve.service import Server
 from hsdp.serve.text import (
@@ -95,19 +95,39 @@ async def _text_response(
     return JSONResponse(chat_body(model, choices[0]) if chat else completion_body(model, choices))
 
 
+def _choices(jobs: list[Job], per_choice: int) -> list[list[Job]]:
+    return [jobs[i : i + per_choice] for i in range(0, len(jobs), per_choice)]
+
+
+def _check_outputs(server: Server, choices: int, per_choice: int) -> None:
+    """``n`` choices of ``per_choice`` outputs each, within ``--max-images`` in all."""
+    limit = server.settings.limits.max_images
+    if choices * per_choice > limit:
+        raise ApiError(
+            400,
+            f"n={choices} x num_outputs_per_prompt={per_choice} outputs exceed this server's {limit} per request "
+            "(hsdp serve --max-images)",
+            param="n",
+            code="limit_exceeded",
+        )
+
+
 async def _chat_media(server: Server, body: ChatCompletionRequest, request: Request) -> JSONResponse:
-    """Chat on a diffusion model, as vLLM-Omni: images (or, from a video pipeline, one mp4) as data URLs."""
+    """Chat on a diffusion model, as vLLM-Omni: images (or, from a video pipeline, one mp4) as data URLs; OpenAI's
+    ``n`` makes that many choices (seeds ``seed + i`` over every output)."""
     server.check_model(body.model, "diffusion")
     if body.stream:
         raise ApiError(400, "stream: image and video generation answers in one response", param="stream")
     params, image = chat_generation(body)
     if server.info.output == "audio":
-        return await _chat_audio(server, params, request)
+        return await _chat_audio(server, params, body.n, request)
     video = server.info.output == "video"
+    per_choice = 1 if video else params.num_outputs_per_prompt
+    _check_outputs(server, body.n, per_choice)
     jobs = server.diffusion_jobs(
         params,
         "video_sync" if video else "image",
-        count=1 if video else params.num_outputs_per_prompt,
+        count=body.n * per_choice,
         num_frames=params.num_frames,
         fps=params.fps,
         output_format=params.output_format,
@@ -115,19 +135,35 @@ async def _chat_media(server: Server, body: ChatCompletionRequest, request: Requ
         image_field="messages[].content image_url",
     )
     fmt = "mp4" if video else params.output_format
-    urls = [data_url(j.result, fmt) for j in await run_jobs(server, jobs, request)]
-    return JSONResponse(chat_media_body(_answered_by(server, jobs), params.prompt, urls))
+    done = await run_jobs(server, jobs, request)
+    urls = [[data_url(j.result, fmt) for j in choice] for choice in _choices(done, per_choice)]
+    body = chat_media_body(_answered_by(server, jobs), params.prompt, urls)
+    return JSONResponse(body, headers=unused_headers(server, params))
 
 
-async def _chat_audio(server: Server, params: ChatImageParams, request: Request) -> JSONResponse:
-    """Chat on an audio pipeline: OpenAI's ``message.audio`` when ``modalities`` asks for audio, else vLLM-Omni's
-    ``audio_url`` content part (a data URL)."""
+async def _chat_audio(server: Server, params: ChatImageParams, choices: int, request: Request) -> JSONResponse:
+    """Chat on an audio pipeline: OpenAI's ``message.audio`` when ``modalities`` asks for audio (one file per
+    choice, ``n`` choices), else vLLM-Omni's ``audio_url`` content parts (data URLs, ``num_outputs_per_prompt``
+    per choice)."""
     fmt = (params.audio.format if params.audio else "wav").removesuffix("16")  # OpenAI's pcm16 is our pcm
-    [job] = await run_jobs(server, server.diffusion_jobs(params, "audio", output_format=fmt), request)
-    model = job.meta.get("model", server.name)
-    if "audio" in (params.modalities or []):
-        return JSONResponse(chat_audio_body(model, params.prompt, job.result))
-    return JSONResponse(chat_media_body(model, params.prompt, [data_url(job.result, fmt)], "audio_url"))
+    openai_shape = "audio" in (params.modalities or [])
+    per_choice = params.num_outputs_per_prompt
+    if openai_shape and per_choice > 1:
+        raise ApiError(
+            400,
+            f"num_outputs_per_prompt={per_choice}: message.audio holds one file; ask for n={per_choice} choices "
+            "instead (or drop modalities for audio_url parts)",
+            param="num_outputs_per_prompt",
+        )
+    _check_outputs(server, choices, per_choice)
+    jobs = server.diffusion_jobs(params, "audio", count=choices * per_choice, output_format=fmt)
+    done = await run_jobs(server, jobs, request)
+    model = done[0].meta.get("model", server.name)
+    headers = unused_headers(server, params)
+    if openai_shape:
+        return JSONResponse(chat_audio_body(model, params.prompt, [j.result for j in done]), headers=headers)
+    urls = [[data_url(j.result, fmt) for j in choice] for choice in _choices(done, per_choice)]
+    return JSONResponse(chat_media_body(model, params.prompt, urls, "audio_url"), headers=headers)
 
 
 @router.post("/v1/completions", response_class=Response, responses=_TEXT_OR_SSE)
@@ -142,6 +178,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, server
     if server.kind == "diffusion":
         return await _chat_media(server, body, request)
     server.check_model(body.model, "causal_lm")
+    if body.n > 1:
+        raise ApiError(400, f"n={body.n}: a causal LM answers one choice per request here; send n requests", param="n")
     if problem := body.unknown_problem():
         raise ApiError(400, problem, param=next(iter(body.model_extra)), code="invalid_request")
     return await _text_response(server, body, request, chat=True)

@@ -5,11 +5,19 @@ from __future__ import annotations
 import base64
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from hsdp.serve.jobs import Job
 from hsdp.serve.media import Upload
-from hsdp.serve.routes.common import ServerDep, form_schema, is_form, read_form, run_jobs, validate
+from hsdp.serve.routes.common import (
+    ServerDep,
+    form_schema,
+    is_form,
+    read_form,
+    run_jobs,
+    unused_headers,
+    validate,
+)
 from hsdp.serve.schemas import ApiError, ImageData, ImageEditRequest, ImageRequest, ImagesResponse
 from hsdp.serve.service import Server
 
@@ -46,7 +54,7 @@ def _one_frame(server: Server) -> int | None:
 
 
 async def _images_response(
-    server: Server, body: ImageRequest, jobs: list[Job], request: Request
+    server: Server, body: ImageRequest, jobs: list[Job], request: Request, response: Response
 ) -> ImagesResponse:
     if body.response_format == "url":
         raise ApiError(
@@ -55,6 +63,7 @@ async def _images_response(
             param="response_format",
         )
     jobs = await run_jobs(server, jobs, request)
+    response.headers.update(unused_headers(server, body))
     data = [ImageData(b64_json=base64.b64encode(j.result).decode(), revised_prompt=j.prompt) for j in jobs]
     return ImagesResponse(
         created=int(time.time()), data=data, output_format=body.output_format, size=jobs[0].meta["size"]
@@ -62,13 +71,15 @@ async def _images_response(
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse)
-async def create_images(body: ImageRequest, request: Request, server: ServerDep) -> ImagesResponse:
+async def create_images(
+    body: ImageRequest, request: Request, response: Response, server: ServerDep
+) -> ImagesResponse:
     """OpenAI images: ``n`` images (seeds ``seed + i``); a video pipeline makes one frame per image."""
     server.check_model(body.model, "diffusion")
     jobs = server.diffusion_jobs(
         body, "image", count=body.n, num_frames=_one_frame(server), output_format=body.output_format
     )
-    return await _images_response(server, body, jobs, request)
+    return await _images_response(server, body, jobs, request, response)
 
 
 async def _edit_request(server: Server, request: Request) -> tuple[ImageEditRequest, Upload, Upload | None]:
@@ -95,7 +106,7 @@ async def _edit_request(server: Server, request: Request) -> tuple[ImageEditRequ
 
 
 @router.post("/v1/images/edits", response_model=ImagesResponse, openapi_extra=_EDIT_BODY)
-async def edit_images(request: Request, server: ServerDep) -> ImagesResponse:
+async def edit_images(request: Request, response: Response, server: ServerDep) -> ImagesResponse:
     """OpenAI image edits (multipart): the first ``image`` (or ``image[]``), an optional ``mask``."""
     body, image, mask = await _edit_request(server, request)
     jobs = server.diffusion_jobs(
@@ -108,4 +119,4 @@ async def edit_images(request: Request, server: ServerDep) -> ImagesResponse:
         mask=mask,
         pipeline_kwargs={"strength": body.strength},
     )
-    return await _images_response(server, body, jobs, request)
+    return await _images_response(server, body, jobs, request, response)

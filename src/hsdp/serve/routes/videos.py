@@ -14,6 +14,7 @@ from hsdp.serve.routes.common import (
     json_object,
     read_form,
     run_jobs,
+    unused_headers,
     validate,
 )
 from hsdp.serve.schemas import ApiError, DeletedVideo, VideoJob, VideoList, VideoRequest, valid_job_id
@@ -56,18 +57,20 @@ async def _video_request(request: Request) -> tuple[VideoRequest, Upload | None]
     return validate(VideoRequest, data), image
 
 
-async def _video_jobs(server: Server, request: Request, kind: str) -> list[Job]:
+async def _video_jobs(server: Server, request: Request, kind: str) -> tuple[list[Job], dict[str, str]]:
+    """The jobs of one request, and the response headers naming the fields the pipeline did not take."""
     body, image = await _video_request(request)
     server.check_model(body.model, "diffusion")
     server.check_video_model()
-    return server.diffusion_jobs(
+    jobs = server.diffusion_jobs(
         body,
         kind,
-        num_frames=body.frames(server.info.temporal_factor),
+        num_frames=body.frames(server.info.temporal_factor, server.video_fps(body.fps)),
         fps=body.fps,
         image=image,
         image_field=REFERENCE,
     )
+    return jobs, unused_headers(server, body)
 
 
 def _video_job(server: Server, video_id: str) -> Job:
@@ -83,18 +86,20 @@ def _video_job(server: Server, video_id: str) -> Job:
 
 
 @router.post("/v1/videos", response_model=VideoJob, openapi_extra=_VIDEO_BODY)
-async def create_video(request: Request, server: ServerDep) -> VideoJob:
+async def create_video(request: Request, response: Response, server: ServerDep) -> VideoJob:
     """Queue a video job; poll ``GET /v1/videos/{id}``, then download ``/content``."""
-    jobs = await _video_jobs(server, request, "video")
+    jobs, headers = await _video_jobs(server, request, "video")
     server.submit(jobs)
+    response.headers.update(headers)
     return server.video_view(jobs[0])
 
 
 @router.post("/v1/videos/sync", response_class=Response, responses=_MP4, openapi_extra=_VIDEO_BODY)
 async def create_video_sync(request: Request, server: ServerDep) -> Response:
     """Generate and answer with the mp4 bytes (not stored)."""
-    [job] = await run_jobs(server, await _video_jobs(server, request, "video_sync"), request)
-    return Response(job.result, media_type="video/mp4", headers={"X-Video-Seed": str(job.seed)})
+    jobs, headers = await _video_jobs(server, request, "video_sync")
+    [job] = await run_jobs(server, jobs, request)
+    return Response(job.result, media_type="video/mp4", headers={"X-Video-Seed": str(job.seed), **headers})
 
 
 @router.get("/v1/videos", response_model=VideoList)

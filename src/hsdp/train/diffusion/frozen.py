@@ -21,6 +21,7 @@ import torch
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.distributed import local_device
 from hsdp.families import family_for
+from hsdp.pipeline_sizes import pipeline_compression
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.pipeline_call import DENOISERS, PromptLayout, encode_captions, vae_latents
 
@@ -143,20 +144,14 @@ def _device_of(*modules) -> torch.device:
 
 
 def media_spec(pipe, model_dir: Path, component: str) -> MediaSpec:
-    """Sizes the pipeline takes, from its own attributes (diffusers names the VAE's compression
-    ``vae_scale_factor[_spatial|_temporal]`` or ``vae_[spatial|temporal]_compression_ratio``) and the denoiser's
-    ``patch_size``."""
+    """Sizes the pipeline takes, from its own attributes (:func:`hsdp.pipeline_sizes.pipeline_compression`, the
+    rule the engine and server use too) and the denoiser's ``patch_size``."""
     config = json.loads((model_dir / component / "config.json").read_text())
     patch = config.get("patch_size") or config.get("all_patch_size") or 1  # Z-Image names it all_patch_size
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
-
-    def attribute(*names):
-        return next((getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None), None)
-
-    spatial = attribute("vae_scale_factor_spatial", "vae_spatial_compression_ratio", "vae_scale_factor") or 8
-    temporal = attribute("vae_scale_factor_temporal", "vae_temporal_compression_ratio")
+    spatial, temporal = pipeline_compression(pipe)
     family = family_for(type(pipe).__name__)
-    return MediaSpec(int(spatial) * int(patch) * family.latent_packing, temporal, video=temporal is not None)
+    return MediaSpec((spatial or 8) * int(patch) * family.latent_packing, temporal, video=temporal is not None)
 
 
 def encode_items(
