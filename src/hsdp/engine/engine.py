@@ -129,6 +129,7 @@ class Engine:
         vae_parallel: bool | None = None,
         vae_tiling: bool = False,
         vae_slicing: bool = False,
+        shield_sigterm: bool = False,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder or a Hugging
         Face causal-LM folder. ``dtype`` converts the sharded components (default: as stored).
@@ -156,7 +157,9 @@ class Engine:
         (:mod:`hsdp.attention`). ``vae_parallel``: split the VAE's tiled decode and encode over the ranks that
         share a request (:mod:`hsdp.vae_parallel`; None: on wherever the layout and the VAE allow, see
         :attr:`vae_parallel`). ``vae_tiling`` / ``vae_slicing``: diffusers' ``enable_tiling`` / ``enable_slicing``
-        of the VAE (memory on each rank)."""
+        of the VAE (memory on each rank). ``shield_sigterm``: the engine-spawned ranks ignore SIGTERM as they
+        ignore SIGINT, for a caller that stops gracefully on it (``hsdp serve``: a group's SIGTERM, systemd's stop,
+        must not cut the running call off); :meth:`close` still stops them."""
         from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems
@@ -215,7 +218,7 @@ class Engine:
                 "its calls (hsdp serve under torchrun does)"
             )
         started = time.perf_counter()
-        self._group = self._ranks(workers, start_timeout_s)
+        self._group = self._ranks(workers, start_timeout_s, shield_sigterm)
         spec = components.LoadSpec(
             self.info.path,
             self.info.kind,
@@ -242,7 +245,9 @@ class Engine:
         self.load_s = time.perf_counter() - started
         logger.info("Engine ready in %.1fs: %s, %s", self.load_s, self.info.path, self.config.describe())
 
-    def _ranks(self, workers: WorkerGroup | None, start_timeout_s: float) -> WorkerGroup | _TorchrunRanks:
+    def _ranks(
+        self, workers: WorkerGroup | None, start_timeout_s: float, shield_sigterm: bool
+    ) -> WorkerGroup | _TorchrunRanks:
         """The ranks to load into: the caller's group, this script's own torchrun ranks, or new processes."""
         if workers is not None:
             if workers.world_size != self.config.world_size or workers.broken:
@@ -254,7 +259,10 @@ class Engine:
         if distributed.launched_by_torchrun():
             return _TorchrunRanks()
         return WorkerGroup(
-            self.config.world_size, start_timeout_s=start_timeout_s, packages=[MODEL_PACKAGES[self.info.kind]]
+            self.config.world_size,
+            start_timeout_s=start_timeout_s,
+            packages=[MODEL_PACKAGES[self.info.kind]],
+            shield_sigterm=shield_sigterm,
         )
 
     @property

@@ -8,8 +8,10 @@ model is loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -200,6 +202,21 @@ def _answer_sync_requests_on_exit(http, server) -> None:
     http.handle_exit = on_exit
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c(leader):
+    """SIGTERM (systemd's stop, ``timeout``, ``kill``) stops the server as Ctrl-C does: uvicorn shuts down on
+    either and then raises it again, and SIGTERM's default would end the process there, before the running batch
+    finishes and the ranks are told to stop. Not under torchrun, whose SIGTERM stops every rank at once."""
+    if leader is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _serve(args: argparse.Namespace, leader) -> int:
     import uvicorn
     from uvicorn.main import STARTUP_FAILURE
@@ -242,8 +259,9 @@ def _serve(args: argparse.Namespace, leader) -> int:
     if leader is not None:
         _answer_sync_requests_on_exit(http, server)
     try:
-        http.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again, as uvicorn.run expects
+        with _sigterm_as_ctrl_c(leader):
+            http.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT (or SIGTERM) it shut down on again, as uvicorn.run expects
         pass
     finally:
         sock.close()

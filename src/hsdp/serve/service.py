@@ -166,6 +166,9 @@ class Server:
             # torchrun's ranks have no cancel board (a cancelled running job's output is dropped instead).
             cancellable=self.leader is None,
             workers=self.leader,
+            # The server stops gracefully on SIGTERM as on SIGINT (hsdp.serve.cli), and both reach every process
+            # of its group: the ranks stop when it tells them, after the running batch.
+            shield_sigterm=True,
         )
         if first:
             self._slots = engine.adapter_slots
