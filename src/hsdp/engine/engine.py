@@ -121,6 +121,7 @@ class Engine:
         lora: LoraArg = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        lora_target_modules: str | Sequence[str] | None = None,
         adapter_slots: adapters.SlotSpec | None = None,
         cache: str | None = None,
         cache_config: dict | None = None,
@@ -147,7 +148,10 @@ class Engine:
         per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
         (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
         otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
-        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). ``adapter_slots``
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). The slots cover the
+        layers of ``lora``'s adapters and those ``lora_target_modules`` selects (peft's ``target_modules``; default
+        ``"all-linear"`` when ``max_loras`` is given, so an adapter added later may adapt any linear layer; without
+        ``max_loras``, only ``lora``'s layers: slots cost memory, :func:`hsdp.engine.adapters.slot_spec`). ``adapter_slots``
         gives the slots as another engine made them (:attr:`adapter_slots`; a restarted server keeps its start-up
         slots), instead of ``max_loras`` / ``max_lora_rank``.
         ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
@@ -184,8 +188,9 @@ class Engine:
         specs = check_lora(self.info, self.config, weight_dtype, {} if slotted else lora)
         slots = adapter_slots
         if slots is None and (specs or max_loras):
+            modules = lora_target_modules if lora_target_modules is not None else ("all-linear" if max_loras else None)
             slots = adapters.slot_spec(
-                specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank
+                specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank, modules
             )
         self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None

@@ -60,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank of the adapter slots; adapters of lower rank fit (default: the largest --lora's, else 16)",
     )
     adapters.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="the layers adapters loaded at run time may adapt (peft target_modules: names such as to_q ff.net.2, "
+        "or all-linear; default all-linear with --lora-root): the slots hold rank x (in + out) fp32 "
+        "values per layer, so fewer layers cost less memory; the --lora adapters' layers are always covered",
+    )
+    adapters.add_argument(
         "--lora-root",
         type=Path,
         default=None,
@@ -126,6 +135,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_root=args.lora_root,
+        lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
         host=args.host,
         forward_prefetch=args.forward_prefetch,
         cache=args.cache,

@@ -143,6 +143,7 @@ class Server:
                 "lora": dict(self.startup_adapters) or None,
                 "max_loras": s.adapter_slots,
                 "max_lora_rank": s.max_lora_rank,
+                "lora_target_modules": s.slot_modules,
             }
         else:  # the same slots, not re-derived from the adapters served now
             slots = {"adapter_slots": self._slots}
