@@ -37,7 +37,8 @@ AXES: dict[str, dict[str, str]] = {
     },
     "batching": {
         "alone": "one request",
-        "beside": "a second request (other prompt and seed) in the same batch: `--batch-size 2` / `--max-batch-size 2`",
+        "beside": "a second request (other prompt and seed) in the same batch: `--batch-size 2` / `--max-batch-size 2`; "
+        "on a server the runner's batch statistics (`/metrics`) show the engine call that held both",
     },
     "adapter": {
         "none": "the base",

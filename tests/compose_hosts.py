@@ -158,14 +158,34 @@ def metric(client: httpx.Client, name: str, label: str = "") -> float:
     return sum(float(v) for v in values)
 
 
-def wait_in_progress(client: httpx.Client, timeout_s: float = 120, received: int = 1) -> None:
-    """Until a job runs (``hsdp_jobs{state="in_progress"}`` > 0) and ``received`` jobs are queued or running."""
+def wait_in_progress(client: httpx.Client, timeout_s: float = 120, received: int = 1, together: int = 1) -> None:
+    """Until ``together`` jobs run (``hsdp_jobs{state="in_progress"}``: the jobs of the one running engine call)
+    and ``received`` jobs are queued or running."""
     deadline = time.monotonic() + timeout_s
-    while (running := metric(client, "hsdp_jobs", 'state="in_progress"')) < 1 or (
+    while (running := metric(client, "hsdp_jobs", 'state="in_progress"')) < together or (
         running + metric(client, "hsdp_jobs", 'state="queued"') < received
     ):
-        assert time.monotonic() < deadline, "no job started"
+        assert time.monotonic() < deadline, f"not {together} job(s) running at once: {running}"
         time.sleep(0.005)
+
+
+def batch_counts(client: httpx.Client) -> tuple[float, float]:
+    """The runner's batch statistics from ``/metrics``: engine calls, and the requests they held (padding not
+    counted)."""
+    return metric(client, "hsdp_batches_total"), metric(client, "hsdp_batched_requests_total")
+
+
+def assert_batched(client: httpx.Client, since: tuple[float, float], sizes: list[int]) -> None:
+    """The engine calls since ``since`` (:func:`batch_counts`) held batches of ``sizes`` beside requests alone:
+    each call adds one request more than it adds calls per request beside the first, so the excess of requests
+    over calls is ``sum(size - 1)``. Requests run one per call (a server that never batches) add none."""
+    calls, held = batch_counts(client)
+    shared = (held - since[1]) - (calls - since[0])
+    want = sum(size - 1 for size in sizes)
+    assert shared == want, (
+        f"batches of {sizes} should have formed: {held - since[1]:g} request(s) ran in {calls - since[0]:g} "
+        f"engine call(s), so {shared:g} request(s) beside another, not {want}"
+    )
 
 
 # -- hosts --------------------------------------------------------------------------------------------------

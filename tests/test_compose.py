@@ -1,9 +1,10 @@
 """The combination tier (``-m compose``, issue 27): features that compose, each case against one process.
 
 The axes and the pairwise cases are data (:mod:`tests.compose_axes`); each case runs one request (two with
-``beside``, one per adapter with ``rotation``) on ``tiny-wan`` and compares every output with the unchanged
-diffusers pipeline in this process for the same request and seed, with the case's adapter applied by peft and
-its step cache enabled (:func:`reference`). A refused pair is a case too: refused before loading, by the Engine,
+``beside``, one per adapter with ``rotation``) on ``tiny-wan`` and compares every output with plain diffusers in
+this process for the same request and seed: the case's adapter loaded by ``load_lora_weights`` at its scale and its
+step cache enabled from the diffusers config class with the fields asked for (:func:`reference`;
+:data:`HSDP_CACHE_DEFAULTS` names the one field hsdp adds). A refused pair is a case too: refused before loading, by the Engine,
 ``hsdp generate`` and ``hsdp serve`` alike, with a message naming both flags.
 
 Tolerances: exact where the math is one process's (every layout, cache and adapter at the slots' rank); 1e-5 on
@@ -30,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hsdp import ParallelConfig
 from hsdp.cli import main as cli_main
 from hsdp.engine import Engine, SamplingParams
-from hsdp.engine.cache import build_cache_config
 from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import encode_image, save_frames
 from hsdp.serve.settings import ServeSettings
@@ -52,6 +53,8 @@ from tests.compose_hosts import (
     NodesHost,
     Request,
     ServerHost,
+    assert_batched,
+    batch_counts,
     run_concurrently,
     submit_video,
     sync_answer,
@@ -59,8 +62,8 @@ from tests.compose_hosts import (
     video_content,
     wait_in_progress,
 )
-from tests.engine_refs import builtin, one_thread
-from tests.lora_refs import _pipeline_with, save_adapter
+from tests.engine_refs import _fresh_copies, builtin, one_thread
+from tests.lora_refs import diffusers_folder, save_adapter
 
 CASES = cases()
 PROMPTS = (("a red fox in the snow", 11), ("a cat playing piano", 12))
@@ -174,18 +177,44 @@ def hosts(dist_run, request, tmp_path_factory):
 
 
 # -- one process --------------------------------------------------------------------------------------------
+HSDP_CACHE_DEFAULTS = {"taylorseer": {"taylor_factors_dtype": None}}
+"""What hsdp puts in a cache config beyond the fields a user gives (``hsdp.engine.cache.DEFAULT_FIELDS``), named here
+so that the reference sets it in the open: diffusers keeps TaylorSeer's factors in bfloat16 by default, hsdp in the
+features' dtype, so ``--cache taylorseer`` differs from plain diffusers at its defaults (issue 33, What to build 3:
+the one remaining hsdp choice in this reference)."""
+
+
+def _diffusers_cache(name: str):
+    """The cache as a diffusers user enables it: its config class with the fields asked for (CACHE_CONFIGS)."""
+    import diffusers.hooks
+
+    from hsdp.engine.cache import CACHE_CLASSES
+
+    cls = getattr(diffusers.hooks, CACHE_CLASSES[name])
+    return cls(**CACHE_CONFIGS[name], **HSDP_CACHE_DEFAULTS.get(name, {}))
+
+
+def _plain_pipeline(wan: Path, root: Path, request: Request):
+    """diffusers' pipeline in this process, the request's adapter loaded by diffusers itself (``load_lora_weights``
+    of its diffusers-format file, peft underneath) at the request's scale (``set_adapters``)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(wan)
+    _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
+    pipe.set_progress_bar_config(disable=True)
+    if request.adapter is not None:
+        folder = root / ("late" if request.adapter.startswith("late") else request.adapter)
+        pipe.load_lora_weights(str(diffusers_folder(folder)), adapter_name="case")
+        pipe.set_adapters(["case"], adapter_weights=[request.scale])
+    return pipe
+
+
 def reference(wan: Path, root: Path, request: Request) -> np.ndarray:
-    """Frames of the diffusers pipeline in this process: the request's adapter by peft, its cache enabled."""
-    adapter = None if request.adapter is None else root / ("late" if request.adapter.startswith("late") else request.adapter)
-    pipe = _pipeline_with(wan, adapter, request.scale)
+    """Frames of plain diffusers in this process for the request: the adapter by ``load_lora_weights``, the cache by
+    diffusers' config class with the fields asked for."""
+    pipe = _plain_pipeline(wan, root, request)
     if request.cache is not None:
-        config = build_cache_config(
-            request.cache,
-            CACHE_CONFIGS[request.cache],
-            timestep=lambda: pipe.current_timestep,
-            num_inference_steps=request.steps,
-        )
-        pipe.transformer.enable_cache(config)
+        pipe.transformer.enable_cache(_diffusers_cache(request.cache))
     call = {
         **inspect_model(wan).defaults,
         "height": SIZE,
@@ -274,7 +303,9 @@ def _server_settings(wan: Path, root: Path, case: Case, folder: Path) -> ServeSe
         cache_config=CACHE_CONFIGS.get(cache) if cache else None,
         compile=case.compile == "on",
         max_batch_size=2,
-        step_timeout_s=120,
+        # A compiled server's first batch of two compiles the blocks again for that shape, with no step or heartbeat
+        # meanwhile: minutes on a loaded CPU, which 120 s took for a hang (the jobs then ran again alone, unbatched).
+        step_timeout_s=600 if case.compile == "on" else 120,
     )
 
 
@@ -299,13 +330,17 @@ def run_on_server(host, case: Case) -> list:
         assert loaded.status_code == 200, loaded.text
     groups = requests(case)
     flat = [r for group in groups for r in group]
+    sizes = [len(group) for group in groups]
     if case.lifecycle == "restarted":  # queued behind a long job when the server stops
         submit_video(client, _blocker())
         wait_in_progress(client)
         ids = [submit_video(client, r) for r in flat]
         host.restart()
         host.wait_ready()
-        return [video_content(host.client, i) for i in ids]
+        outputs = [video_content(host.client, i) for i in ids]
+        # The restarted server counts from 0; the blocker, if it runs again, runs alone (another batch key).
+        assert_batched(host.client, (0.0, 0.0), sizes)
+        return outputs
     if case.lifecycle == "killed":
         mark = host.failure_mark()
         # torchrun restarts rank 0's process (the HTTP server) with the group: a synchronous request cannot wait
@@ -313,8 +348,13 @@ def run_on_server(host, case: Case) -> list:
         resent = isinstance(host, NodesHost) and case.route in SYNC_ROUTES
         send = (lambda c, r: sync_answer(c, case.route, r)) if resent else ROUTES[case.route]
         with ThreadPoolExecutor(len(flat)) as pool:
+            if max(sizes) > 1:  # the requests wait queued together behind a long job, to be killed in one batch
+                submit_video(client, _blocker())
+                wait_in_progress(client)
             futures = [pool.submit(send, client, r) for r in flat]
-            wait_in_progress(client, received=len(flat))
+            # Beside: the kill hits one engine call running a group's requests together (those that were
+            # interrupted then run again alone, so only the running jobs can show the batch).
+            wait_in_progress(client, received=len(flat), together=max(sizes))
             host.kill_worker()
             outputs = [f.result() for f in futures]
         if resent:
@@ -327,10 +367,12 @@ def run_on_server(host, case: Case) -> list:
         return outputs
     outputs = []
     for group in groups:
+        since = batch_counts(client)
         if len(group) > 1:  # the two wait queued together behind a long job: one batch
             submit_video(client, _blocker())
             wait_in_progress(client)
         outputs += run_concurrently(client, case.route, group)
+        assert_batched(client, since, [len(group)])
     return outputs
 
 

@@ -111,6 +111,16 @@ def test_adapters_added_at_run_time_and_removed(base, lm_adapters, dist_run):
         _check_lm(engine, dist_run, base, None, None, 1.0)
 
 
+def test_an_adapter_added_at_run_time_may_adapt_layers_no_start_up_adapter_does(base, lm_adapters, dist_run):
+    """Issue 33 item 9: slots for adapters added later (``max_loras``) cover every linear layer, not only the start-up
+    adapters' (b: q_proj and v_proj), so ``a`` (every linear layer, rank 4) loads and equals peft exactly; b, the base
+    and a keep their outputs on the wider slots. Before: "adapts 20 layer(s) the adapter slots do not cover"."""
+    with Engine(base, HSDP2, workers=dist_run.group(2), lora={"b": lm_adapters["b"]}, max_loras=2, max_lora_rank=4) as engine:
+        engine.add_adapter("a", lm_adapters["a"], "load_lora_adapter")
+        for name in ("a", None, "b", "a"):
+            _check_lm(engine, dist_run, base, lm_adapters.get(name), name, 1.0)
+
+
 @pytest.mark.unit
 def test_unknown_adapter_and_adapter_for_another_base(base, lm_adapters, tmp_path):
     other = save_adapter(build_tiny_llama(hidden_size=32), tmp_path / "other")
@@ -124,9 +134,16 @@ def test_unknown_adapter_and_adapter_for_another_base(base, lm_adapters, tmp_pat
     cache = AdapterCache(slot_spec([b], base, count=1, rank=None), [b])
     with pytest.raises(ValueError, match="rank 4 exceeds the adapter slots' rank 2; .*--max-lora-rank 4"):
         cache.add(a, "load_lora_adapter")
-    cache = AdapterCache(slot_spec([b], base, count=1, rank=4), [b])
+    cache = AdapterCache(slot_spec([b], base, count=1, rank=4), [b])  # b's layers only (hsdp generate --lora)
     with pytest.raises(ValueError, match=r"adapts 20 layer.* do not cover \(model.layers.0.mlp.down_proj"):
         cache.add(a, "load_lora_adapter")
+    # Slots narrowed to named layers (--lora-target-modules) refuse an adapter of others, naming the flag.
+    narrow = slot_spec([b], base, count=1, rank=4, modules=["q_proj", "k_proj"])
+    assert {m.rsplit(".", 1)[1] for m in narrow.targets} == {"q_proj", "k_proj", "v_proj"}
+    with pytest.raises(ValueError, match=r"adapts 16 layer.* do not cover .*--lora-target-modules naming"):
+        AdapterCache(narrow, [b]).add(a, "load_lora_adapter")
+    with pytest.raises(ValueError, match=r"--lora-target-modules nope: .*all-linear"):
+        slot_spec([b], base, count=1, rank=4, modules=["nope"])
 
 
 @pytest.mark.unit

@@ -33,6 +33,7 @@ from hsdp.serve.service import Server
 from hsdp.serve.settings import ServeSettings
 from tests.engine_refs import builtin
 from tests.lora_refs import (
+    WAN_BLOCK_LINEARS,
     diffusers_folder,
     diffusers_video_reference,
     kohya_files,
@@ -159,9 +160,10 @@ def wan_root(wan, tmp_path_factory) -> Path:
     targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
     save_adapter(transformer, folder / "x", targets, seed=3)
     save_adapter(transformer, folder / "y", targets, seed=4)
-    # A ComfyUI LoRA file (on the layers the adapter slots cover), and one whose keys name no layer of the model
+    # A ComfyUI LoRA file of every linear layer of the blocks, the feed-forward ones included, which no --lora
+    # adapts (issue 33 item 9: loaded at run time all the same), and one whose keys name no layer of the model
     # (issue 26 item 4).
-    kohya_files(save_adapter(transformer, folder / "k", targets, seed=5), transformer, folder / "files")
+    kohya_files(save_adapter(transformer, folder / "k", WAN_BLOCK_LINEARS, seed=5), transformer, folder / "files")
     down, up = torch.zeros(4, 32), torch.zeros(32, 4)
     save_file({"transformer.nope.lora_A.weight": down, "transformer.nope.lora_B.weight": up}, folder / "nothing.safetensors")
     return folder
@@ -328,6 +330,14 @@ def test_missing_adapter_folder_exits_before_ranks_start(base, tmp_path, capsys)
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "--lora" in err and "no such folder" in err
+
+
+@pytest.mark.unit
+def test_lora_target_modules_without_lora_root_exits_before_ranks_start(base, tmp_path, capsys):
+    argv = ["serve", str(base), "--lora-target-modules", "q_proj", "--output-dir", str(tmp_path)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--lora-target-modules sizes the adapter slots" in err and "add --lora-root DIR" in err
 
 
 @pytest.mark.unit

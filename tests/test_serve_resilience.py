@@ -8,6 +8,7 @@ deterministic, so equal bytes mean equal frames.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hsdp.distributed import pid_running
 from hsdp.engine import SamplingParams
 from hsdp.engine.outputs import save_frames
 from hsdp.models.tiny_wan import TINY_WAN_DEFAULTS
@@ -38,7 +40,7 @@ def server(tmp_path_factory):
         ),
         "HSDP_TEST_POISON": "1",
     }
-    with LocalServer("tiny-wan", args, log=folder / "server.log", env=env) as running:
+    with LocalServer("tiny-wan", args, log=folder / "server.log", env=env, own_group=True) as running:
         yield running
 
 
@@ -59,8 +61,8 @@ def _wait(
     return job
 
 
-def _reference_mp4(prompt: str, seed: int, folder: Path) -> bytes:
-    params = SamplingParams(num_inference_steps=2, guidance_scale=4.0)
+def _reference_mp4(prompt: str, seed: int, folder: Path, steps: int = 2) -> bytes:
+    params = SamplingParams(num_inference_steps=steps, guidance_scale=4.0)
     frames = reference_video(builtin("tiny-wan", folder / "cache"), prompt, seed, params, TINY_WAN_DEFAULTS)
     return save_frames(frames, folder / f"{seed}.mp4", fps=8).read_bytes()
 
@@ -138,3 +140,30 @@ def test_cancel_stops_the_running_job_within_one_step(server, client):
     assert final["progress"] < 99
     follow = client.post("/v1/videos/sync", json={"prompt": "next", "seed": 4, **SMALL})
     assert follow.status_code == 200  # the workers are free
+
+
+def test_sigterm_to_the_servers_group_lets_the_running_batch_finish_and_exits_0(server, client, tmp_path):
+    """Issue 33 item 5: SIGTERM to the server's whole process group (systemd's default stop, ``timeout``) killed
+    the ranks at once: the running job was cut off and left queued, the server loaded a new engine while shutting
+    down, then died of the signal. Now as Ctrl-C: the ranks ignore it and stop when the server tells them, after
+    the running batch. Last in the module: it stops the module's server."""
+    steps = 12
+    job = client.post(
+        "/v1/videos", json={"prompt": "stopping", "seed": 6, **{**SMALL, "num_inference_steps": steps}}
+    ).json()
+    while (state := client.get(f"/v1/videos/{job['id']}").json())["progress"] < 1:
+        assert state["status"] in ("queued", "in_progress"), state
+        time.sleep(0.02)
+    pids = server.worker_pids()
+    client.close()  # an open keep-alive connection would hold up the graceful shutdown
+    logged = server.log.stat().st_size
+    server.signal_group(signal.SIGTERM)
+    assert server.proc.wait(120) == 0, server.log_tail()
+    after = server.log.read_text(errors="replace")[logged:]
+    assert "Traceback" not in after and "restart" not in after and "interrupted" not in after, after
+    assert not any(pid_running(pid) for pid in pids)
+    out = Path(server.args[server.args.index("--output-dir") + 1])
+    record = json.loads((out / "jobs" / f"{job['id']}.json").read_text())
+    assert record["status"] == "completed" and record["attempts"] == 1, record
+    written = (out / "videos" / f"{job['id']}.mp4").read_bytes()
+    assert written == _reference_mp4("stopping", 6, tmp_path, steps)

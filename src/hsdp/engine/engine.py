@@ -121,6 +121,7 @@ class Engine:
         lora: LoraArg = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        lora_target_modules: str | Sequence[str] | None = None,
         adapter_slots: adapters.SlotSpec | None = None,
         cache: str | None = None,
         cache_config: dict | None = None,
@@ -130,6 +131,7 @@ class Engine:
         vae_tiling: bool = False,
         vae_slicing: bool = False,
         revision: str | None = None,
+        shield_sigterm: bool = False,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder, a Hugging
         Face causal-LM folder or a Hugging Face Hub name (``org/name``, at ``revision``; downloaded here, once
@@ -148,7 +150,10 @@ class Engine:
         per adapter) of rank ``max_lora_rank`` (default: the largest adapter's) sharded with the base
         (:mod:`hsdp.engine.adapters`): one folder is applied to every call unless ``generate(adapter=...)`` says
         otherwise; a mapping ``{name: folder}`` is served by name per call (the base when none is named), and
-        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). ``adapter_slots``
+        ``max_loras`` alone makes slots for adapters added at run time (:meth:`add_adapter`). The slots cover the
+        layers of ``lora``'s adapters and those ``lora_target_modules`` selects (peft's ``target_modules``; default
+        ``"all-linear"`` when ``max_loras`` is given, so an adapter added later may adapt any linear layer; without
+        ``max_loras``, only ``lora``'s layers: slots cost memory, :func:`hsdp.engine.adapters.slot_spec`). ``adapter_slots``
         gives the slots as another engine made them (:attr:`adapter_slots`; a restarted server keeps its start-up
         slots), instead of ``max_loras`` / ``max_lora_rank``.
         ``cache`` / ``cache_config``: the diffusers step cache of every call whose ``SamplingParams.cache`` is
@@ -158,7 +163,9 @@ class Engine:
         (:mod:`hsdp.attention`). ``vae_parallel``: split the VAE's tiled decode and encode over the ranks that
         share a request (:mod:`hsdp.vae_parallel`; None: on wherever the layout and the VAE allow, see
         :attr:`vae_parallel`). ``vae_tiling`` / ``vae_slicing``: diffusers' ``enable_tiling`` / ``enable_slicing``
-        of the VAE (memory on each rank)."""
+        of the VAE (memory on each rank). ``shield_sigterm``: the engine-spawned ranks ignore SIGTERM as they
+        ignore SIGINT, for a caller that stops gracefully on it (``hsdp serve``: a group's SIGTERM, systemd's stop,
+        must not cut the running call off); :meth:`close` still stops them."""
         from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems
@@ -183,8 +190,9 @@ class Engine:
         specs = check_lora(self.info, self.config, weight_dtype, {} if slotted else lora)
         slots = adapter_slots
         if slots is None and (specs or max_loras):
+            modules = lora_target_modules if lora_target_modules is not None else ("all-linear" if max_loras else None)
             slots = adapters.slot_spec(
-                specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank
+                specs.values(), lora_target(self.info), max_loras or len(specs), max_lora_rank, modules
             )
         self.adapters = adapters.AdapterCache(slots, specs.values()) if slots is not None else None
         self.default_adapter = next(iter(specs)) if specs and not isinstance(lora, Mapping) else None
@@ -217,7 +225,7 @@ class Engine:
                 "its calls (hsdp serve under torchrun does)"
             )
         started = time.perf_counter()
-        self._group = self._ranks(workers, start_timeout_s)
+        self._group = self._ranks(workers, start_timeout_s, shield_sigterm)
         spec = components.LoadSpec(
             self.info.path,
             self.info.kind,
@@ -244,7 +252,9 @@ class Engine:
         self.load_s = time.perf_counter() - started
         logger.info("Engine ready in %.1fs: %s, %s", self.load_s, self.info.path, self.config.describe())
 
-    def _ranks(self, workers: WorkerGroup | None, start_timeout_s: float) -> WorkerGroup | _TorchrunRanks:
+    def _ranks(
+        self, workers: WorkerGroup | None, start_timeout_s: float, shield_sigterm: bool
+    ) -> WorkerGroup | _TorchrunRanks:
         """The ranks to load into: the caller's group, this script's own torchrun ranks, or new processes."""
         if workers is not None:
             if workers.world_size != self.config.world_size or workers.broken:
@@ -256,7 +266,10 @@ class Engine:
         if distributed.launched_by_torchrun():
             return _TorchrunRanks()
         return WorkerGroup(
-            self.config.world_size, start_timeout_s=start_timeout_s, packages=[MODEL_PACKAGES[self.info.kind]]
+            self.config.world_size,
+            start_timeout_s=start_timeout_s,
+            packages=[MODEL_PACKAGES[self.info.kind]],
+            shield_sigterm=shield_sigterm,
         )
 
     @property

@@ -141,18 +141,26 @@ def _start_context(packages: Iterable[str] = ()) -> mp.context.BaseContext:
     return ctx
 
 
+_CALLER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals that reach a whole process group (a terminal's Ctrl-C; systemd's stop, ``timeout``, ``kill -- -PGID``)
+and whose meaning the caller decides, not the forkserver."""
+
+
 @contextlib.contextmanager
-def _ctrl_c_ignored():
-    """SIGINT ignored for the block, so that a process started in it (the forkserver) starts ignoring it: a
-    terminal's Ctrl-C reaches the whole process group, and the caller decides what it means (main thread only)."""
+def _caller_signals_ignored():
+    """:data:`_CALLER_SIGNALS` ignored for the block, so that a process started in it (the forkserver) starts
+    ignoring them: a group's signal must not kill the forkserver of a caller that goes on (a server finishing its
+    batch); it ends with its caller all the same. Each rank sets its own (:class:`WorkerGroup`'s
+    ``shield_sigterm``). Main thread only (elsewhere the forkserver takes the caller's)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CALLER_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:
@@ -208,6 +216,7 @@ class WorkerGroup:
         collective_timeout_s: float | None = None,
         poll_s: float = 0.2,
         packages: Iterable[str] = (),
+        shield_sigterm: bool = False,
     ):
         from hsdp.distributed import DEFAULT_TIMEOUT_S
 
@@ -219,6 +228,7 @@ class WorkerGroup:
         self.last_heard = time.monotonic()
         """When a rank last sent anything (a result, an event, a :func:`heartbeat`): a call's sign of life."""
         self._closed = False
+        self.shield_sigterm = shield_sigterm
         child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
         ctx = _start_context(packages)
@@ -245,7 +255,7 @@ class WorkerGroup:
         self._conns: list[Connection] = []
         self._procs: list[mp.Process] = []
         if ctx.get_start_method() == "forkserver":
-            with _ctrl_c_ignored():  # inherited: the forkserver ignores it only once it has preloaded the stack
+            with _caller_signals_ignored():  # inherited: the forkserver ignores SIGINT only once it has preloaded
                 mp.forkserver.ensure_running()
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
@@ -262,6 +272,7 @@ class WorkerGroup:
                     timeout_s,
                     os.getcwd(),
                     _caller_streams(),
+                    self.shield_sigterm,
                 ),
                 daemon=True,
                 name=f"hsdp-rank{rank}",

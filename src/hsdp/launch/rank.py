@@ -150,6 +150,7 @@ def _worker_main(
     collective_timeout_s: float,
     cwd: str,
     streams: list[_CallerStream],
+    shield_sigterm: bool = False,
 ) -> None:
     # A rank forked from a forkserver has the forkserver's environment, directory and streams: take the caller's.
     for stream in streams:
@@ -168,6 +169,9 @@ def _worker_main(
     # (a server finishes the running batch, a command stops its ranks), where a rank interrupted on its own would
     # die mid-job or mid-collective (and a server would take it for a failed worker and restart its engine).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM likewise where the caller stops gracefully on it (a server: systemd's stop and `timeout` signal the
+    # whole group); otherwise its default, whatever the forkserver inherited.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if shield_sigterm else signal.SIG_DFL)
     # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
     watch_process(caller_pid, "the caller")
     _quiet_progress_bars()

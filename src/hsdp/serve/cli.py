@@ -8,8 +8,10 @@ model is loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -67,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="rank of the adapter slots; adapters of lower rank fit (default: the largest --lora's, else 16)",
+    )
+    adapters.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="the layers adapters loaded at run time may adapt (peft target_modules: names such as to_q ff.net.2, "
+        "or all-linear; default all-linear with --lora-root): the slots hold rank x (in + out) fp32 "
+        "values per layer, so fewer layers cost less memory; the --lora adapters' layers are always covered",
     )
     adapters.add_argument(
         "--lora-root",
@@ -135,6 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_root=args.lora_root,
+        lora_target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
         host=args.host,
         forward_prefetch=args.forward_prefetch,
         cache=args.cache,
@@ -214,6 +226,21 @@ def _answer_sync_requests_on_exit(http, server) -> None:
     http.handle_exit = on_exit
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c(leader):
+    """SIGTERM (systemd's stop, ``timeout``, ``kill``) stops the server as Ctrl-C does: uvicorn shuts down on
+    either and then raises it again, and SIGTERM's default would end the process there, before the running batch
+    finishes and the ranks are told to stop. Not under torchrun, whose SIGTERM stops every rank at once."""
+    if leader is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _serve(args: argparse.Namespace, leader) -> int:
     import uvicorn
     from uvicorn.main import STARTUP_FAILURE
@@ -256,8 +283,9 @@ def _serve(args: argparse.Namespace, leader) -> int:
     if leader is not None:
         _answer_sync_requests_on_exit(http, server)
     try:
-        http.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again, as uvicorn.run expects
+        with _sigterm_as_ctrl_c(leader):
+            http.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT (or SIGTERM) it shut down on again, as uvicorn.run expects
         pass
     finally:
         sock.close()

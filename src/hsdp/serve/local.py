@@ -40,8 +40,12 @@ class LocalServer:
         api_key: str | None = None,
         env: dict[str, str] | None = None,
         start_timeout_s: float = 300.0,
+        own_group: bool = False,
     ):
+        """``own_group``: the server leads a process group (a session) of its own, as a service manager starts
+        it, so that :meth:`signal_group` reaches it and its ranks alike."""
         self.model, self.args, self.log, self.api_key = model, list(args or []), Path(log), api_key
+        self.own_group = own_group
         self.env = {**os.environ, **(env or {})}
         if api_key:
             self.env["HSDP_API_KEY"] = api_key
@@ -71,7 +75,9 @@ class LocalServer:
                 *self.args,
             ]
             with open(self.log, "a") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+                self.proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.own_group
+                )
             if self._wait_ready():
                 return self
             if "address already in use" not in self.log_tail().lower():
@@ -128,11 +134,21 @@ class LocalServer:
             self.proc.kill()
             return self.proc.wait(10)
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to every process of the server's group, as systemd's stop, ``timeout`` or a terminal's
+        Ctrl-C do (``own_group`` servers only)."""
+        if not self.own_group:
+            raise ValueError("signal_group needs LocalServer(own_group=True)")
+        os.killpg(self.proc.pid, sig)
+
     def __enter__(self) -> LocalServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        if self.own_group and self.proc is not None:  # ranks a failed stop left in the group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def _health(url: str) -> int | None:

@@ -181,6 +181,7 @@ class Server:
                 "lora": dict(self.startup_adapters) or None,
                 "max_loras": s.adapter_slots,
                 "max_lora_rank": s.max_lora_rank,
+                "lora_target_modules": s.slot_modules,
             }
         else:  # the same slots, not re-derived from the adapters served now
             slots = {"adapter_slots": self._slots}
@@ -204,6 +205,9 @@ class Server:
             # torchrun's ranks have no cancel board (a cancelled running job's output is dropped instead).
             cancellable=self.leader is None,
             workers=self.leader,
+            # The server stops gracefully on SIGTERM as on SIGINT (hsdp.serve.cli), and both reach every process
+            # of its group: the ranks stop when it tells them, after the running batch.
+            shield_sigterm=True,
         )
         if first:
             self._slots = engine.adapter_slots

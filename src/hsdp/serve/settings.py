@@ -62,6 +62,9 @@ class ServeSettings:
     lora_root: Path | None = None
     """Folder under which requests' ``lora.local_path`` and ``/v1/load_lora_adapter`` paths must lie
     (``--lora-root``); None: no adapter is loaded from a request's path."""
+    lora_target_modules: tuple[str, ...] | None = None
+    """The layers the adapter slots cover for adapters loaded at run time (``--lora-target-modules``, peft's
+    ``target_modules``); None: every linear layer with ``--lora-root``, else the ``--lora`` adapters' only."""
     host: str = "127.0.0.1"
     """The bound address: adapter loading over HTTP is refused without ``--api-key`` off loopback."""
     forward_prefetch: bool = True
@@ -104,6 +107,14 @@ class ServeSettings:
         """``--max-loras`` as the engine takes it (None: no slots, or one per ``--lora``)."""
         return self.max_loras or (1 if self.lora_root and not self.lora else None)
 
+    @property
+    def slot_modules(self) -> str | tuple[str, ...] | None:
+        """The layers the adapter slots cover besides the ``--lora`` adapters' (adapters loaded at run time come
+        from ``--lora-root`` only)."""
+        if self.lora_target_modules:
+            return self.lora_target_modules
+        return "all-linear" if self.lora_root else None
+
     def problems(self) -> list[str]:
         """Everything wrong with the settings, each naming its flag."""
         problems = []
@@ -126,6 +137,11 @@ class ServeSettings:
             problems.append(f"--max-batch-size {self.max_batch_size} must be >= 1")
         if self.max_loras is not None and self.max_loras < 1:
             problems.append(f"--max-loras {self.max_loras} must be >= 1")
+        if self.lora_target_modules and self.lora_root is None:
+            problems.append(
+                "--lora-target-modules sizes the adapter slots for adapters loaded at run time, which come from "
+                "--lora-root only; add --lora-root DIR (or drop it: the --lora adapters' layers are covered)"
+            )
         if self.lora_root is not None and not Path(self.lora_root).is_dir():
             problems.append(f"--lora-root {self.lora_root}: no such folder; pass the folder holding the adapters")
         if self.api_key is not None and not self.api_key.strip():
