@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("HSDP_TEST_ARTIFACTS", ROOT / "outputs" / "test-artifacts")) / "playground"
 CHROMIUM = os.environ.get("HSDP_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FINISHED = ("completed", "failed", "cancelled")
+AXE = Path(os.environ.get("HSDP_AXE_JS", ROOT / "node_modules" / "axe-core" / "axe.min.js"))
+"""axe-core (Deque's accessibility engine, npm's ``axe-core``): ``npm install --no-save axe-core`` at the repository
+root, as ``.ci/run`` does, or ``HSDP_AXE_JS=PATH`` to its ``axe.min.js``."""
+AXE_RULES = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa", "best-practice"]
 
 
 def missing_browser() -> str | None:
@@ -114,3 +119,22 @@ def media_duration(page) -> float:
              m.addEventListener("error", () => reject(new Error("the player cannot read it: " + m.error.code)));
            })""",
     )
+
+
+def assert_accessible(page, name: str) -> None:
+    """No serious or critical violation of WCAG 2.1 A/AA and axe's best practices on the page as it is now (axe-core
+    injected into the page). Without axe-core a warning names what is missing and the page's other checks go on."""
+    if not AXE.is_file():
+        warnings.warn(
+            f"no accessibility check of {name}: axe-core is not at {AXE} (npm install --no-save axe-core)",
+            stacklevel=2,
+        )
+        return
+    page.add_script_tag(path=str(AXE))
+    result = page.evaluate("rules => axe.run(document, {runOnly: rules})", AXE_RULES)
+    serious = [
+        f"{v['id']} ({v['impact']}): {v['help']} at {[n['target'] for n in v['nodes']][:3]}"
+        for v in result["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]
+    assert not serious, f"{name}: axe-core {result['testEngine']['version']} finds {serious}"

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hsdp.serve.local import LocalServer
-from tests.browser import media_duration, open_playground, run_job, screenshot, shown_bytes
+from tests.browser import assert_accessible, media_duration, open_playground, run_job, screenshot, shown_bytes
 from tests.engine_refs import builtin
 from tests.lora_refs import save_adapter
 
@@ -138,6 +138,7 @@ def test_flux_page_image_equals_the_api_adapter_progress_cancel_download(flux_se
         page.click(f"button[aria-label='Download {adapted_id}']")
     np.testing.assert_array_equal(_pixels(Path(download.value.path()).read_bytes()), expected)
     screenshot(page, "flux")
+    assert_accessible(page, "the playground on tiny-flux")
     # A long job: its steps advance in the page (step k of n, an ETA), then the job list's Cancel stops it.
     page.fill("#f-num_inference_steps", str(LONG_STEPS))
     page.click("#start")
@@ -170,3 +171,4 @@ def test_wan_page_plays_the_video(wan_server, page):
     assert job["status"] == "completed" and job["num_frames"] == 5
     assert duration == pytest.approx(5 / job["fps"], abs=0.1)
     screenshot(page, "wan")
+    assert_accessible(page, "the playground on tiny-wan")

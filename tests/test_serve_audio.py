@@ -16,7 +16,7 @@ import soundfile
 
 from hsdp.models.builtin import resolve_model
 from hsdp.serve.local import LocalServer
-from tests.browser import media_duration, open_playground, run_job, screenshot, shown_bytes
+from tests.browser import assert_accessible, media_duration, open_playground, run_job, screenshot, shown_bytes
 from tests.engine_refs import reference_pipeline
 
 pytestmark = pytest.mark.slow
@@ -101,3 +101,4 @@ def test_playground_plays_the_audio_of_the_api(server, expected, page):
     assert media_duration(page) == pytest.approx(0.25, abs=0.01)
     np.testing.assert_allclose(_waveform(shown_bytes(page)), expected, atol=PCM16, rtol=0)
     screenshot(page, "stable-audio")
+    assert_accessible(page, "the playground on tiny-stable-audio")

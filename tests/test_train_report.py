@@ -59,7 +59,7 @@ def test_run_page_of_a_flux_lora_run_shows_the_summary_json_curves_and_each_vali
 
     from hsdp.cli import main as cli_main
     from hsdp.models.builtin import resolve_model
-    from tests.browser import screenshot
+    from tests.browser import assert_accessible, screenshot
 
     resolve_model("tiny-flux")  # built here, not by the ranks
     run, summary = tmp_path / "run", tmp_path / "summary.json"
@@ -82,3 +82,4 @@ def test_run_page_of_a_flux_lora_run_shows_the_summary_json_curves_and_each_vali
     loaded = page.eval_on_selector_all(".grid img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
     assert loaded == [64, 64], loaded
     screenshot(page, "train-run-page")
+    assert_accessible(page, "the run page")
