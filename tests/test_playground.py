@@ -2,9 +2,10 @@
 through Playwright's Python package; no browser is downloaded), and the public routes it runs on: ``/v1/jobs``
 (asynchronous jobs of any output, with step ``k`` of ``n``) and the ``parameters`` of ``/v1/models``.
 
-One server per model for the whole module (HSDP 2). What the page shows is checked against the API: the image's
-bytes equal ``/v1/images/generations``' answer for the same seed (with and without an adapter picked in the
-page, as the ``lora`` field does), the video player has a duration. A screenshot of each page goes to
+One tiny-flux server at HSDP 2 for the module. What the page shows is checked against the API: the image's bytes
+equal ``/v1/images/generations``' answer for the same seed (with and without an adapter picked in the page, as the
+``lora`` field does). The video and audio players are tested beside those models' servers: ``tests/test_serve.py``
+(tiny-wan, and the text page on tiny-llama) and ``tests/test_serve_audio.py``. A screenshot of each page goes to
 ``outputs/test-artifacts/playground/`` (``HSDP_TEST_ARTIFACTS`` to move it; ignored by git).
 Without chromium or playwright the browser tests skip naming what is missing (``.ci/run`` installs both).
 """
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from hsdp.serve.local import LocalServer
-from tests.browser import assert_accessible, media_duration, open_playground, run_job, screenshot, shown_bytes
+from tests.browser import assert_accessible, open_playground, run_job, screenshot, shown_bytes
 from tests.engine_refs import builtin
 from tests.lora_refs import save_adapter
 
@@ -49,14 +50,6 @@ def flux_server(flux, tmp_path_factory):
     args = [*HSDP2, "--lora", f"x={folder / 'x'}", "--max-steps", str(LONG_STEPS)]
     args += ["--served-model-name", "tiny-flux", "--output-dir", str(folder / "out")]
     with LocalServer(str(flux), args, log=folder / "log", api_key=KEY) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def wan_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("wan-page")
-    wan = builtin("tiny-wan", tmp_path_factory.getbasetemp() / "hsdp-cache")
-    with LocalServer(str(wan), [*HSDP2, "--output-dir", str(folder / "out")], log=folder / "log") as server:
         yield server
 
 
@@ -159,16 +152,3 @@ def test_flux_page_image_equals_the_api_adapter_progress_cancel_download(flux_se
     assert job["status"] == "cancelled" and job["step"] < LONG_STEPS, job
     page.wait_for_selector(f"tr[data-job-id='{job_id}'][data-status=cancelled]")
     assert page.is_hidden("#key-section")
-
-
-def test_wan_page_plays_the_video(wan_server, page):
-    open_playground(page, wan_server.url)
-    fields = page.eval_on_selector_all("#fields input, #fields textarea", "els => els.map(e => e.name)")
-    assert {"num_frames", "fps", "size"} <= set(fields), fields
-    job_id = run_job(page, "a red fox", seed=1, num_inference_steps=2, num_frames=5)
-    duration = media_duration(page)
-    job = httpx.get(f"{wan_server.url}/v1/jobs/{job_id}").json()
-    assert job["status"] == "completed" and job["num_frames"] == 5
-    assert duration == pytest.approx(5 / job["fps"], abs=0.1)
-    screenshot(page, "wan")
-    assert_accessible(page, "the playground on tiny-wan")

@@ -277,13 +277,19 @@ async function refreshJobs() {
 // -- text models ---------------------------------------------------------------------------------------------
 async function complete(event) {
   event.preventDefault();
-  const body = { prompt: $("text-prompt").value, max_tokens: Number($("text-max-tokens").value) };
+  const body = { prompt: $("text-prompt").value };
+  for (const [name, id] of [["max_tokens", "text-max-tokens"], ["temperature", "text-temperature"]]) {
+    if ($(id).value.trim() !== "") body[name] = Number($(id).value);
+  }
+  const result = $("text-result");
+  result.dataset.done = "false";
   try {
     const answer = await (await api("/v1/completions", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })).json();
-    $("text-result").textContent = answer.choices[0].text;
+    result.textContent = answer.choices[0].text;
   } catch (error) {
-    $("text-result").textContent = error.message;
+    result.textContent = error.message;
   }
+  result.dataset.done = "true";
 }
 
 // -- start ---------------------------------------------------------------------------------------------------
@@ -302,6 +308,7 @@ async function start() {
   const parameters = base.parameters || { fields: [] };
   if (base.kind !== "diffusion" || !parameters.job_route) {
     $("text-section").hidden = false;
+    document.body.dataset.ready = "true";
     return;
   }
   state.route = parameters.job_route;
