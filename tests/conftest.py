@@ -23,6 +23,7 @@ from collections.abc import Callable
 import pytest
 
 from hsdp.launch import WorkerGroup
+from tests.browser import browser, page  # noqa: F401  (the served pages' tests: a headless Chromium tab)
 
 os.environ.setdefault("HSDP_COLLECTIVE_TIMEOUT", "120")
 CALL_TIMEOUT_S = 300

@@ -26,6 +26,7 @@ from hsdp.engine.model_info import inspect_model
 from hsdp.models.builtin import resolve_model
 from hsdp.serve.jobs import Job
 from hsdp.serve.local import LocalServer
+from tests.browser import assert_accessible, media_duration, open_playground, run_job, screenshot
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +124,22 @@ def test_video_job_json_form_and_sync_agree(wan_client, wan_dir):
     listed = [v["id"] for v in wan_client.get("/v1/videos", params={"order": "asc"}).json()["data"]]
     assert listed[:2] == [job["id"], by_form["id"]]
     assert (wan_dir / "out" / "videos" / f"{job['id']}.mp4").read_bytes() == video.content
+
+
+def test_playground_plays_the_video_job_it_starts(wan, page):
+    """The page at / (headless Chromium, tests/browser.py): the video fields with this server's limits, a job
+    started in the page, its <video> player reading the mp4 (the job's 5 frames at 16 fps)."""
+    open_playground(page, wan.url)
+    fields = page.eval_on_selector_all("#fields input, #fields textarea", "els => els.map(e => e.name)")
+    assert {"num_frames", "fps", "size"} <= set(fields), fields
+    assert page.get_attribute("#f-num_frames", "max") == "9" and page.get_attribute("#f-num_inference_steps", "max") == "8"
+    job_id = run_job(page, "a red fox", seed=1, num_inference_steps=2, num_frames=5, size="32x32")
+    duration = media_duration(page)
+    job = httpx.get(f"{wan.url}/v1/jobs/{job_id}").json()
+    assert job["status"] == "completed" and job["num_frames"] == 5 and job["output"] == "video"
+    assert duration == pytest.approx(5 / job["fps"], abs=0.1)
+    screenshot(page, "wan")
+    assert_accessible(page, "the playground on tiny-wan")
 
 
 def test_images_openai_client_equal_one_process_pipeline(wan):
@@ -311,6 +328,20 @@ def test_api_key_required_except_health(llama):
             assert response.json()["error"]["code"] == "invalid_api_key"
         assert anonymous.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert anonymous.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_playground_on_a_causal_lm_asks_the_key_once_and_completes(llama, llama_client, page):
+    open_playground(page, llama.url, api_key=KEY)
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    expected = llama_client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    page.fill("#text-prompt", "Hello there")
+    page.fill("#text-max-tokens", "6")
+    page.fill("#text-temperature", "0")
+    page.click("#text-form button")
+    page.wait_for_function("() => document.getElementById('text-result').dataset.done === 'true'")
+    assert page.text_content("#text-result") == expected and page.is_hidden("#key-section")
+    screenshot(page, "llama")
+    assert_accessible(page, "the playground on tiny-llama")
 
 
 def test_completions_equal_one_process_generate(llama, llama_client):

@@ -1,7 +1,8 @@
 """``hsdp serve`` on an audio pipeline (tiny-stable-audio, request-parallel HSDP 2), driven by the official ``openai``
 client: ``audio.speech.create`` and chat completions with ``modalities: ["audio"]`` answer the waveform of the
 single-process diffusers pipeline for the same seed, as 16-bit PCM holds it; the routes the model cannot serve and a
-length past the model's limit are 400s naming what to use instead."""
+length past the model's limit are 400s naming what to use instead. The playground at ``/`` plays the same waveform
+(in a headless Chromium, :mod:`tests.browser`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import soundfile
 
 from hsdp.models.builtin import resolve_model
 from hsdp.serve.local import LocalServer
+from tests.browser import assert_accessible, media_duration, open_playground, run_job, screenshot, shown_bytes
 from tests.engine_refs import reference_pipeline
 
 pytestmark = pytest.mark.slow
@@ -73,14 +75,15 @@ def test_openai_speech_and_chat_audio_equal_one_process(server, expected):
 def test_routes_the_audio_model_cannot_serve_name_the_ones_it_can(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         [card] = client.get("/v1/models").json()["data"]
-        assert card["outputs"] == ["audio"] and card["routes"] == ["/v1/audio/speech", "/v1/chat/completions"]
+        assert card["outputs"] == ["audio"]
+        assert card["routes"] == ["/v1/audio/speech", "/v1/jobs", "/v1/chat/completions"]
         for path, body in [
             ("/v1/images/generations", {"prompt": PROMPT}),
             ("/v1/videos/sync", {"prompt": PROMPT}),
         ]:
             answer = client.post(path, json=body)
             assert answer.status_code == 400, answer.text
-            assert "use POST /v1/audio/speech or /v1/chat/completions" in answer.json()["error"]["message"]
+            assert "use POST /v1/audio/speech, /v1/jobs or /v1/chat/completions" in answer.json()["error"]["message"]
         too_long = client.post("/v1/audio/speech", json={"input": PROMPT, "audio_seconds": 0.6})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "audio_seconds", too_long.text
         assert "exceeds the 0.256 s" in too_long.json()["error"]["message"]
@@ -137,3 +140,15 @@ def test_chat_audio_makes_n_choices(server, expected):
         assert len(set(urls)) == 4  # seeds 5..8
         too_many = http.post("/v1/chat/completions", json={**body, "n": 3})
         assert too_many.status_code == 400 and "--max-images" in too_many.json()["error"]["message"]
+
+def test_playground_plays_the_audio_of_the_api(server, expected, page):
+    """A job started in the page: its <audio> player reads the file (duration > 0) and the file is the waveform of
+    the single-process pipeline, as the speech route's."""
+    open_playground(page, server.url)
+    fields = page.eval_on_selector_all("#fields input, #fields textarea", "els => els.map(e => e.name)")
+    assert "audio_seconds" in fields and "size" not in fields, fields
+    run_job(page, PROMPT, seed=5, num_inference_steps=3, guidance_scale=7.0, audio_seconds=0.25)
+    assert media_duration(page) == pytest.approx(0.25, abs=0.01)
+    np.testing.assert_allclose(_waveform(shown_bytes(page)), expected, atol=PCM16, rtol=0)
+    screenshot(page, "stable-audio")
+    assert_accessible(page, "the playground on tiny-stable-audio")

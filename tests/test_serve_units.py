@@ -282,8 +282,8 @@ class _RecordingStore(JobStore):
         super().__init__(*args, **kwargs)
         self.progress_seen: dict[str, list[int]] = {}
 
-    def set_progress(self, job: Job, percent: int) -> None:
-        super().set_progress(job, percent)
+    def set_progress(self, job: Job, percent: int, step: int = 0, steps: int | None = None) -> None:
+        super().set_progress(job, percent, step, steps)
         self.progress_seen.setdefault(job.id, []).append(job.progress)
 
 
@@ -320,6 +320,7 @@ def test_runner_runs_an_interrupted_batch_again_alone_after_a_restart(tmp_path, 
     assert engines[1].calls == [(["p0", "p0"], [10, 10]), (["p1", "p1"], [11, 11])]
     # The engine's per-step callback drives progress; 100 waits for the end (decode and encoding follow).
     assert store.progress_seen[b.id][-4:] == [25, 50, 75, 99] and b.progress == 100
+    assert b.steps == 4  # step k of n as the pipeline counts them (what /v1/jobs reports)
     assert (runner.stats.restarts, runner.stats.worker_failures, runner.stats.padded_requests) == (
         1,
         failures,

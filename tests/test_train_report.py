@@ -1,4 +1,5 @@
-"""``--report-to``: TensorBoard event files and an offline wandb run hold the per-step and eval figures."""
+"""``--report-to``: TensorBoard event files and an offline wandb run hold the per-step and eval figures; the run
+page ``<output-dir>/report.html`` draws the ``--summary-json`` records (checked in a headless Chromium)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,37 @@ def test_report_to_problems_name_the_flag():
     cfg = TrainConfig(model="tiny-llama", data="x.txt", report_to="tensorboard")
     assert any("--output-dir or --logging-dir" in p for p in cfg.problems())
     assert any("--report-to='mlflow'" in p for p in cfg.replace(report_to="mlflow").problems())
+
+
+def test_run_page_of_a_flux_lora_run_shows_the_summary_json_curves_and_each_validation_step(media, tmp_path, page):
+    """``hsdp train`` on tiny-flux (LoRA, HSDP 2, validation samples) writes ``<output-dir>/report.html``; opened
+    in a headless Chromium from the file (no server), its curves' points are ``--summary-json``'s records and its
+    sample grid has a row per validation step, each image loaded."""
+    import json
+
+    from hsdp.cli import main as cli_main
+    from hsdp.models.builtin import resolve_model
+    from tests.browser import assert_accessible, screenshot
+
+    resolve_model("tiny-flux")  # built here, not by the ranks
+    run, summary = tmp_path / "run", tmp_path / "summary.json"
+    argv = ["train", "--model", "tiny-flux", "--data", str(media), "--resolution", "32", "--steps", "2",
+            "--batch-size", "2", "--lr", "1e-3", "--lora-r", "4", "--use-hsdp", "--hsdp-shard-size", "2",
+            "--output-dir", str(run), "--validation-prompt", "a red fox", "--validation-every", "2",
+            "--summary-json", str(summary)]  # fmt: skip
+    assert cli_main(argv) == 0
+    records = json.loads(summary.read_text())
+    page.goto((run / "report.html").as_uri())
+    drawn = page.evaluate(
+        """() => Object.fromEntries([...document.querySelectorAll("svg[data-metric]")].map(svg => [svg.dataset.metric,
+             [...svg.querySelectorAll("circle")].map(c => [Number(c.dataset.step), Number(c.dataset.value)])]))"""
+    )
+    for name in ("loss", "lr", "tokens_per_s"):
+        assert drawn[name] == [[r["step"], r[name]] for r in records], name
+    assert [r["step"] for r in records] == [1, 2]
+    rows = page.eval_on_selector_all(".grid tr[data-step]", "rows => rows.map(r => Number(r.dataset.step))")
+    assert rows == [0, 2]  # before the first step and at the end
+    loaded = page.eval_on_selector_all(".grid img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
+    assert loaded == [64, 64], loaded
+    screenshot(page, "train-run-page")
+    assert_accessible(page, "the run page")

@@ -18,10 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hsdp.serve.schemas import UNION_TAGS, UNKNOWN_FIELD, ApiError, unknown_fields_problem
 
-__all__ = ["GuardMiddleware", "install_error_handlers", "describe_validation_errors", "OPEN_PATHS"]
+__all__ = ["GuardMiddleware", "install_error_handlers", "describe_validation_errors", "OPEN_PATHS", "OPEN_PREFIX"]
 
-OPEN_PATHS = frozenset({"/health"})
-"""Paths served without the API key (load balancers probe them)."""
+OPEN_PATHS = frozenset({"/health", "/"})
+"""Paths served without the API key: load balancers probe ``/health``; ``/`` is the playground's page."""
+OPEN_PREFIX = "/playground/"
+"""The playground's static files (they hold no secret; the page asks for the key and sends it)."""
 
 
 async def _send_error(send: Send, error: ApiError) -> None:
@@ -45,7 +47,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 await _send_error(

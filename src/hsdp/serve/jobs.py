@@ -38,9 +38,11 @@ from typing import Any
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["Job", "JobStore", "QueueFull", "Unavailable", "FINISHED", "answered_by"]
+__all__ = ["ASYNC_KINDS", "Job", "JobStore", "QueueFull", "Unavailable", "FINISHED", "answered_by"]
 
 FINISHED = ("completed", "failed", "cancelled")
+ASYNC_KINDS = ("video", "image_async", "audio_async")
+"""The kinds of persistent jobs (``POST /v1/videos`` and ``POST /v1/jobs``): queued, polled and downloaded."""
 
 
 def answered_by(meta: dict, base: str) -> str:
@@ -67,6 +69,8 @@ _PERSISTED = (
     "output",
     "meta",
     "progress",
+    "step",
+    "steps",
     "attempts",
 )
 
@@ -74,7 +78,8 @@ _PERSISTED = (
 @dataclass(eq=False)
 class Job:
     kind: str
-    """``video`` (asynchronous, persisted), ``video_sync``, ``image`` or ``text``."""
+    """``video``, ``image_async`` or ``audio_async`` (asynchronous, persisted: :data:`ASYNC_KINDS`),
+    ``video_sync``, ``image``, ``audio`` or ``text``."""
     prompt: str
     params: dict
     """:class:`hsdp.engine.SamplingParams` fields shared by the batch (not seed / negative prompt)."""
@@ -93,6 +98,10 @@ class Job:
     """File name under ``<output_dir>/videos`` of a finished persistent job."""
     progress: int = 0
     """0-100: denoising steps done (100 once completed)."""
+    step: int = 0
+    """Denoising steps done in the current attempt."""
+    steps: int | None = None
+    """The denoising steps of the run, as the pipeline counts them (None until its first step)."""
     inputs: dict[str, bytes | None] = field(default_factory=dict)
     """Input images as uploaded, by pipeline argument (``image``, ``mask_image``); stored beside the record.
     Once the job is finished only the names remain (values None): the engine needs them no more."""
@@ -113,12 +122,16 @@ class Job:
 
     def __post_init__(self) -> None:
         if not self.id:
-            prefix = "video" if self.kind.startswith("video") else self.kind
-            self.id = f"{prefix}_{uuid.uuid4().hex}"
+            self.id = f"{self.output_kind}_{uuid.uuid4().hex}"
+
+    @property
+    def output_kind(self) -> str:
+        """What the job makes: ``video``, ``image``, ``audio`` or ``text`` (its kind without the route's suffix)."""
+        return self.kind.split("_")[0]
 
     @property
     def persistent(self) -> bool:
-        return self.kind == "video"
+        return self.kind in ASYNC_KINDS
 
     @property
     def finished(self) -> bool:
@@ -133,7 +146,7 @@ class Job:
         adapter = [self.meta.get("adapter"), self.meta.get("adapter_scale")]
         # Given-or-absent per-request inputs change the forwards a request runs (see the module docstring).
         given = [self.negative_prompt is not None, sorted(self.inputs)]
-        return json.dumps([self.kind.replace("_sync", ""), self.params, adapter, given], sort_keys=True)
+        return json.dumps([self.output_kind, self.params, adapter, given], sort_keys=True)
 
     def record(self) -> dict:
         record = {k: v for k, v in asdict(self).items() if k in _PERSISTED}
@@ -288,9 +301,9 @@ class JobStore:
         return {str(name): Path(path) for name, path in record.items()}
 
     def _sweep(self) -> None:
-        """Staging leftovers of a crashed server (``.<id>.mp4`` videos, ``<id>.<pid>.tmp`` records); only the
-        lock holder loads, so none of them belongs to a live writer."""
-        leftovers = [*self.videos_dir.glob(".*.mp4"), *self.jobs_dir.glob("*.tmp")]
+        """Staging leftovers of a crashed server (``.<id>.mp4`` and other outputs, ``<id>.<pid>.tmp`` records);
+        only the lock holder loads, so none of them belongs to a live writer."""
+        leftovers = [*self.videos_dir.glob(".*"), *self.jobs_dir.glob("*.tmp")]
         for path in leftovers:
             path.unlink(missing_ok=True)
         if leftovers:
@@ -386,7 +399,7 @@ class JobStore:
             self.finished_counts[job.status] += 1
             self._try_save(job)
             return False
-        job.status, job.started_at, job.progress = "queued", None, 0
+        job.status, job.started_at, job.progress, job.step = "queued", None, 0, 0
         self._try_save(job)
         self.requeued += 1
         return True
@@ -467,12 +480,13 @@ class JobStore:
             self._wake(job)
         return ended
 
-    def set_progress(self, job: Job, percent: int) -> None:
-        """A running job's progress (from the engine's per-step callback); written to its record."""
+    def set_progress(self, job: Job, percent: int, step: int = 0, steps: int | None = None) -> None:
+        """A running job's progress (from the engine's per-step callback: ``step`` of ``steps`` done); written
+        to its record."""
         with self._cond:
             if job.finished or percent <= job.progress:
                 return
-            job.progress = percent
+            job.progress, job.step, job.steps = percent, step, steps if steps is not None else job.steps
             self._try_save(job)
 
     def cancel(self, job: Job, reason: str) -> None:

@@ -277,7 +277,7 @@ class EngineRunner:
             self._last_sign_of_life = time.monotonic()
             if request_id < len(batch):  # the rest are padding
                 # 100 means done: the VAE decode and the encoding still follow the last step.
-                self.store.set_progress(batch[request_id], min(99, 100 * step // max(1, total)))
+                self.store.set_progress(batch[request_id], min(99, 100 * step // max(1, total)), step, total)
 
         def on_token(request_id: int, token_id: int) -> None:
             if request_id >= len(batch):
@@ -392,6 +392,25 @@ class EngineRunner:
             stats.peak_memory_bytes = list(outputs[0].peak_memory_bytes)
             stats.memory_kind = outputs[0].memory_kind
 
+    @staticmethod
+    def _encoded(job: Job, output: GenerationOutput) -> bytes:
+        """An image or audio job's file, in the format its request asked for."""
+        if job.output_kind == "audio":
+            return encode_audio(output.audios[0], output.sample_rate, "." + job.meta.get("format", "wav"))
+        # An image pipeline's first image, or a video pipeline's only frame (image endpoints ask for one).
+        image = output.images[0] if output.images is not None else output.frames[0]
+        job.meta["size"] = f"{image.shape[1]}x{image.shape[0]}"  # pipelines may resize (Kontext's max_area)
+        return encode_image(image, "." + job.meta.get("format", "png"))
+
+    def _store_file(self, name: str, data: bytes) -> None:
+        """A finished job's output under the output dir, whole or not at all (staged, then renamed)."""
+        staging = self.store.videos_dir / f".{name}"
+        try:
+            staging.write_bytes(data)
+            os.replace(staging, self.store.videos_dir / name)
+        finally:
+            staging.unlink(missing_ok=True)
+
     def _deliver(self, job: Job, output: GenerationOutput) -> None:
         if job.cancel_requested or output.cancelled:
             self.store.finish(job, "cancelled")
@@ -406,6 +425,11 @@ class EngineRunner:
                 staging.unlink(missing_ok=True)  # a failed write (a full disk) leaves no partial file
             self.store.finish(job, "completed", output=name)
             return
+        if job.kind in ("image_async", "audio_async"):
+            name = f"{job.id}.{job.meta['format']}"
+            self._store_file(name, self._encoded(job, output))
+            self.store.finish(job, "completed", output=name)
+            return
         if job.kind == "video_sync":
             staging = self.store.videos_dir / f".{job.id}.mp4"
             try:
@@ -413,15 +437,8 @@ class EngineRunner:
                 job.result = staging.read_bytes()
             finally:
                 staging.unlink(missing_ok=True)
-        elif job.kind == "audio":
-            job.result = encode_audio(output.audios[0], output.sample_rate, "." + job.meta.get("format", "wav"))
-        elif job.kind == "image":
-            # An image pipeline's first image, or a video pipeline's only frame (image endpoints ask for one).
-            image = output.images[0] if output.images is not None else output.frames[0]
-            job.result = encode_image(image, "." + job.meta.get("format", "png"))
-            job.meta["size"] = (
-                f"{image.shape[1]}x{image.shape[0]}"  # pipelines may resize (Kontext's max_area)
-            )
+        elif job.kind in ("audio", "image"):
+            job.result = self._encoded(job, output)
         else:
             conflict = self.store.stream_conflict(job, output.token_ids or [])
             if conflict is not None:  # a re-run that contradicts the streamed text: the stream ends in error

@@ -33,6 +33,9 @@ __all__ = [
     "DiffusionFields",
     "VideoRequest",
     "VideoJob",
+    "JobObject",
+    "JobRequest",
+    "ModelParameters",
     "ImageRequest",
     "ImageEditRequest",
     "ChatImageParams",
@@ -319,11 +322,49 @@ class VideoJob(BaseModel):
         0, description="Engine runs started; a run interrupted by a worker failure is repeated"
     )
     error: VideoError | None = None
+    step: int = Field(0, ge=0, description="Denoising steps done (of steps) in the current run")
+    steps: int | None = Field(None, description="The run's denoising steps, as the pipeline counts them")
+    eta_seconds: float | None = Field(
+        None, description="While it runs: the denoising steps left at the pace of those done (decoding follows)"
+    )
 
 
 class VideoList(BaseModel):
     object: Literal["list"] = "list"
     data: list[VideoJob]
+
+
+class JobObject(VideoJob):
+    """An asynchronous job of any output (``/v1/jobs``): the video job's fields, ``output`` saying what it makes
+    and ``content_type`` what ``/content`` answers with; the video fields are null for images and audio."""
+
+    object: Literal["job"] = "job"
+    output: Literal["video", "image", "audio"]
+    content_type: str
+    size: str | None = None
+    seconds: str | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobObject]
+
+
+class DeletedJob(BaseModel):
+    id: str
+    object: Literal["job.deleted"] = "job.deleted"
+    deleted: bool
+
+
+class JobRequest(VideoRequest):
+    """``POST /v1/jobs``: the video request's fields (``num_frames``, ``fps`` and ``seconds`` for video
+    pipelines), plus the file format of images and audio."""
+
+    output_format: Literal["png", "jpeg", "webp", "wav", "flac", "mp3"] | None = Field(
+        None, description="Images: png (default), jpeg or webp; audio: wav (default), flac or mp3"
+    )
 
 
 class DeletedVideo(BaseModel):
@@ -521,6 +562,29 @@ class Health(BaseModel):
     engine: str
 
 
+class FieldInfo(BaseModel):
+    """One request field the served model takes, for forms and clients (the playground at ``/`` reads these)."""
+
+    name: str
+    type: Literal["text", "integer", "number", "size", "image", "adapters"]
+    default: Any = Field(None, description="The model's default (null: none, or random for seed)")
+    minimum: int | float | None = None
+    maximum: int | float | None = Field(
+        None, description="This server's limit where it has one (hsdp serve --max-*)"
+    )
+    multiple_of: int | None = Field(None, description="Sizes: each side a multiple of this")
+    required: bool = False
+    description: str = ""
+
+
+class ModelParameters(BaseModel):
+    """What a request to this model may set, with the server's limits and the model's defaults."""
+
+    job_route: str | None = Field(None, description="The asynchronous job route (poll, download, cancel)")
+    fields: list[FieldInfo]
+    limits: dict[str, int] = Field(default_factory=dict, description="This server's limits (hsdp serve --max-*)")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -533,6 +597,9 @@ class ModelCard(BaseModel):
     """With ``--lora``: the adapter folder (vLLM's card for a LoRA module)."""
     parent: str | None = None
     """With ``--lora``: the base model the adapter is applied to."""
+    parameters: ModelParameters | None = Field(
+        None, description="The base model's card only: the fields its requests take, with limits and defaults"
+    )
 
 
 class ModelList(BaseModel):

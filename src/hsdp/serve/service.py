@@ -38,6 +38,7 @@ from hsdp.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DiffusionFields,
+    JobObject,
     LoraRequest,
     VideoJob,
     check_limits,
@@ -57,14 +58,30 @@ __all__ = ["Server"]
 _PER_REQUEST = ("seed", *PER_REQUEST_INPUTS)
 """Per-job values (the Job holds them), not part of the parameters a batch shares."""
 ROUTES = {
-    "video": ("/v1/videos", "/v1/videos/sync", "/v1/images/generations", "/v1/chat/completions"),
-    "image": ("/v1/images/generations", "/v1/chat/completions"),
-    "audio": ("/v1/audio/speech", "/v1/chat/completions"),
+    "video": ("/v1/videos", "/v1/videos/sync", "/v1/jobs", "/v1/images/generations", "/v1/chat/completions"),
+    "image": ("/v1/images/generations", "/v1/jobs", "/v1/chat/completions"),
+    "audio": ("/v1/audio/speech", "/v1/jobs", "/v1/chat/completions"),
     "text": ("/v1/completions", "/v1/chat/completions"),
 }
 """The generation routes that serve each kind of output (image routes on a video pipeline make one frame)."""
-JOB_KINDS = {"video": {"video", "video_sync", "image"}, "image": {"image"}, "audio": {"audio"}}
+JOB_KINDS = {
+    "video": {"video", "video_sync", "image"},
+    "image": {"image", "image_async"},
+    "audio": {"audio", "audio_async"},
+}
 """The jobs a diffusion pipeline can run, by the kind of output it makes."""
+ASYNC_KIND = {"video": "video", "image": "image_async", "audio": "audio_async"}
+"""The kind of a ``POST /v1/jobs`` job, by what the pipeline makes."""
+CONTENT_TYPES = {
+    "mp4": "video/mp4",
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "jpg": "image/jpeg",
+    "webp": "image/webp",
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+}
 _PROBLEM_PARAM = re.compile(r"^([a-z_0-9]+)\s*[:=]")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _ADAPTER_COUNTS = ("loads", "switches", "evictions")
@@ -669,6 +686,40 @@ class Server:
         """The mp4's frame rate: the request's ``fps``, else the pipeline's ``frame_rate`` default, else 16."""
         return video_fps(self.info, fps, DEFAULT_FPS)
 
+    @staticmethod
+    def _steps(job: Job) -> dict:
+        """Step ``k`` of ``n`` and the time the steps left take at the pace of those done (while it runs)."""
+        steps = job.steps or job.params.get("num_inference_steps")
+        eta = None
+        if job.status == "in_progress" and job.step and steps and job.started_at:
+            eta = round((time.time() - job.started_at) / job.step * max(0, steps - job.step), 2)
+        return {"step": job.step if job.status != "completed" else steps or job.step, "steps": steps, "eta_seconds": eta}
+
+    def job_view(self, job: Job) -> JobObject:
+        """Any asynchronous job as ``GET /v1/jobs/{id}`` reports it."""
+        fmt = "mp4" if job.kind == "video" else job.meta.get("format", "png")
+        fields = self.video_view(job).model_dump() if job.kind == "video" else self._image_or_audio(job)
+        fields.pop("object", None)
+        return JobObject(**fields, output=job.output_kind, content_type=CONTENT_TYPES[fmt])
+
+    def _image_or_audio(self, job: Job) -> dict:
+        p = job.params
+        size = job.meta.get("size") or (f"{p['width']}x{p['height']}" if p.get("width") else None)
+        return {
+            "id": job.id,
+            "model": job.meta.get("model", self.name),
+            "status": job.status,
+            "progress": job.progress,
+            "created_at": int(job.created_at),
+            "completed_at": int(job.completed_at) if job.completed_at else None,
+            "prompt": job.prompt,
+            "size": size if job.output_kind == "image" else None,
+            "seed": job.seed,
+            "attempts": job.attempts,
+            "error": job.error,
+            **self._steps(job),
+        }
+
     def video_view(self, job: Job) -> VideoJob:
         p = job.params
         frames = p.get("num_frames") or 1
@@ -687,6 +738,7 @@ class Server:
             seed=job.seed,
             attempts=job.attempts,
             error=job.error,
+            **self._steps(job),
         )
 
     # -- causal LM -------------------------------------------------------------------------------------------

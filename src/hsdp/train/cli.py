@@ -26,6 +26,7 @@ from hsdp.measure.comm import CommReport
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
+from hsdp.train.run_page import write_run_page
 from hsdp.train.schedule import SCHEDULERS
 
 __all__ = ["add_arguments", "run", "config_from_args"]
@@ -343,4 +344,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"exported merged model: {result.export_merged}")
     if args.summary_json:
         write_summary(args.summary_json, steps)
+    if cfg.output_dir:
+        print(f"run page: {write_run_page(cfg.output_dir, result, cfg)}")
     return 0

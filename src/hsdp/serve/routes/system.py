@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from hsdp.serve.fields import model_parameters
 from hsdp.serve.metrics import CONTENT_TYPE, render_metrics
 from hsdp.serve.routes.common import ServerDep
 from hsdp.serve.schemas import Health, ModelCard, ModelList
@@ -26,10 +27,14 @@ async def health(server: ServerDep) -> JSONResponse:
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(server: ServerDep) -> ModelList:
-    """The base, then each LoRA adapter as vLLM lists one: its folder as ``root``, the base as ``parent``."""
+    """The base, then each LoRA adapter as vLLM lists one: its folder as ``root``, the base as ``parent``. The
+    base's card has ``parameters``: the fields its requests take, with the model's defaults and this server's
+    limits."""
     created = int(server.info.path.stat().st_mtime)
     makes = {"kind": server.kind, "outputs": [server.outputs], "routes": list(ROUTES[server.outputs])}
-    base = ModelCard(id=server.name, created=created, **makes)
+    route = "/v1/jobs" if server.kind == "diffusion" else None
+    parameters = model_parameters(server.info, server.settings.limits, route)
+    base = ModelCard(id=server.name, created=created, parameters=parameters, **makes)
     adapters = [
         ModelCard(id=name, created=created, root=str(path), parent=server.name, **makes)
         for name, path in sorted(server.adapter_paths.items())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, Response
 
@@ -20,7 +22,9 @@ from hsdp.serve.routes.common import (
 from hsdp.serve.schemas import ApiError, DeletedVideo, VideoJob, VideoList, VideoRequest, valid_job_id
 from hsdp.serve.service import Server
 
-__all__ = ["REFERENCE", "router"]
+__all__ = ["REFERENCE", "parse_video_request", "router"]
+
+VideoRequestT = TypeVar("VideoRequestT", bound=VideoRequest)
 
 REFERENCE = "input_reference"
 """The input image of ``/v1/videos`` (OpenAI's and vLLM-Omni's name)."""
@@ -44,22 +48,24 @@ _MP4 = {200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "
 router = APIRouter()
 
 
-async def _video_request(request: Request) -> tuple[VideoRequest, Upload | None]:
+async def parse_video_request(
+    request: Request, model: type[VideoRequestT] = VideoRequest
+) -> tuple[VideoRequestT, Upload | None]:
     """The body as JSON or as form fields (``curl -F``), and the input image: the ``input_reference`` file part,
     or in JSON a data URL (``"input_reference": {"image_url": "data:..."}``)."""
     if is_form(request):
         fields, files = await read_form(request)
         image = files.get(REFERENCE) and Upload(REFERENCE, "image", files[REFERENCE][0])
-        return validate(VideoRequest, fields), image or None
+        return validate(model, fields), image or None
     data = await json_object(request)
     reference = data.pop(REFERENCE, None)
     image = reference_upload(reference, REFERENCE) if reference is not None else None
-    return validate(VideoRequest, data), image
+    return validate(model, data), image
 
 
 async def _video_jobs(server: Server, request: Request, kind: str) -> tuple[list[Job], dict[str, str]]:
     """The jobs of one request, and the response headers naming the fields the pipeline did not take."""
-    body, image = await _video_request(request)
+    body, image = await parse_video_request(request)
     server.check_model(body.model, "diffusion")
     server.check_video_model()
     jobs = server.diffusion_jobs(
@@ -75,7 +81,7 @@ async def _video_jobs(server: Server, request: Request, kind: str) -> tuple[list
 
 def _video_job(server: Server, video_id: str) -> Job:
     job = server.store.get(video_id) if valid_job_id(video_id) else None
-    if job is None:
+    if job is None or job.kind != "video":
         raise ApiError(
             404,
             f"no video job {video_id!r} (GET /v1/videos lists them)",
@@ -108,7 +114,7 @@ async def list_videos(
     limit: int = Query(20, ge=1, le=1000),
     order: str = Query("desc", pattern="^(asc|desc)$"),
 ) -> VideoList:
-    jobs = server.store.list()
+    jobs = [j for j in server.store.list() if j.kind == "video"]  # /v1/jobs lists the images and audio too
     jobs = jobs[::-1] if order == "desc" else jobs
     return VideoList(data=[server.video_view(j) for j in jobs[:limit]])
 
