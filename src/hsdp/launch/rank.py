@@ -143,14 +143,17 @@ def _worker_main(
     rank: int,
     world_size: int,
     host: str,
-    port: int,
     conn: Connection,
     env: dict[str, str],
     caller_pid: int,
     collective_timeout_s: float,
     cwd: str,
     streams: list[_CallerStream],
+    close_fds: list[int],
 ) -> None:
+    for fd in close_fds:  # a rank forked from the caller: the caller's ends of the pipes
+        with contextlib.suppress(OSError):
+            os.close(fd)
     # A rank forked from a forkserver has the forkserver's environment, directory and streams: take the caller's.
     for stream in streams:
         stream.adopt()
@@ -176,6 +179,7 @@ def _worker_main(
 
     configure_logging(rank)
     try:
+        port = conn.recv()  # the caller makes its store once every rank has started
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
         init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
         conn.send(("ready", None))
