@@ -34,6 +34,7 @@ __all__ = [
     "WorkerTimeout",
     "preload_modules",
     "fork_problem",
+    "start_forkserver",
     "START_METHOD_ENV",
 ]
 
@@ -202,9 +203,10 @@ def _start_method(env: dict[str, str], packages: Iterable[str] = ()) -> str:
     if method is None:
         problem = fork_problem(_rank_threads(env))
         if problem is None:
-            for name in (m for p in packages for m in RANK_MODULES.get(p, ())):
-                with contextlib.suppress(Exception):  # a module that fails to import fails in the ranks, reported
-                    importlib.import_module(name)  # once here, not once per rank
+            with phase("imports (the modules the ranks build with, once for all)"):
+                for name in (m for p in packages for m in RANK_MODULES.get(p, ())):
+                    with contextlib.suppress(Exception):  # one that fails to import fails in the ranks, reported
+                        importlib.import_module(name)  # once here, not once per rank
             problem = fork_problem(_rank_threads(env))  # an import may have started a thread
         method = "fork" if problem is None else default
         logger.debug("ranks start by %s%s", method, f" ({problem})" if problem else "")
@@ -216,6 +218,22 @@ def _start_context(method: str, packages: Iterable[str] = ()) -> mp.context.Base
     if method == "forkserver":
         ctx.set_forkserver_preload(preload_modules(packages))  # used when the forkserver starts (once per caller)
     return ctx
+
+
+def start_forkserver(packages: Iterable[str] = ()) -> None:
+    """Start the forkserver now, preloading what this process has imported (and the :data:`RANK_MODULES` of
+    ``packages``), for groups that start later from this process once it runs other threads, where ranks cannot
+    fork from it (:func:`fork_problem`): a server's engine restart after a worker died then forks ranks from a
+    forkserver whose imports ran while the server served, instead of waiting for them. Returns at once (the
+    forkserver imports on its own); a no-op where the platform has no forkserver or ``HSDP_START_METHOD`` names
+    another method."""
+    if "forkserver" not in mp.get_all_start_methods() or os.environ.get(START_METHOD_ENV, "forkserver") != (
+        "forkserver"
+    ):
+        return
+    _start_context("forkserver", packages)
+    with _ctrl_c_ignored():
+        mp.forkserver.ensure_running()
 
 
 @contextlib.contextmanager
