@@ -146,16 +146,25 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _ranks(server_pid: int) -> list[int]:
-    """The server's worker ranks: its descendants without children of their own (a forkserver has the ranks as
-    children), other than multiprocessing's resource tracker."""
-    pids = _descendants(server_pid)
-    leaves = [p for p in pids if not _descendants(p)]
+    """The server's worker ranks: its descendants other than multiprocessing's helpers (the resource tracker, and
+    the forkserver, a child of the server itself; ranks forked by it share its command line)."""
     ranks = []
-    for pid in leaves:
+    for pid in _descendants(server_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"resource_tracker" not in f.read():
-                ranks.append(pid)
+            command = f.read()
+        forkserver = b"multiprocessing.forkserver" in command and pid in _children(server_pid)
+        if b"resource_tracker" not in command and not forkserver:
+            ranks.append(pid)
     return ranks
+
+
+def _children(pid: int) -> list[int]:
+    return [p for p in _descendants(pid) if _parent(p) == pid]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _serve(cwd: Path, settle_s: float, timeout_s: float = 600) -> dict:
@@ -176,9 +185,14 @@ def _serve(cwd: Path, settle_s: float, timeout_s: float = 600) -> dict:
             time.sleep(0.05)
         ready = time.perf_counter() - started
         time.sleep(settle_s)  # a worker dies in service, not while the server starts its forkserver
+        ranks = _ranks(proc.pid)
+        if len(ranks) != 2:
+            raise RuntimeError(f"expected the server's 2 ranks, found processes {ranks}")
         killed = time.perf_counter()
-        os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
-        while _health(port) == 200 and time.perf_counter() - killed < 30:
+        os.kill(ranks[-1], signal.SIGKILL)
+        while _health(port) == 200:
+            if time.perf_counter() - killed > 30:
+                raise RuntimeError("the server did not notice its rank's death within 30 s")
             time.sleep(0.02)
         while _health(port) != 200:
             if proc.poll() is not None or time.perf_counter() - killed > timeout_s:
