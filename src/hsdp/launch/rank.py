@@ -171,6 +171,9 @@ def _worker_main(
     # (a server finishes the running batch, a command stops its ranks), where a rank interrupted on its own would
     # die mid-job or mid-collective (and a server would take it for a failed worker and restart its engine).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A rank forked from the caller has the caller's SIGTERM handler (a user's script, a service's): a rank is
+    # stopped as a spawned one is, not by running the caller's shutdown code.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
     watch_process(caller_pid, "the caller")
     _quiet_progress_bars()
