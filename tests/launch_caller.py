@@ -59,3 +59,50 @@ def main(workdir: str) -> None:
         print(json.dumps(view), flush=True)
     print(json.dumps({"caller": os.getpid(), "ranks": group.pids}), flush=True)
     group.run(sleep_for, 60)
+
+
+def _open_files(fds: list[int] | None = None) -> list[str]:
+    """What this process's descriptors (or ``fds``) point at (``socket:[inode]``, ``pipe:[inode]``, paths)."""
+    names = fds if fds is not None else [int(fd) for fd in os.listdir("/proc/self/fd")]
+    found = []
+    for fd in names:
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return found
+
+
+def forked_view() -> dict:
+    """What a rank forked from the caller has: its parent, SIGINT ignored from birth, descriptors open."""
+    import signal as signals
+
+    return {
+        "ppid": os.getppid(),
+        "sigint_ignored": signals.getsignal(signals.SIGINT) == signals.SIG_IGN,
+        "open": _open_files(),
+        "diffusers_pipeline_imported": "diffusers.pipelines.pipeline_utils" in sys.modules,
+    }
+
+
+def fork_main() -> None:
+    """Issue 34: a caller that runs another Python thread starts its ranks from the forkserver (preloading only
+    torch here: nothing heavier is imported yet); once that thread is gone, it forks them (they inherit its
+    imports: nothing is imported twice). Prints a JSON line per group."""
+    import threading
+
+    from hsdp.launch import WorkerGroup, fork_problem
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="a-server-thread", daemon=True)
+    thread.start()
+    print(json.dumps({"problem": fork_problem()}), flush=True)
+    with WorkerGroup(1) as group:
+        print(json.dumps({"ppid": group.run(os.getppid)[0]}), flush=True)
+    stop.set()
+    thread.join()
+    print(json.dumps({"caller": os.getpid(), "problem": fork_problem()}), flush=True)
+    with WorkerGroup(2, packages=["diffusers"]) as group:
+        views = group.run(forked_view, timeout_s=60)
+        caller_ends = _open_files([c.fileno() for c in group._conns])
+    print(json.dumps({"views": views, "caller_pipe_ends": caller_ends}), flush=True)

@@ -85,7 +85,8 @@ def test_unknown_subcommand_exits_2():
 def test_error_exit_codes(monkeypatch, capsys, error: BaseException, code: int, message: str):
     _fake_command(monkeypatch, error)
     assert cli.main(["fake"]) == code
-    assert capsys.readouterr().err.startswith(message)
+    started, problem = capsys.readouterr().err.split("\n", 1)  # the line a command prints at once, then its problem
+    assert started.endswith("hsdp fake: starting") and problem.startswith(message)
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

@@ -67,6 +67,37 @@ def _reference_mp4(prompt: str, seed: int, folder: Path, steps: int = 2) -> byte
     return save_frames(frames, folder / f"{seed}.mp4", fps=8).read_bytes()
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _forkservers(parent: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+            if b"multiprocessing.forkserver" in command and _parent(int(entry)) == parent:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process parents from /proc")
+def test_the_first_ranks_fork_from_the_server_and_a_forkserver_waits_for_restarts(server, client):
+    """Issue 34: the server's first ranks are forked from it (before it runs threads: they import nothing again),
+    and it starts one forkserver at once for later restarts, which start from a process with threads (the tests
+    below kill workers and check the restarts)."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("an accelerator build of torch never forks its ranks")
+    assert [_parent(pid) for pid in server.worker_pids()] == [server.proc.pid] * 2
+    assert len(_forkservers(server.proc.pid)) == 1
+
+
 def test_kill_a_worker_under_load_loses_nothing(server, client, tmp_path):
     jobs = [
         client.post("/v1/videos", json={"prompt": f"fox {i}", "seed": 40 + i, **SMALL}).json()

@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Callable, Collection
-from typing import Literal, NoReturn, get_args
+from typing import TYPE_CHECKING, Literal, NoReturn, get_args
 
-from hsdp.config import ParallelConfig, ShardingStrategy
-from hsdp.errors import HANDLED, USAGE_EXIT, exit_code, format_problem
 from hsdp.suggest import closest, did_you_mean
+
+# Nothing here imports torch at module level: the first line a command prints comes before those imports.
+if TYPE_CHECKING:
+    from hsdp.config import ParallelConfig
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,6 +55,8 @@ _RESHARD = {"true": True, "false": False, None: None}
 
 
 def _add_sharding_flags(group: argparse._ArgumentGroup) -> None:
+    from hsdp.config import ShardingStrategy
+
     group.add_argument("--use-hsdp", action="store_true", help="shard weights with FSDP2")
     group.add_argument("--hsdp-shard-size", type=int, default=-1, help="ranks to shard over (-1: auto)")
     group.add_argument("--hsdp-replicate-size", type=int, default=1, help="replica groups of the shards")
@@ -128,6 +133,8 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, groups: Collectio
 def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """Build and validate the config; raises :class:`ConfigError` listing every problem. Flags the subcommand
     does not offer keep :class:`ParallelConfig`'s defaults."""
+    from hsdp.config import ParallelConfig, ShardingStrategy
+
     fields = {f.name for f in dataclasses.fields(ParallelConfig) if f.init and not f.name.startswith("_")}
     values = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     if "sharding_strategy" in values:
@@ -149,6 +156,8 @@ class _Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(action, f"invalid choice: {value!r} (choose from {names}){hint}")
 
     def error(self, message: str) -> NoReturn:
+        from hsdp.errors import USAGE_EXIT
+
         self.exit(USAGE_EXIT, f"{self.prog}: error: {message} ({self.prog} --help lists every flag)\n")
 
 
@@ -237,19 +246,63 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if only in (None, name):
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
+            _add_log_level(sub_parser)
             sub_parser.set_defaults(_run=module.run)
     return parser
 
 
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` on a subcommand (``hsdp serve`` has its own, which sets uvicorn's level too)."""
+    from hsdp.logging_utils import LOG_LEVELS
+
+    if any("--log-level" in action.option_strings for action in parser._actions):
+        return
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=None,
+        help="what the caller and the ranks log (default: HSDP_LOG_LEVEL, else info); debug adds the time of each "
+        "start-up phase (imports, process start, rendezvous, load, first step)",
+    )
+
+
+def _early_log_level(argv: list[str]) -> str | None:
+    """``--log-level`` read before the parser exists (building it imports the command's modules, which the
+    per-phase timer times); the parser checks the value again."""
+    from hsdp.logging_utils import LOG_LEVELS
+
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--log-level=") else None
+        if arg == "--log-level" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and value.lower() in LOG_LEVELS:
+            return value.lower()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    import torch.distributed as dist
+    import logging
 
-    from hsdp.distributed import destroy_distributed
-    from hsdp.logging_utils import configure_logging
+    from hsdp.logging_utils import configure_logging, phase
 
-    configure_logging()
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    level = _early_log_level(argv)
+    if level:
+        os.environ["HSDP_LOG_LEVEL"] = level.upper()  # the ranks log at the same level
+    configure_logging(level=level)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    if command and not {"-h", "--help"} & set(argv):
+        # On screen at once: what follows may import for seconds before the command says anything.
+        logging.getLogger("hsdp").info("hsdp %s: starting", command)
+    with phase("imports (torch and the command's modules)"):
+        import torch.distributed as dist
+
+        from hsdp.distributed import destroy_distributed
+        from hsdp.errors import HANDLED, exit_code, format_problem
+
+        parser = build_parser(command)
+    args = parser.parse_args(argv)
     joined_here = not dist.is_initialized()
     try:
         return int(args._run(args) or 0)

@@ -279,12 +279,14 @@ def run(args: argparse.Namespace) -> int:
     from hsdp.engine.outputs import output_suffix_problem
     from hsdp.engine.params import batch_size_problem, build_requests, frame_rate_args, video_fps
     from hsdp.launch import WorkerError
+    from hsdp.logging_utils import phase
     from hsdp.models.builtin import resolve_model
 
     resolve_model_argument(args)  # a hub name: downloaded (once per node) before any rank starts
     try:  # everything checkable is checked before any process starts
         config = parallel_config_from_args(args)
-        info = inspect_model(resolve_model(args.model))
+        with phase("checks (the model's folder and pipeline class)"):
+            info = inspect_model(resolve_model(args.model))
         paths = _output_paths(args.output, len(args.prompt), info.output)
         problem = paths[0] and output_suffix_problem(paths[0], info.output)
         if problem:

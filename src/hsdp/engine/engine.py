@@ -50,6 +50,7 @@ from hsdp.engine.params import (
     request_slots,
 )
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
+from hsdp.logging_utils import STARTUP, phase
 from hsdp.models.builtin import resolve_model
 
 if TYPE_CHECKING:
@@ -243,14 +244,36 @@ class Engine:
             vae_slicing=vae_slicing,
         )
         try:
-            self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
+            with phase(f"load (build, read and shard the model on {self.config.world_size} ranks)"):
+                self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
             for name in list(specs)[: self.adapters.slots.count if self.adapters else 0]:
                 self._slot_for(name)
         except BaseException:
             self.close()
             raise
         self.load_s = time.perf_counter() - started
+        STARTUP.close()
         logger.info("Engine ready in %.1fs: %s, %s", self.load_s, self.info.path, self.config.describe())
+        self._first_call = True
+
+    def _first_step_timer(
+        self, listen: Callable[[int, dict], None] | None
+    ) -> Callable[[int, dict], None] | None:
+        """The engine's first call logs (at debug) when its first step or token came: the last start-up phase."""
+        if not getattr(self, "_first_call", False):
+            return listen
+        self._first_call = False
+        started = time.monotonic()
+        timed = []
+
+        def on_event(rank: int, event: dict) -> None:
+            if not timed:
+                timed.append(True)
+                STARTUP.end("first step (of the first call)", time.monotonic() - started)
+            if listen is not None:
+                listen(rank, event)
+
+        return on_event
 
     def _ranks(
         self, workers: WorkerGroup | None, start_timeout_s: float, shield_sigterm: bool
@@ -365,7 +388,7 @@ class Engine:
                     active,
                     self.info.single_inputs,
                     timeout_s=self.call_timeout_s,
-                    on_event=_event_listener(on_progress, on_token),
+                    on_event=self._first_step_timer(_event_listener(on_progress, on_token)),
                 )
             except WorkerError:
                 if self._group.broken:  # its processes are already gone; an ordinary error leaves it intact

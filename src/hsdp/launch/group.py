@@ -1,10 +1,11 @@
-"""The caller side of :mod:`hsdp.launch`: :class:`WorkerGroup` starts the ranks (from a forkserver that preloaded
-the libraries, or spawned), sends them functions, and turns what comes back (results, events, heartbeats, errors,
-deaths, silence) into results or :class:`WorkerError` s."""
+"""The caller side of :mod:`hsdp.launch`: :class:`WorkerGroup` starts the ranks (forked from the caller where that
+is safe, else from a forkserver that preloaded the libraries, or spawned), sends them functions, and turns what
+comes back (results, events, heartbeats, errors, deaths, silence) into results or :class:`WorkerError` s."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from hsdp.distributed import pid_running
 from hsdp.launch.rank import _ALIVE, _CallerStream, _worker_main
+from hsdp.logging_utils import phase
 
 logger = logging.getLogger("hsdp")
 
@@ -31,11 +33,16 @@ __all__ = [
     "WorkerDiedError",
     "WorkerTimeout",
     "preload_modules",
+    "fork_problem",
+    "start_forkserver",
     "START_METHOD_ENV",
 ]
 
 START_METHOD_ENV = "HSDP_START_METHOD"
-"""Environment variable choosing how ranks start: ``forkserver`` (default where available) or ``spawn``."""
+"""Environment variable choosing how ranks start: ``fork``, ``forkserver`` or ``spawn`` (default: ``fork`` where
+:func:`fork_problem` finds none, else ``forkserver`` where the platform has it, else ``spawn``)."""
+
+START_METHODS = ("fork", "forkserver", "spawn")
 
 
 PRELOAD_PACKAGES = (
@@ -130,11 +137,83 @@ _FORKSERVER_FAILED: list[BaseException] = []
 """Set once the forkserver failed to start ranks in this process: later groups spawn."""
 
 
-def _start_context(packages: Iterable[str] = ()) -> mp.context.BaseContext:
+def _native_threads() -> int:
+    """Threads of this process, native ones included (OpenBLAS's and OpenMP's pools, a store's server loop), which
+    ``threading.active_count`` does not see; 1 where ``/proc`` is missing."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _accelerator_built() -> str | None:
+    """The accelerator this torch is built for (None: a CPU-only build)."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        return "CUDA" if torch.version.cuda else "ROCm"
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and getattr(xpu, "_is_compiled", lambda: False)():
+        return "XPU"
+    return "MPS" if torch.backends.mps.is_built() else None
+
+
+def fork_problem(rank_threads: int = 1) -> str | None:
+    """Why forking ranks that run torch on ``rank_threads`` threads from this process now would be unsafe (None:
+    safe). A fork copies the caller's memory, its imports included, so the ranks import nothing again (5-10 s on a
+    2-core host); but it copies only the forking thread:
+
+    * another Python thread may hold a lock the rank needs (the import lock, a logging handler's): the caller must
+      run no other Python thread (a server's, a test's watcher);
+    * torch's OpenMP pool, once the caller has run a parallel op, is copied as a pool whose threads do not exist:
+      a rank asking for more than one thread hangs in its first parallel op (measured), one thread never uses the
+      pool; so with ``OMP_NUM_THREADS`` > 1 for the ranks the caller must run no native thread either (OpenBLAS's
+      pools, started by importing numpy and scipy, stop themselves around a fork);
+    * a driver that the caller may have initialized (``torch.cuda.is_available`` runs CUDA's ``cuInit``) cannot be
+      used in a forked child, so only a CPU-only torch build forks (torch's own multiprocessing refuses ``fork``
+      for CUDA too);
+    * macOS's system libraries are not fork-safe: Linux only."""
+    if sys.platform != "linux" or "fork" not in mp.get_all_start_methods():
+        return f"{sys.platform} is not Linux"
+    accelerator = _accelerator_built()
+    if accelerator:
+        return f"torch is built for {accelerator}, which a forked rank cannot use once the caller has touched it"
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        return f"this process runs other Python threads ({names})"
+    if rank_threads > 1 and _native_threads() > 1:
+        return f"the ranks run {rank_threads} threads and this process has native threads (an OpenMP pool?)"
+    return None
+
+
+def _rank_threads(env: dict[str, str]) -> int:
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() else os.cpu_count() or 1
+
+
+def _start_method(env: dict[str, str], packages: Iterable[str] = ()) -> str:
+    """How the next group's ranks start: ``HSDP_START_METHOD`` when set, else ``fork`` when :func:`fork_problem`
+    finds none once the modules the ranks build with are imported here (so every rank inherits them), else the
+    forkserver (spawn where the platform has none, or where the forkserver failed before)."""
+    chosen = os.environ.get(START_METHOD_ENV)
+    if chosen and chosen not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={chosen!r}: use one of {', '.join(START_METHODS)}")
     default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    method = "spawn" if _FORKSERVER_FAILED else os.environ.get(START_METHOD_ENV) or default
-    if method not in ("forkserver", "spawn"):
-        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' or 'spawn'")
+    method = chosen
+    if method is None:
+        problem = fork_problem(_rank_threads(env))
+        if problem is None:
+            with phase("imports (the modules the ranks build with, once for all)"):
+                for name in (m for p in packages for m in RANK_MODULES.get(p, ())):
+                    with contextlib.suppress(Exception):  # one that fails to import fails in the ranks, reported
+                        importlib.import_module(name)  # once here, not once per rank
+            problem = fork_problem(_rank_threads(env))  # an import may have started a thread
+        method = "fork" if problem is None else default
+        logger.debug("ranks start by %s%s", method, f" ({problem})" if problem else "")
+    return "spawn" if method == "forkserver" and _FORKSERVER_FAILED else method
+
+
+def _start_context(method: str, packages: Iterable[str] = ()) -> mp.context.BaseContext:
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(preload_modules(packages))  # used when the forkserver starts (once per caller)
@@ -144,6 +223,22 @@ def _start_context(packages: Iterable[str] = ()) -> mp.context.BaseContext:
 _CALLER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Signals that reach a whole process group (a terminal's Ctrl-C; systemd's stop, ``timeout``, ``kill -- -PGID``)
 and whose meaning the caller decides, not the forkserver."""
+
+
+def start_forkserver(packages: Iterable[str] = ()) -> None:
+    """Start the forkserver now, preloading what this process has imported (and the :data:`RANK_MODULES` of
+    ``packages``), for groups that start later from this process once it runs other threads, where ranks cannot
+    fork from it (:func:`fork_problem`): a server's engine restart after a worker died then forks ranks from a
+    forkserver whose imports ran while the server served, instead of waiting for them. Returns at once (the
+    forkserver imports on its own); a no-op where the platform has no forkserver or ``HSDP_START_METHOD`` names
+    another method."""
+    if "forkserver" not in mp.get_all_start_methods() or os.environ.get(START_METHOD_ENV, "forkserver") != (
+        "forkserver"
+    ):
+        return
+    _start_context("forkserver", packages)
+    with _caller_signals_ignored():
+        mp.forkserver.ensure_running()
 
 
 @contextlib.contextmanager
@@ -231,9 +326,11 @@ class WorkerGroup:
         self.shield_sigterm = shield_sigterm
         child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
-        ctx = _start_context(packages)
+        method = _start_method(child_env, packages)
+        ctx = _start_context(method, packages)
         try:
-            self._start_ranks(ctx, child_env, timeout)
+            with phase(f"process start ({world_size} ranks by {method})"):
+                self._start_ranks(ctx, child_env, timeout)
         except (EOFError, OSError) as exc:
             if ctx.get_start_method() != "forkserver":
                 raise
@@ -241,46 +338,57 @@ class WorkerGroup:
             logger.warning("the forkserver could not start ranks (%s); starting them with spawn", exc)
             _FORKSERVER_FAILED.append(exc)
             self._stop_ranks()
-            self._start_ranks(_start_context(), child_env, timeout)
+            self._start_ranks(_start_context("spawn"), child_env, timeout)
         try:
-            self._collect(start_timeout_s, what="start")
+            with phase("rendezvous (the ranks join the process group)"):
+                self._collect(start_timeout_s, what="start")
         except BaseException:
             self.close()
             raise
 
     def _start_ranks(self, ctx: mp.context.BaseContext, child_env: dict[str, str], timeout_s: float) -> None:
         host = "127.0.0.1"
-        # The caller owns the rendezvous store: binding port 0 picks a free port atomically.
-        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
         self._conns: list[Connection] = []
         self._procs: list[mp.Process] = []
-        if ctx.get_start_method() == "forkserver":
+        method = ctx.get_start_method()
+        if method == "forkserver":
             with _caller_signals_ignored():  # inherited: the forkserver ignores SIGINT only once it has preloaded
                 mp.forkserver.ensure_running()
+        forked = method == "fork"
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
+            # A forked rank has the caller's environment, directory and streams already, and a copy of every
+            # descriptor: it closes the caller's ends of the pipes (its own and those of the ranks before it), or
+            # it would never read EOF from its own pipe.
+            close_fds = [c.fileno() for c in (*self._conns, parent_conn)] if forked else []
             proc = ctx.Process(
                 target=_worker_main,
                 args=(
                     rank,
                     self.world_size,
                     host,
-                    self._store.port,
                     child_conn,
                     child_env,
                     os.getpid(),
                     timeout_s,
                     os.getcwd(),
-                    _caller_streams(),
+                    [] if forked else _caller_streams(),
+                    close_fds,
                     self.shield_sigterm,
                 ),
                 daemon=True,
                 name=f"hsdp-rank{rank}",
             )
-            proc.start()
+            with _caller_signals_ignored() if forked else contextlib.nullcontext():  # a forked rank ignores it from birth
+                proc.start()
             child_conn.close()
             self._conns.append(parent_conn)
             self._procs.append(proc)
+        # The caller owns the rendezvous store: binding port 0 picks a free port atomically. Made after the forks,
+        # so that no rank holds a copy of its listening socket (nor of its server thread's state).
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        for conn in self._conns:
+            conn.send(self._store.port)
 
     def _stop_ranks(self) -> None:
         """Kill what :meth:`_start_ranks` started before it failed."""

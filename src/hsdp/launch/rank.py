@@ -143,15 +143,18 @@ def _worker_main(
     rank: int,
     world_size: int,
     host: str,
-    port: int,
     conn: Connection,
     env: dict[str, str],
     caller_pid: int,
     collective_timeout_s: float,
     cwd: str,
     streams: list[_CallerStream],
+    close_fds: list[int],
     shield_sigterm: bool = False,
 ) -> None:
+    for fd in close_fds:  # a rank forked from the caller: the caller's ends of the pipes
+        with contextlib.suppress(OSError):
+            os.close(fd)
     # A rank forked from a forkserver has the forkserver's environment, directory and streams: take the caller's.
     for stream in streams:
         stream.adopt()
@@ -170,7 +173,8 @@ def _worker_main(
     # die mid-job or mid-collective (and a server would take it for a failed worker and restart its engine).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM likewise where the caller stops gracefully on it (a server: systemd's stop and `timeout` signal the
-    # whole group); otherwise its default, whatever the forkserver inherited.
+    # whole group); otherwise its default, whatever handler a rank forked from the caller (a user's script, a
+    # service) or the forkserver left: a rank is stopped as a spawned one is, not by the caller's shutdown code.
     signal.signal(signal.SIGTERM, signal.SIG_IGN if shield_sigterm else signal.SIG_DFL)
     # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
     watch_process(caller_pid, "the caller")
@@ -180,6 +184,7 @@ def _worker_main(
 
     configure_logging(rank)
     try:
+        port = conn.recv()  # the caller makes its store once every rank has started
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
         init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
         conn.send(("ready", None))

@@ -128,6 +128,14 @@ class EngineRunner:
 
     def start(self) -> None:
         self._set_engine(self._make_engine())
+        kind = getattr(self.engine, "kind", None)
+        if getattr(self.engine, "pids", None) and kind in ("diffusion", "causal_lm"):
+            # Restarts start ranks from a process with threads (these, uvicorn's): not forked from it but from a
+            # forkserver, which imports the libraries while the server serves rather than when a restart waits.
+            from hsdp.engine.model_info import MODEL_PACKAGES
+            from hsdp.launch import start_forkserver
+
+            start_forkserver([MODEL_PACKAGES[kind]])
         self._thread = threading.Thread(target=self._loop, name="hsdp-engine", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch_steps, name="hsdp-watchdog", daemon=True)

@@ -56,6 +56,8 @@ def _launch(cfg: TrainConfig, collective_timeout_s: float | None) -> TrainResult
     parallel = cfg.effective_parallel()
     if parallel.world_size == 1 and not parallel.use_hsdp:
         return train_on_rank(cfg)
-    # FSDP2 on one rank (e.g. for --offload-layers) needs a process group, which a spawned rank has
-    with WorkerGroup(parallel.world_size, collective_timeout_s=collective_timeout_s) as group:
+    # FSDP2 on one rank (e.g. for --offload-layers) needs a process group, which a spawned rank has. The library
+    # the ranks build with is imported once for all (before their fork, or by their forkserver).
+    package = "transformers" if trainer_class(cfg) is Trainer else "diffusers"
+    with WorkerGroup(parallel.world_size, collective_timeout_s=collective_timeout_s, packages=[package]) as group:
         return group.run(train_on_rank, cfg)[0]
