@@ -1,7 +1,8 @@
 """deploy/slurm/train.sbatch under a real SLURM (Debian's slurm-wlm): slurmctld and one slurmd on this machine,
-started and stopped here. The job is requeued mid-run (``scontrol requeue``: SIGTERM to every process of the job,
-as a preemption sends it), saves at its next step boundary, runs again, resumes from that checkpoint and its loss
-curve equals an uninterrupted run's (issue 37 items 1 and 2)."""
+started and stopped here. Mid-run the batch shell gets the signal that ``--signal=B:USR1@180`` sends ahead of the
+time limit; the script sends SIGTERM to every process of the job's steps, hsdp train saves at its next step
+boundary and stops, the script requeues the job, which runs again, resumes from that checkpoint, and its loss curve
+equals an uninterrupted run's (issue 37 items 1 and 2)."""
 
 from __future__ import annotations
 
@@ -124,10 +125,11 @@ def test_requeued_training_job_resumes_its_checkpoint_and_the_curve(slurm, tmp_p
     job = submitted.strip().split(";")[0]
     try:
         _until("2 steps", lambda: len(json.loads(summary.read_text())) >= 2)
-        _slurm(env, "scontrol", "requeue", job)
+        # What --signal=B:USR1@180 sends ahead of the time limit: the script stops the steps and requeues the job
+        _slurm(env, "scancel", "--batch", "--signal=USR1", job)
         stopped = _until("the stop", lambda: re.search(r"stopped by SIGTERM after step (\d+)\n", log.read_text()))
         step = int(stopped[1])
-        _until("the step's end", lambda: "hsdp-train: step exited" in log.read_text())
+        _until("the requeue", lambda: f"requeueing job {job}" in log.read_text())
         first = json.loads(summary.read_text())
         assert [s["step"] for s in first] == list(range(1, step + 1))
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [f"step-{step:08d}"]  # nothing temporary
