@@ -150,3 +150,30 @@ def test_requeued_training_job_resumes_its_checkpoint_and_the_curve(slurm, tmp_p
     assert whole.returncode == 0, whole.stderr[-3000:]
     reference = [s["loss"] for s in json.loads((tmp_path / "whole.json").read_text())]
     assert [s["loss"] for s in first + second] == reference
+
+
+def test_server_job_answers_and_scancel_stops_it_gracefully(slurm, tmp_path):
+    """deploy/slurm/serve.sbatch on tiny-llama at HSDP 2 (one node, two ranks): rank 0's log names where it serves,
+    a completion is answered, and scancel (SIGTERM to every process of the job) ends it through the server's own
+    shutdown, not a kill."""
+    import urllib.request
+
+    env = {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    port, log = _free_port(), tmp_path / "serve.log"
+    submitted = _slurm(env, "sbatch", "--parsable", "--chdir", str(tmp_path), "--output", str(log),
+                       str(ROOT / "deploy" / "slurm" / "serve.sbatch"), "tiny-llama", "--use-hsdp", "--hsdp-shard-size",
+                       "2", "--host", "127.0.0.1", "--port", str(port), "--output-dir", str(tmp_path / "out"))  # fmt: skip
+    job = submitted.strip().split(";")[0]
+    try:
+        _until("the server", lambda: f"on http://127.0.0.1:{port}" in log.read_text(), 180)
+        body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "seed": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            completion = json.loads(answer.read())
+        assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["finish_reason"] == "length"
+    finally:
+        subprocess.run(["scancel", job], env=env, check=False)
+    _until("the job's end", lambda: job not in _slurm(env, "squeue", "-h", "-o", "%i"))
+    assert "Application shutdown complete" in log.read_text()
