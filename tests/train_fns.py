@@ -198,6 +198,7 @@ def train_signalled(cfg: TrainConfig, signalled_rank: int, after_step: int) -> d
     after step ``after_step`` on rank ``signalled_rank`` only: what each rank made and why it stopped."""
     import signal
 
+    from hsdp.train.run import trainer_class
     from hsdp.train.stop import stop_requests
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -206,6 +207,7 @@ def train_signalled(cfg: TrainConfig, signalled_rank: int, after_step: int) -> d
         if rank == signalled_rank and step.step == after_step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with stop_requests(), Trainer(cfg) as trainer:
+    with stop_requests(), trainer_class(cfg)(cfg) as trainer:  # an LM's or a pipeline's
         result = trainer.fit(on_step=on_step)
-    return {"steps": [s.step for s in result.steps], "stopped_by": result.stopped_by, "checkpoint": result.checkpoint}
+    return {"steps": [s.step for s in result.steps], "losses": result.losses, "stopped_by": result.stopped_by,
+            "checkpoint": result.checkpoint}  # fmt: skip
