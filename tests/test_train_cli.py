@@ -138,3 +138,77 @@ def test_sharded_run_without_a_layout_takes_the_planned_one_and_says_so(inputs):
     assert state["settings"]["--strategy"] == match[1]  # the run took it
     named = _hsdp(*common, "--strategy", "FULL_SHARD", "--output-dir", str(root / "named"))
     assert named.returncode == 0 and "layout:" not in named.stderr
+
+
+def _train_until(args: list[str], summary: Path, steps: int, tmp: Path) -> subprocess.Popen:
+    """``hsdp train ARGS`` in its own process group (as a scheduler's job step), once its --summary-json holds
+    ``steps`` steps; its temporary files go to ``tmp``."""
+    import time
+
+    tmp.mkdir(parents=True)
+    env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60", "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        with contextlib.suppress(OSError, ValueError):
+            if len(json.loads(summary.read_text())) >= steps:
+                return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"no {steps} steps in 180 s")
+
+
+def _stopped_run(proc: subprocess.Popen, run: Path, tmp: Path) -> tuple[int, str]:
+    """Wait for a run sent SIGTERM: exit 143, the checkpoint saved at the step it stopped at named, nothing
+    temporary left (no .tmp-step-* folder, nothing in its TMPDIR); returns that step and the run's log."""
+    import signal
+
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    stopped = re.search(r"hsdp train: stopped by SIGTERM after step (\d+)\n", err)
+    assert stopped, err[-3000:]
+    last = latest_checkpoint(run)
+    assert last is not None and last.name == f"step-{int(stopped[1]):08d}"
+    assert f"last complete checkpoint: {last} (rerun with --resume)" in err
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []
+    assert list(tmp.iterdir()) == []
+    return int(stopped[1]), err
+
+
+def test_sigterm_saves_at_the_next_step_and_the_requeued_run_resumes_the_curve(inputs):
+    """Preemption (issue 37 item 2) at world 2: SIGTERM to the whole process group (SLURM signals every process of
+    a job step), then, resumed with --resume auto, SIGTERM to the hsdp process alone (Kubernetes signals the
+    container's first process, which passes it to its ranks). Each time the ranks agree to stop at one step
+    boundary, save there, and hsdp exits 143 naming that checkpoint, leaving nothing temporary; the two runs' losses
+    equal one uninterrupted run's bit for bit."""
+    import signal
+
+    root = inputs["root"] / "preempted"
+    common = ["--model", str(inputs["model"]), "--data", str(inputs["data"]), "--batch-size", "2", "--seq-len", "32",
+              "--use-hsdp", "--hsdp-shard-size", "2", "--save-every", "1000", "--resume", "auto"]  # fmt: skip
+    run = root / "run"
+    first = _train_until([*common, "--steps", "100000", "--output-dir", str(run), "--summary-json",
+                          str(root / "first.json")], root / "first.json", 2, root / "tmp1")  # fmt: skip
+    os.killpg(first.pid, signal.SIGTERM)
+    stop1, _ = _stopped_run(first, run, root / "tmp1")
+    second = _train_until([*common, "--steps", "100000", "--output-dir", str(run), "--summary-json",
+                           str(root / "second.json")], root / "second.json", 1, root / "tmp2")  # fmt: skip
+    second.send_signal(signal.SIGTERM)
+    stop2, log = _stopped_run(second, run, root / "tmp2")
+    assert f"Resumed from {run / f'step-{stop1:08d}'} at step {stop1}" in log  # a requeued job's log names it
+    whole = _hsdp(*common, "--steps", str(stop2), "--output-dir", str(root / "whole"), "--summary-json",
+                  str(root / "whole.json"))  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = [json.loads((root / f"{name}.json").read_text()) for name in ("first", "second")]
+    assert [s["step"] for s in resumed[0]] == list(range(1, stop1 + 1))
+    assert [s["step"] for s in resumed[1]] == list(range(stop1 + 1, stop2 + 1))
+    assert [s["loss"] for s in resumed[0] + resumed[1]] == [
+        s["loss"] for s in json.loads((root / "whole.json").read_text())
+    ]

@@ -127,6 +127,21 @@ def test_resume_is_bit_exact(dist_run, media, tmp_path):
     assert all(torch.equal(resumed["state"][k], straight["state"][k]) for k in straight["state"])
 
 
+def test_a_stop_signal_saves_and_resume_auto_continues_bit_exact(dist_run, media, tmp_path):
+    """SIGTERM to one rank of a LoRA run on a pipeline (issue 37 item 2): both ranks stop after the same step with its
+    checkpoint (between --save-every steps), and --resume auto continues with the uninterrupted run's losses."""
+    from tests.train_fns import train_signalled
+
+    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    stopped = _cfg(media, lora_r=4, steps=4, parallel=layout, output_dir=str(tmp_path / "ck"), save_every=100)
+    ranks = dist_run(2, train_signalled, stopped, 0, 1)  # recorded after step 1, agreed in step 2
+    assert [r["steps"] for r in ranks] == [[1, 2]] * 2 and ranks[0]["stopped_by"] == "SIGTERM"
+    assert ranks[0]["checkpoint"] == str(tmp_path / "ck" / "step-00000002")
+    straight, resumed = dist_run(2, train_diffusion, [_cfg(media, lora_r=4, steps=4, parallel=layout),
+                                                      stopped.replace(resume="auto")])[0]  # fmt: skip
+    assert ranks[0]["losses"] + resumed["losses"] == straight["losses"]
+
+
 def test_bad_input_is_refused_before_training(media, tmp_path):
     uncaptioned = tmp_path / "uncaptioned"
     uncaptioned.mkdir()

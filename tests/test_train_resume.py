@@ -154,3 +154,20 @@ def test_documented_resume_pair_gives_the_uninterrupted_curve(dist_run, tmp_path
     assert resume.effective_parallel().world_size == world
     runs = [dist_run(world, train_configs, [cfg])[0][0] for cfg in (start, resume, whole)]
     assert runs[0]["losses"] + runs[1]["losses"] == runs[2]["losses"]
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step(dist_run, tmp_path):
+    """SIGTERM reaching one rank only (a node's torchrun agent, one task signalled): the ranks agree at the next step
+    boundary (the step's loss all-reduce carries the request), so both stop after the same step with its
+    checkpoint saved, where a rank stopping alone would leave the other waiting in its next collective."""
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT)
+    parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+    cfg = TrainConfig(model="tiny-llama", data=str(data), parallel=parallel, steps=50, batch_size=2, seq_len=16,
+                      output_dir=str(tmp_path / "run"), save_every=100, progress=False)  # fmt: skip
+    from tests.train_fns import train_signalled
+
+    ranks = dist_run(2, train_signalled, cfg, 1, 2)
+    assert [r["steps"] for r in ranks] == [[1, 2, 3]] * 2  # recorded after step 2, agreed in step 3's all-reduce
+    assert [r["stopped_by"] for r in ranks] == ["a stop signal to another rank", "SIGTERM"]
+    assert ranks[0]["checkpoint"] == str(tmp_path / "run" / "step-00000003")

@@ -104,3 +104,29 @@ def test_a_checkpoint_leaves_an_ignored_ctrl_c_ignored(tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert latest_checkpoint(tmp_path) is not None
+
+
+def test_a_stop_signal_is_recorded_passed_on_and_the_handler_restored():
+    """hsdp.train.stop: SIGTERM inside the block is recorded (the process goes on), passed on to the pids given, and
+    the previous handler is back afterwards; outside the block nothing is recorded."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hsdp.train.stop import requested, stop_requests
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with stop_requests() as stop:
+            stop.forward_to([child.pid])
+            assert requested() is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs at the next bytecode boundary of the main thread
+            assert requested() == stop.signum == signal.SIGTERM
+        assert child.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        child.kill()
+    assert requested() is None and signal.getsignal(signal.SIGTERM) is before

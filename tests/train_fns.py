@@ -191,3 +191,23 @@ def size_plan_step() -> dict:
         "units": report.sharded_modules,
         "source": report.plan_source,
     }
+
+
+def train_signalled(cfg: TrainConfig, signalled_rank: int, after_step: int) -> dict:
+    """Train ``cfg`` as ``hsdp train``'s ranks do (stop signals recorded), SIGTERM sent to this process by itself
+    after step ``after_step`` on rank ``signalled_rank`` only: what each rank made and why it stopped."""
+    import signal
+
+    from hsdp.train.run import trainer_class
+    from hsdp.train.stop import stop_requests
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def on_step(step) -> None:
+        if rank == signalled_rank and step.step == after_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with stop_requests(), trainer_class(cfg)(cfg) as trainer:  # an LM's or a pipeline's
+        result = trainer.fit(on_step=on_step)
+    return {"steps": [s.step for s in result.steps], "losses": result.losses, "stopped_by": result.stopped_by,
+            "checkpoint": result.checkpoint}  # fmt: skip

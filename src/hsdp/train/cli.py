@@ -28,6 +28,8 @@ from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
 from hsdp.train.run_page import write_run_page
 from hsdp.train.schedule import SCHEDULERS
+from hsdp.train.stop import STOP_EXIT
+from hsdp.train.trainer import TrainResult
 
 __all__ = ["add_arguments", "run", "config_from_args"]
 
@@ -266,6 +268,17 @@ def _stopped(args: argparse.Namespace) -> str:
     return hint
 
 
+def _report_stop(args: argparse.Namespace, result: TrainResult) -> int:
+    """A run stopped by a scheduler's signal (:mod:`hsdp.train.stop`): where it stopped and how to go on."""
+    if rank() != 0:
+        return STOP_EXIT
+    made = f"after step {result.steps[-1].step}" if result.steps else "before its first step"
+    print(f"hsdp train: stopped by {result.stopped_by} {made}\n{_stopped(args)}", file=sys.stderr)
+    if args.summary_json and result.steps:
+        write_summary(args.summary_json, result.steps)
+    return STOP_EXIT
+
+
 def _names_no_layout(args: argparse.Namespace) -> bool:
     """Sharded, and none of the flags that say how FSDP2 holds the model over the mesh."""
     chosen = (args.sharding_strategy, args.reshard_after_forward)
@@ -320,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"hsdp train: interrupted\n{_stopped(args)}", file=sys.stderr)
         return 130
+    if result.stopped_by is not None:  # on every rank: torchrun's agent sees why its ranks ended
+        return _report_stop(args, result)
     if rank() != 0:  # under torchrun every process returns here; one summary is enough
         return 0
     steps = result.steps

@@ -7,11 +7,16 @@ process). Inputs are checked by :func:`~hsdp.train.config.preflight` before anyt
 
 from __future__ import annotations
 
+import logging
+
 from hsdp.distributed import init_distributed, launched_by_torchrun, rank
-from hsdp.launch import WorkerGroup
+from hsdp.launch import WorkerError, WorkerGroup
 from hsdp.logging_utils import configure_logging
 from hsdp.train.config import TrainConfig, preflight
+from hsdp.train.stop import signal_name, stop_requests
 from hsdp.train.trainer import Trainer, TrainResult, load_data
+
+logger = logging.getLogger("hsdp")
 
 __all__ = ["run_training", "train_on_rank"]
 
@@ -29,8 +34,9 @@ def trainer_class(cfg: TrainConfig) -> type[Trainer]:
 
 
 def train_on_rank(cfg: TrainConfig) -> TrainResult:
-    """Rank-side entry point: build a trainer, train to the end, release what it owns."""
-    with trainer_class(cfg)(cfg) as trainer:
+    """Rank-side entry point: build a trainer, train to the end (or to the step boundary after a stop signal
+    received from now on: :mod:`hsdp.train.stop`), release what it owns."""
+    with stop_requests(), trainer_class(cfg)(cfg) as trainer:
         return trainer.fit()
 
 
@@ -57,7 +63,19 @@ def _launch(cfg: TrainConfig, collective_timeout_s: float | None) -> TrainResult
     if parallel.world_size == 1 and not parallel.use_hsdp:
         return train_on_rank(cfg)
     # FSDP2 on one rank (e.g. for --offload-layers) needs a process group, which a spawned rank has. The library
-    # the ranks build with is imported once for all (before their fork, or by their forkserver).
+    # the ranks build with is imported once for all (before their fork, or by their forkserver). A stop signal to
+    # this process alone (Kubernetes, kill PID) is passed on to the ranks.
     package = "transformers" if trainer_class(cfg) is Trainer else "diffusers"
-    with WorkerGroup(parallel.world_size, collective_timeout_s=collective_timeout_s, packages=[package]) as group:
-        return group.run(train_on_rank, cfg)[0]
+    with stop_requests() as stop:
+        try:
+            with WorkerGroup(
+                parallel.world_size, collective_timeout_s=collective_timeout_s, packages=[package]
+            ) as group:
+                stop.forward_to(group.pids)
+                return group.run(train_on_rank, cfg)[0]
+        except WorkerError as exc:
+            if stop.signum is None:
+                raise
+            # the signal reached a rank before its trainer recorded such signals (starting, loading)
+            logger.warning("a rank ended on %s before training: %s", signal_name(stop.signum), exc)
+            return TrainResult(stopped_by=signal_name(stop.signum))

@@ -52,6 +52,7 @@ from hsdp.train.data import (
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
 from hsdp.train.report import make_reporter, step_metrics, write_summary
 from hsdp.train.schedule import build_scheduler
+from hsdp.train.stop import requested, signal_name
 
 logger = logging.getLogger("hsdp")
 
@@ -88,6 +89,9 @@ class TrainResult:
     on an accelerator, what ``hsdp plan`` estimates; the resident set on a CPU, which adds the runtime's memory)."""
     comm: dict | None = None
     """With ``comm_stats``: this rank's collectives in the last step against the minimum (calls, bytes, minimum)."""
+    stopped_by: str | None = None
+    """The signal that stopped the run before ``cfg.steps`` (``SIGTERM``; :mod:`hsdp.train.stop`), its checkpoint
+    saved at the step it stopped at; None for a run that went to the end. Nothing is exported then."""
 
     @property
     def losses(self) -> list[float]:
@@ -190,6 +194,7 @@ class Trainer:
         self.step = 0
         self._stepped = False  # train_step ran (the first one trims the freed heap, reset_peak_memory)
         self._ahead: tuple[int, Any] | None = None  # (micro-batch number, its inputs), see _prepare_ahead
+        self.stop_agreed = False  # some rank received a stop signal (hsdp.train.stop): all stop after this step
         resume_from = self.checkpointer.agreed(checks.resume_from) if self.checkpointer else None
         if resume_from is not None:
             state = self.checkpointer.load(resume_from, self.model, self.optimizer)
@@ -406,10 +411,14 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # A stop signal rides on the loss all-reduce: every rank learns of any rank's at the same step boundary.
+        stop = torch.tensor(float(requested() or 0), device=self.device)
         if dist.is_initialized():
             # Ranks of one TP group hold the same loss, so the world mean is the data-parallel mean.
-            dist.all_reduce(total)
-            total /= self.world_size
+            both = torch.stack([total, stop])
+            dist.all_reduce(both)
+            total, stop = both[0] / self.world_size, both[1]
+        self.stop_agreed = bool(stop.item())
         peaks = torch.tensor([peak_memory(self.device).bytes], device=self.device)
         if dist.is_initialized():
             gathered = [torch.zeros_like(peaks) for _ in range(self.world_size)]
@@ -534,9 +543,14 @@ class Trainer:
                 if on_step is not None:
                     on_step(step)
                 if self.checkpointer and (
-                    (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
+                    (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps or self.stop_agreed
                 ):
                     self.save()
+                if self.stop_agreed and self.step < cfg.steps:
+                    result.stopped_by = signal_name(requested())
+                    if self.rank == 0:
+                        logger.info("stopping at step %d/%d: %s", self.step, cfg.steps, result.stopped_by)
+                    break
         finally:
             bar.close()
             if reporter is not None:
@@ -544,7 +558,8 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.wait()
             result.checkpoint = str(latest_checkpoint(self.checkpointer.root))
-        self._export(result)
+        if result.stopped_by is None:  # a stopped run is not finished: its export would pass for the trained model
+            self._export(result)
         return result
 
     def _export(self, result: TrainResult) -> None:
