@@ -109,7 +109,7 @@ def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_f
     path = FOLDERS[model](tmp_path_factory.mktemp(model)) if model in FOLDERS else resolve_model(model)
     group = dist_run.group(2)
     prompts = BATCHED.get(case, ["A cat"])
-    with Engine(path, config, workers=group) as engine:  # on by default at world 2
+    with Engine(path, config, workers=group, vae_parallel=True) as engine:
         assert engine.vae_parallel
         outputs = engine.generate(prompts, SamplingParams(seed=3, **call))
         splits = group.run(vae_split)
@@ -122,10 +122,35 @@ def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_f
         np.testing.assert_allclose(got, expected, atol=ULYSSES if config.ulysses_degree > 1 else TILED, rtol=0)
 
 
+DEFAULTS = {
+    # sizes the tiled split would tile (tiny-flux: 3 x 3 tiles; tiny-wan: 2 x 2), so a tiled default would show
+    "tiny-flux": {"height": 128, "width": 128, "num_inference_steps": 2},
+    "tiny-wan": {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(DEFAULTS))
+def test_default_decode_equals_plain_diffusers_one_process(model, dist_run):
+    """Issue 33 item 1: with no VAE flag, HSDP 2 gives plain diffusers' output in one process (whole, untiled
+    decode) bit for bit, as the HSDP 2 layout tests of ``tests/test_engine_families.py`` assert; the tiled split
+    that was the default differed by up to 127 levels on tiny-flux."""
+    path, call = resolve_model(model), DEFAULTS[model]
+    with Engine(path, HSDP2, workers=dist_run.group(2)) as engine:
+        [out] = engine.generate("A cat", SamplingParams(seed=3, **call))
+    defaults = {k: v for k, v in engine.info.defaults.items() if k in engine.info.call_params}
+    expected = reference_pipeline(path, out.prompt, out.seed, **{**defaults, **call})
+    got = out.frames if engine.info.output == "video" else out.images
+    assert got.shape == expected.shape and expected.std() > 0
+    np.testing.assert_array_equal(got, expected)
+    assert not engine.vae_parallel
+
+
 @pytest.mark.unit
 def test_default_and_refusals():
     wan = inspect_model(resolve_model("tiny-wan"))
-    assert vae_parallel_default(wan, HSDP2.resolved(), None)
+    assert not vae_parallel_default(wan, HSDP2.resolved(), None)  # off: the one-process output by default
+    assert vae_parallel_default(wan, HSDP2.resolved(), True)
     assert not vae_parallel_default(wan, ParallelConfig().resolved(), None)
     request_parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True).resolved()
     assert not vae_parallel_default(wan, request_parallel, None)
@@ -137,7 +162,6 @@ def test_default_and_refusals():
     assert "--request-parallel ranks each decode their own request" in own_requests
     # a VAE class that tiles but cannot be split (Allegro: no blend_v / blend_h): off by default, refused if asked
     allegro_like = dataclasses.replace(wan, vae_unsplittable={"vae": split_refusal(AutoencoderKLAllegro)})
-    assert not vae_parallel_default(allegro_like, HSDP2.resolved(), None)
     [unsplittable] = vae_problems(allegro_like, HSDP2.resolved(), True, False, False)
     assert unsplittable.startswith("--vae-parallel: AutoencoderKLAllegro's tiled decode blends its tiles itself")
     assert vae_problems(allegro_like, HSDP2.resolved(), None, True, False) == []

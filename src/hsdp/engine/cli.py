@@ -184,8 +184,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="split the VAE's tiled decode (and encode) over the ranks that share a request, tiles round-robin, "
-        "blended as diffusers' enable_tiling does; default: on with more than one such rank, for outputs of 2 tiles "
-        "or more (--no-vae-parallel: rank 0 decodes whole)",
+        "blended as diffusers' enable_tiling does (its output is the tiled decode's, not the whole decode's); "
+        "default: off, rank 0 decodes whole as one process does",
     )
     parser.add_argument(
         "--vae-tiling", action="store_true", help="diffusers' enable_tiling of the VAE: less memory on each rank"
