@@ -1,4 +1,9 @@
-"""``--vae-parallel``: a VAE's tiled decode (and encode) split over ranks, as diffusers tiles it.
+"""``--vae-parallel``: a VAE's decode split over ranks.
+
+Two splits. :func:`enable_exact_split` (``--vae-parallel``) splits the whole, untiled decode by rows: each rank
+decodes a band of the latent's rows, exchanging what the layers read across the bands (:class:`_RowSplit`), and the
+output is the whole decode's within float rounding. :func:`enable_vae_parallel` (``--vae-parallel --vae-tiling``)
+splits diffusers' tiled decode and encode tile by tile; its output is diffusers' tiled one, described here:
 
 diffusers' tiled VAEs (``AutoencoderKL``, ``AutoencoderKLWan``, HunyuanVideo, LTX, CogVideoX, Mochi, ...) share one
 structure: ``tiled_decode`` walks the overlapping tiles, runs the ``decoder`` on each (a video VAE calls it several
@@ -556,11 +561,9 @@ def enable_exact_split(vae: nn.Module, group: dist.ProcessGroup | None = None) -
     if not isinstance(decoder, nn.Module):
         return f"{type(vae).__name__} has no decoder module"
     world = dist.get_world_size(group)
-    forward = decoder.forward
-    split = _split_forward(forward, group, world)
-    reason = _probe(vae, decoder, split, group, world)
+    reason = _probe(vae, group, world)
     if reason is None:
-        decoder.forward = split
+        decoder.forward = _split_forward(decoder.forward, group, world)
     vae._hsdp_whole_reason = reason
     return reason
 
@@ -586,11 +589,17 @@ def _split_forward(forward: Callable, group: dist.ProcessGroup | None, world: in
     return call
 
 
-def _probe(vae: nn.Module, decoder: nn.Module, split: Callable, group, world: int) -> str | None:
+def _probe(vae: nn.Module, group, world: int) -> str | None:
     """Why the split cannot stand for ``vae`` (see :func:`enable_exact_split`), or None: a latent of ``world`` x
-    ``_MIN_ROWS`` rows decoded whole and split on every rank, compared, the verdict agreed by all."""
+    ``_MIN_ROWS`` rows decoded whole and split on every rank, compared, the verdict agreed by all. It runs in
+    float32 (a copy of a VAE in another dtype), where the bound can tell a layer that mixes rows from rounding."""
+    import copy
     import inspect
 
+    if next(vae.parameters()).dtype != torch.float32:
+        vae = copy.deepcopy(vae).float()
+    decoder = vae.decoder
+    split = _split_forward(decoder.forward, group, world)
     conv = next((m for m in decoder.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))), None)
     if conv is None:
         return f"{type(decoder).__name__} has no convolution to size a probe latent from"
@@ -601,11 +610,8 @@ def _probe(vae: nn.Module, decoder: nn.Module, split: Callable, group, world: in
     try:
         with torch.no_grad():
             latent, whole = _probe_latent(vae, conv, world, param, extra)
-            decoder.forward = split
-            try:
+            with _child_forward(decoder, split):
                 parts = _sample(vae.decode(latent, **extra))
-            finally:
-                del decoder.forward
         diff[0] = ((parts - whole).abs().max() / whole.abs().max().clamp_min(1e-12)).item()
     except Unsplittable as exc:
         reason, diff[1] = str(exc), 1.0
