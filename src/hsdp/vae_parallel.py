@@ -421,25 +421,26 @@ class _RowSplit(TorchFunctionMode):
 
     # -- halos
 
-    def _halo(self, x: torch.Tensor, top: int, bottom: int, edge: Callable[[torch.Tensor, int, int], torch.Tensor]):
-        """``x`` with ``top`` rows above and ``bottom`` below: the adjacent ranks' rows, or at the frame's edge
-        ``edge(x, top, bottom)`` (the layer's own padding)."""
-        if top == bottom == 0:
-            return x
-        if min(self._sizes(x.shape[_SPLIT])) < max(top, bottom):
-            raise Unsplittable(f"a halo of {max(top, bottom)} rows is more than a rank's {min(self._sizes(x.shape[_SPLIT]))}")
+    def _edges(self, x: torch.Tensor, top: int, bottom: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The adjacent ranks' ``top`` rows above this band and ``bottom`` rows below it (None at the frame's top or
+        bottom edge): one all_gather of every rank's edge rows."""
+        smallest = min(self._sizes(x.shape[_SPLIT]))
+        if smallest < max(top, bottom):
+            raise Unsplittable(f"a halo of {max(top, bottom)} rows is more than a rank's {smallest}")
         h = x.shape[_SPLIT]
         parts = [x.narrow(_SPLIT, h - top, top), x.narrow(_SPLIT, 0, bottom)]
         send = torch.cat([p.reshape(-1) for p in parts]).contiguous()
         got = [torch.empty_like(send) for _ in self.rows]
         dist.all_gather(got, send, self.group)
-        above = (got[self.rank - 1][: parts[0].numel()].view(parts[0].shape) if not self.first
-                 else edge(x, top, 0).narrow(_SPLIT, 0, top))  # fmt: skip
-        below = (got[self.rank + 1][parts[0].numel():].view(parts[1].shape) if not self.last
-                 else edge(x, 0, bottom).narrow(_SPLIT, h, bottom))  # fmt: skip
-        return torch.cat([above, x, below], dim=_SPLIT)
+        above = None if self.first else got[self.rank - 1][: parts[0].numel()].view(parts[0].shape)
+        below = None if self.last else got[self.rank + 1][parts[0].numel() :].view(parts[1].shape)
+        return above, below
 
     def _conv(self, func, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        """A convolution over the band: with its own padding along the rows, computed on the band as it is (every
+        row right but the ``padding`` rows at each inner edge, which saw zeros), then those edge rows recomputed
+        from slabs of the neighbours' rows and this band's (no copy of the band); after a ``pad`` that took the
+        halo (diffusers' causal wrappers), as called."""
         spatial = weight.ndim - 2
         stride, dilation = (_per_dim(v, spatial) for v in (stride, dilation))
         if isinstance(padding, str):
@@ -455,21 +456,38 @@ class _RowSplit(TorchFunctionMode):
         if sum(attached) + 2 * own_pad != reach:
             raise Unsplittable(f"a convolution of {kernel} rows (dilation {dilation[-2]}) padded by {own_pad} after "
                                f"{attached} does not keep the rows' count")  # fmt: skip
+        out = func(x, weight, bias, stride, tuple(padding), dilation, groups)
+        if not own_pad:
+            return out
+        if min(self._sizes(x.shape[_SPLIT])) < reach:
+            raise Unsplittable(f"a convolution reaches {reach} rows, more than a rank's band")
+        above, below = self._edges(x, own_pad, own_pad)
         padding[-2] = 0
-        zeros = functools.partial(_pad_rows, mode="constant", value=0.0)
-        x = self._halo(x, own_pad, own_pad, zeros) if own_pad else x
-        return func(x, weight, bias, stride, tuple(padding), dilation, groups)
+        h = x.shape[_SPLIT]
+        for halo, rows, at in ((above, x.narrow(_SPLIT, 0, reach), 0), (below, x.narrow(_SPLIT, h - reach, reach), None)):
+            if halo is None:
+                continue
+            slab = torch.cat([halo, rows] if at == 0 else [rows, halo], dim=_SPLIT)
+            edge = func(slab, weight, bias, stride, tuple(padding), dilation, groups)
+            out.narrow(_SPLIT, 0 if at == 0 else out.shape[_SPLIT] - own_pad, own_pad).copy_(edge)
+        return out
 
     def _pad(self, x, pad, mode="constant", value=None):
+        """A pad along the rows: the layer's own pad, then the inner edges' padded rows overwritten with the
+        neighbours' rows (padded as the layer pads the other axes); the result is marked with the halo it holds."""
         if x.ndim < 4 or len(pad) < 4 or not (pad[2] or pad[3]):
             return F.pad(x, pad, mode, value)
         if hasattr(x, "_hsdp_halo"):
             raise Unsplittable("rows padded twice")
         top, bottom = pad[2], pad[3]
+        out = F.pad(x, pad, mode, value)
+        above, below = self._edges(x, top, bottom)
         rest = list(pad)
         rest[2] = rest[3] = 0
-        x = F.pad(x, rest, mode, value) if any(rest) else x
-        out = self._halo(x, top, bottom, functools.partial(_pad_rows, mode=mode, value=value))
+        if above is not None and top:
+            out.narrow(_SPLIT, 0, top).copy_(F.pad(above, rest, mode, value) if any(rest) else above)
+        if below is not None and bottom:
+            out.narrow(_SPLIT, out.shape[_SPLIT] - bottom, bottom).copy_(F.pad(below, rest, mode, value) if any(rest) else below)
         out._hsdp_halo = (top, bottom)
         return out
 
@@ -519,14 +537,6 @@ class _RowSplit(TorchFunctionMode):
 
 def _per_dim(value, n: int) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-
-
-def _pad_rows(x: torch.Tensor, top: int, bottom: int, mode: str = "constant", value=None) -> torch.Tensor:
-    """``x`` padded along the rows only, as the layer pads the frame's edge."""
-    pad = [0, 0, top, bottom] + [0, 0] * (x.ndim - 4)
-    if mode != "constant" and x.ndim == 5 and len(pad) == 4:
-        pad += [0, 0]
-    return F.pad(x, pad, mode, value)
 
 
 def _gather_padded(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
