@@ -150,7 +150,7 @@ def test_default_decode_equals_plain_diffusers_one_process(model, dist_run):
 
 EXACT = 1e-5
 """The row split against the whole decode, relative to the output's largest value: the derivation is in
-:func:`hsdp.vae_parallel.enable_exact_split` (measured at most 2.3e-6 over the classes)."""
+:func:`hsdp.vae_parallel.enable_exact_split` (measured at most 2.6e-6 over the classes)."""
 WHOLE = {
     "AutoencoderDC": "rows",  # its linear attention sums over the frame's tokens by matmul (the probe sees it)
     "AutoencoderKLAllegro": "Decoding without tiling has not been implemented",  # diffusers' own whole decode

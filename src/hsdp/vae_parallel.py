@@ -494,25 +494,34 @@ class _RowSplit(TorchFunctionMode):
     # -- whole-frame layers
 
     def _group_norm(self, x, num_groups, weight=None, bias=None, eps=1e-5):
-        """Group statistics over every rank's rows: the mean from the all-reduced sum, then the variance from the
-        all-reduced sum of squared deviations from it (two passes, in float32 at least)."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        groups = x.reshape(x.shape[0], num_groups, -1).to(dtype)
-        # every rank holds the same multiple of its latent rows, so the whole frame has this many elements a group
+        """Group statistics over every rank's rows: each rank's mean and variance of its band (``var_mean``, one
+        fused pass in float32), all-gathered and combined as Chan et al.'s parallel variance does (the sum of the
+        bands' squared deviations plus each band's count times its mean's squared distance from the whole mean:
+        no cancellation), then the normalisation by those statistics in one fused kernel (``batch_norm`` in
+        inference mode) and the affine in place, so no band-sized temporaries beyond the output."""
         own = self.rows[self.rank][1] - self.rows[self.rank][0]
-        count = groups.shape[-1] * self.rows[-1][1] / own
-        total = groups.sum(-1)
-        dist.all_reduce(total, group=self.group)
-        mean = (total / count).unsqueeze(-1)
-        centred = groups - mean
-        squares = centred.square().sum(-1)
-        dist.all_reduce(squares, group=self.group)
-        out = (centred * torch.rsqrt(squares / count + eps).unsqueeze(-1)).reshape(x.shape)
+        groups = x.reshape(x.shape[0], num_groups, -1)
+        stats_dtype = torch.promote_types(x.dtype, torch.float32)
+        var, mean = torch.var_mean(groups.to(stats_dtype), dim=-1, correction=0)
+        local = torch.stack([mean, var])
+        gathered = [torch.empty_like(local) for _ in self.rows]
+        dist.all_gather(gathered, local, self.group)
+        # every rank holds the same multiple of its latent rows: its count of a group's elements scales with them
+        counts = [groups.shape[-1] * (end - start) / own for start, end in self.rows]
+        total = sum(counts)
+        whole_mean = sum(n * g[0] for n, g in zip(counts, gathered, strict=True)) / total
+        whole_var = sum(n * (g[1] + (g[0] - whole_mean).square()) for n, g in zip(counts, gathered, strict=True)) / total
         shape = (1, -1) + (1,) * (x.ndim - 2)
+        if x.dtype == stats_dtype:
+            out = F.batch_norm(groups.reshape(1, -1, groups.shape[-1]), whole_mean.flatten(), whole_var.flatten(),
+                               training=False, eps=eps).reshape(x.shape)  # fmt: skip
+        else:  # a half-precision band: normalised in float32, as PyTorch's own group norm computes
+            out = ((groups.to(stats_dtype) - whole_mean.unsqueeze(-1)) * torch.rsqrt(whole_var + eps).unsqueeze(-1))
+            out = out.reshape(x.shape)
         if weight is not None:
-            out = out * weight.reshape(shape)
+            out = out.mul_(weight.reshape(shape))
         if bias is not None:
-            out = out + bias.reshape(shape)
+            out = out.add_(bias.reshape(shape))
         return out.to(x.dtype)
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
@@ -561,9 +570,8 @@ def enable_exact_split(vae: nn.Module, group: dist.ProcessGroup | None = None) -
     the whole decode within ``_EXACT_RTOL`` of the output's magnitude, so a layer that reads other rows in a way the
     split does not see (a sum over the frame's tokens outside attention, a global pooling) turns it off instead of
     changing the output. The bound: the split computes every value from the same inputs with the same operations
-    except for three reductions that run in another order or blocking, group norm's statistics (two all-reduced
-    float32 passes against PyTorch's fused one: relative error of the mean and variance about ``n_ranks`` + log2 of
-    the group's elements in float32 ulps, ~1e-6 for a million elements), attention's keys and values in smaller
+    except for three reductions that run in another order or blocking, group norm's statistics (per-band float32
+    moments combined across the bands against PyTorch's one pass: the mean and variance within a few float32 ulps), attention's keys and values in smaller
     query blocks (softmax sums a few ulps apart) and the convolutions' kernels on other shapes (accumulation order):
     each a few float32 ulps (6e-8) relative per layer, carried through the decoder's few dozen normalised layers,
     well below 1e-5 of the output's range; measured per class in docs/performance.md."""
