@@ -385,7 +385,7 @@ class _RowSplit(TorchFunctionMode):
     """Runs a decoder on this rank's rows of its input as if on the whole frame. Every function that reads
     neighbouring rows is answered with the neighbours' rows: a convolution (``conv2d`` / ``conv3d``, whatever module
     calls it, diffusers' causal wrappers included) and a spatial ``pad`` exchange the rows of their receptive field
-    with the adjacent ranks (the halo), the frame's own padding staying at its top and bottom; ``group_norm`` sums
+    with the adjacent ranks (the halo), the frame's own padding staying at its top and bottom; ``group_norm`` takes
     its statistics over all ranks' rows; attention (``scaled_dot_product_attention``) gathers every rank's keys and
     values so that this rank's queries see the whole frame. Row-local functions (pointwise, channel norms, nearest
     upsampling, pixel shuffles) run as they are. The sizes of other ranks' tensors follow from the latent rows: at
