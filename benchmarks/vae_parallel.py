@@ -8,7 +8,9 @@ Two decodes, each on every variant:
   SD's 512-pixel tiles (``sample_size``).
 
 Variants: ``one rank`` (rank 0 decodes whole while rank 1 waits: hsdp without the flag), ``one rank tiled``
-(diffusers' ``enable_tiling``: the output ``--vae-parallel`` equals) and ``2 ranks split`` (:mod:`hsdp.vae_parallel`).
+(diffusers' ``enable_tiling``: the output ``--vae-parallel --vae-tiling`` equals), ``2 ranks split`` (the tiles split,
+:func:`hsdp.vae_parallel.enable_vae_parallel`) and ``2 ranks exact`` (``--vae-parallel``: the whole decode's rows
+split, :func:`hsdp.vae_parallel.enable_exact_split`, its output the ``one rank`` one within float rounding).
 One thread per rank, so two ranks use the 2 cores one rank leaves idle, as two GPUs would. Each round times every
 variant once (round-robin, so host load hits them alike); the table gives the median. Peak memory is the most
 tensor storage alive at once during one decode, per rank, among the tensors the decode creates (activations, tiles,
@@ -33,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MIB = 2**20
-VARIANTS = ("one rank", "one rank tiled", "2 ranks split")
+VARIANTS = ("one rank", "one rank tiled", "2 ranks split", "2 ranks exact")
 CASES = {
     "video": {"frames": 33, "size": 256,
               "tiling": {"tile_sample_min_height": 128, "tile_sample_min_width": 128,
@@ -76,9 +78,13 @@ def _latents(vae: torch.nn.Module, case: str) -> torch.Tensor:
 def _variant(case: str, variant: str):
     import torch.distributed as dist
 
-    from hsdp.vae_parallel import enable_vae_parallel
+    from hsdp.vae_parallel import enable_exact_split, enable_vae_parallel
 
     vae = _vae(case)
+    if variant == "2 ranks exact":
+        if (whole := enable_exact_split(vae, dist.group.WORLD)) is not None:
+            raise RuntimeError(f"{case}: the row split decodes whole: {whole}")
+        return vae
     if variant == "2 ranks split":
         enable_vae_parallel(vae, dist.group.WORLD)
     if variant != "one rank":
@@ -89,7 +95,7 @@ def _variant(case: str, variant: str):
 def _runs_here(variant: str) -> bool:
     import torch.distributed as dist
 
-    return variant == "2 ranks split" or dist.get_rank() == 0
+    return variant.startswith("2 ranks") or dist.get_rank() == 0
 
 
 def _timed(vae, z) -> tuple[float, float, torch.Tensor]:
@@ -166,11 +172,14 @@ def _peak(vae, z) -> int:
 
 def run_rank(case: str, repeats: int) -> dict:
     """This rank's times, peaks and, on rank 0, the split output's largest difference from the tiled one."""
+    import os
+
     import torch.distributed as dist
 
     from hsdp.vae_parallel import TileSplit
 
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     vaes = {v: _variant(case, v) for v in VARIANTS}
     z = _latents(vaes["one rank"], case)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -178,7 +187,7 @@ def run_rank(case: str, repeats: int) -> dict:
     peaks, outputs = {}, {}
     with torch.no_grad():
         for r in range(repeats):
-            for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
+            for variant in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
                 if _runs_here(variant):
                     seconds, cpu_seconds, outputs[variant] = _timed(vaes[variant], z)
                     times[variant].append(seconds)
@@ -191,10 +200,12 @@ def run_rank(case: str, repeats: int) -> dict:
             dist.barrier()
     split: TileSplit = vaes["2 ranks split"].tiled_decode.last_split
     result = {"times": times, "cpu": cpu, "peaks": peaks, "tiles": split.tiles, "computed": split.computed,
-              "meta_runs": split.meta_runs, "host_parallelism": host_parallelism()}  # fmt: skip
+              "meta_runs": split.meta_runs, "host_parallelism": host_parallelism(),
+              "load_average": [load_before, os.getloadavg()[0]]}  # fmt: skip
     if dist.get_rank() == 0:
         result["max_diff_split_vs_tiled"] = (outputs["2 ranks split"] - outputs["one rank tiled"]).abs().max().item()
         result["max_diff_tiled_vs_whole"] = (outputs["one rank tiled"] - outputs["one rank"]).abs().max().item()
+        result["max_diff_exact_vs_whole"] = (outputs["2 ranks exact"] - outputs["one rank"]).abs().max().item()
         result["output_shape"] = list(outputs["one rank"].shape)
     return result
 
@@ -225,10 +236,13 @@ def summarize(case: str, ranks: list[dict]) -> list[dict]:
                 tiles_computed=[r["computed"] for r in ranks] if variant == "2 ranks split" else None,
             )
         )
-    rows[-1]["tiles"] = ranks[0]["tiles"]
-    rows[-1]["meta_runs_per_rank"] = [r["meta_runs"] for r in ranks]
-    rows[-1]["max_diff_vs_tiled"] = ranks[0]["max_diff_split_vs_tiled"]
+    rows[2]["tiles"] = ranks[0]["tiles"]
+    rows[2]["meta_runs_per_rank"] = [r["meta_runs"] for r in ranks]
+    rows[2]["max_diff_vs_tiled"] = ranks[0]["max_diff_split_vs_tiled"]
     rows[1]["max_diff_vs_whole"] = ranks[0]["max_diff_tiled_vs_whole"]
+    rows[3]["max_diff_vs_whole"] = ranks[0]["max_diff_exact_vs_whole"]
+    for row in rows:
+        row["load_average_1min"] = ranks[0]["load_average"]
     return rows
 
 
@@ -241,7 +255,10 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {row['case']} | {row['variant']} | {row['seconds']:.2f} | {row['speedup_vs_one_rank']:.2f}x "
                      f"| {row['speedup_vs_one_rank_tiled']:.2f}x | {cpu} | {row['cpu_vs_one_rank_tiled']:.2f}x | {peaks} "
                      f"| {row['peak_vs_one_rank']:.2f}x |")  # fmt: skip
-    lines.append(f"host parallelism (2 ranks' matrix products vs one): {rows[0]['host_parallelism']:.2f}x")
+    lines.append(f"host parallelism (2 ranks' matrix products vs one): {rows[0]['host_parallelism']:.2f}x; 1-minute "
+                 f"load average before / after: {' / '.join(f'{x:.1f}' for x in rows[0]['load_average_1min'])}")
+    lines += [f"{row['case']} {row['variant']}: largest difference from one rank's whole decode "
+              f"{row['max_diff_vs_whole']:.2g}" for row in rows if "max_diff_vs_whole" in row]  # fmt: skip
     lines += [f"{row['case']}: {row['tiles']} tiles, computed per rank {row['tiles_computed']}; decoder calls sized on "
               f"meta per rank in the last decode {row['meta_runs_per_rank']} (the first decode sizes, later ones reuse); "
               f"first round {row['first_round_seconds']:.2f} s" for row in rows if "meta_runs_per_rank" in row]  # fmt: skip

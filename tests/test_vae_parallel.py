@@ -27,7 +27,9 @@ from tests.vae_fns import (
     TILED_VAES,
     TINY_VAES,
     UNTILED_ENCODE,
+    class_exact_and_whole,
     class_split_and_alone,
+    exact_splits,
     small_tile_cogvideox,
     split_and_alone,
     vae_split,
@@ -109,7 +111,7 @@ def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_f
     path = FOLDERS[model](tmp_path_factory.mktemp(model)) if model in FOLDERS else resolve_model(model)
     group = dist_run.group(2)
     prompts = BATCHED.get(case, ["A cat"])
-    with Engine(path, config, workers=group) as engine:  # on by default at world 2
+    with Engine(path, config, workers=group, vae_parallel=True, vae_tiling=True) as engine:
         assert engine.vae_parallel
         outputs = engine.generate(prompts, SamplingParams(seed=3, **call))
         splits = group.run(vae_split)
@@ -122,10 +124,86 @@ def test_engine_decode_split_equals_one_process_tiled(case, dist_run, tmp_path_f
         np.testing.assert_allclose(got, expected, atol=ULYSSES if config.ulysses_degree > 1 else TILED, rtol=0)
 
 
+DEFAULTS = {
+    # sizes the tiled split would tile (tiny-flux: 3 x 3 tiles; tiny-wan: 2 x 2), so a tiled default would show
+    "tiny-flux": {"height": 128, "width": 128, "num_inference_steps": 2},
+    "tiny-wan": {"height": 288, "width": 288, "num_frames": 1, "num_inference_steps": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(DEFAULTS))
+def test_default_decode_equals_plain_diffusers_one_process(model, dist_run):
+    """Issue 33 item 1: with no VAE flag, HSDP 2 gives plain diffusers' output in one process (whole, untiled
+    decode) bit for bit, as the HSDP 2 layout tests of ``tests/test_engine_families.py`` assert; the tiled split
+    that was the default differed by up to 127 levels on tiny-flux."""
+    path, call = resolve_model(model), DEFAULTS[model]
+    with Engine(path, HSDP2, workers=dist_run.group(2)) as engine:
+        [out] = engine.generate("A cat", SamplingParams(seed=3, **call))
+    defaults = {k: v for k, v in engine.info.defaults.items() if k in engine.info.call_params}
+    expected = reference_pipeline(path, out.prompt, out.seed, **{**defaults, **call})
+    got = out.frames if engine.info.output == "video" else out.images
+    assert got.shape == expected.shape and expected.std() > 0
+    np.testing.assert_array_equal(got, expected)
+    assert not engine.vae_parallel
+
+
+EXACT = 1e-5
+"""The row split against the whole decode, relative to the output's largest value: the derivation is in
+:func:`hsdp.vae_parallel.enable_exact_split` (measured at most 2.6e-6 over the classes)."""
+WHOLE = {
+    "AutoencoderDC": "rows",  # its linear attention sums over the frame's tokens by matmul (the probe sees it)
+    "AutoencoderKLAllegro": "Decoding without tiling has not been implemented",  # diffusers' own whole decode
+    "AutoencoderKLHunyuanVideo": "attention with a mask",  # frame-causal mask over the frame's tokens
+    "AutoencoderKLHunyuanVideo15": "attention with a mask",
+}
+"""Classes the row split leaves whole, and a word of the reason it gives."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TILED_VAES)
+def test_every_tiled_vae_class_exact_split_or_whole(name, dist_run):
+    """``--vae-parallel`` without tiling: every diffusers autoencoder with a ``tiled_decode`` decodes split by rows
+    over 2 ranks within ``EXACT`` of its own whole decode in one process (its encoded sample, 4 latent rows a
+    rank, and a 9-row latent split 5 / 4), or decodes whole saying why."""
+    ranks = dist_run(2, class_exact_and_whole, name)
+    if name in WHOLE:
+        assert all(WHOLE[name] in r.get("whole", "") for r in ranks), ranks
+        return
+    for result in ranks:
+        assert "whole" not in result, result
+        assert result["splits"] > 0 and result["rel"] <= EXACT and result["uneven_rel"] <= EXACT, result
+
+
+EXACT_CASES = {
+    "image-hsdp2": ("tiny-flux", {"height": 128, "width": 128, "num_inference_steps": 2}),
+    "video-hsdp2": ("tiny-wan", {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 2}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_engine_exact_split_equals_plain_diffusers(case, dist_run):
+    """``Engine(vae_parallel=True)`` at HSDP 2 (``--vae-parallel``) against plain diffusers in one process, untiled:
+    the denoiser is bit-exact at HSDP 2, so the difference is the row split's, within ``EXACT`` of the range."""
+    model, call = EXACT_CASES[case]
+    path, group = resolve_model(model), dist_run.group(2)
+    with Engine(path, HSDP2, workers=group, vae_parallel=True) as engine:
+        [out] = engine.generate("A cat", SamplingParams(seed=3, **call))
+        splits = group.run(exact_splits)
+    assert all(s > 0 for s in splits), splits
+    defaults = {k: v for k, v in engine.info.defaults.items() if k in engine.info.call_params}
+    expected = reference_pipeline(path, out.prompt, out.seed, **{**defaults, **call})
+    got = out.frames if engine.info.output == "video" else out.images
+    assert got.shape == expected.shape and expected.std() > 0
+    np.testing.assert_allclose(got, expected, atol=EXACT, rtol=0)
+
+
 @pytest.mark.unit
 def test_default_and_refusals():
     wan = inspect_model(resolve_model("tiny-wan"))
-    assert vae_parallel_default(wan, HSDP2.resolved(), None)
+    assert not vae_parallel_default(wan, HSDP2.resolved(), None)  # off: the one-process output by default
+    assert vae_parallel_default(wan, HSDP2.resolved(), True)
     assert not vae_parallel_default(wan, ParallelConfig().resolved(), None)
     request_parallel = ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True).resolved()
     assert not vae_parallel_default(wan, request_parallel, None)
@@ -137,9 +215,9 @@ def test_default_and_refusals():
     assert "--request-parallel ranks each decode their own request" in own_requests
     # a VAE class that tiles but cannot be split (Allegro: no blend_v / blend_h): off by default, refused if asked
     allegro_like = dataclasses.replace(wan, vae_unsplittable={"vae": split_refusal(AutoencoderKLAllegro)})
-    assert not vae_parallel_default(allegro_like, HSDP2.resolved(), None)
-    [unsplittable] = vae_problems(allegro_like, HSDP2.resolved(), True, False, False)
-    assert unsplittable.startswith("--vae-parallel: AutoencoderKLAllegro's tiled decode blends its tiles itself")
+    assert vae_problems(allegro_like, HSDP2.resolved(), True, False, False) == []  # the row split: no tiles
+    [unsplittable] = vae_problems(allegro_like, HSDP2.resolved(), True, True, False)
+    assert unsplittable.startswith("--vae-parallel --vae-tiling: AutoencoderKLAllegro's tiled decode blends its")
     assert vae_problems(allegro_like, HSDP2.resolved(), None, True, False) == []
     llama = inspect_model(resolve_model("tiny-llama"))
     [no_vae] = vae_problems(llama, HSDP2.resolved(), None, True, False)
@@ -157,5 +235,5 @@ def test_generate_refuses_before_loading(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert "--vae-parallel splits the VAE's tiles over the ranks that share a request" in done.stderr
+    assert "--vae-parallel splits the VAE's decode over the ranks that share a request" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()

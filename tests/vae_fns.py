@@ -265,3 +265,44 @@ def class_split_and_alone(name: str) -> dict:
         "decode_diff": (split_decoded - decoded).abs().max().item(),
         "split": {method: getattr(getattr(split, method), "last_split", None) for method in replaced},
     }
+
+
+def class_exact_and_whole(name: str) -> dict:
+    """On each rank: a :data:`TINY_VAES` class's latents (its sample encoded whole) and a random latent of 9 rows
+    (split 5 / 4) decoded with the exact row split (:func:`hsdp.vae_parallel.enable_exact_split`) and whole, no
+    tiling; the largest differences relative to the whole decode's largest value, or why the class decodes whole."""
+    import inspect
+
+    import diffusers.models
+    import torch.distributed as dist
+
+    from hsdp.vae_parallel import enable_exact_split
+
+    cls = getattr(diffusers.models, name)
+    config, shape, *_ = TINY_VAES[name]
+    torch.manual_seed(3)
+    whole = cls(**config).eval()
+    torch.manual_seed(3)
+    split = cls(**config).eval()
+    reason = enable_exact_split(split, dist.group.WORLD)
+    if reason is not None:
+        return {"whole": reason}
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    temb = {"temb": torch.tensor([0.05])} if "temb" in inspect.signature(whole.decode).parameters else {}
+    with torch.no_grad():
+        latents = _tensor(whole.encode(x))
+        uneven = torch.randn((*latents.shape[:-2], 9, latents.shape[-1]), generator=torch.Generator().manual_seed(7))
+        result = {"splits": 0}
+        for key, z in (("rel", latents), ("uneven_rel", uneven)):
+            expected, got = _tensor(whole.decode(z, **temb)), _tensor(split.decode(z, **temb))
+            assert got.shape == expected.shape, (got.shape, expected.shape)
+            result[key] = ((got - expected).abs().max() / expected.abs().max()).item()
+    result["splits"] = split.decoder.forward.splits
+    result["latent"] = tuple(latents.shape)
+    return result
+
+
+def exact_splits() -> int:
+    """Decoder calls the loaded pipeline's VAE ran split by rows on this rank."""
+    vae = worker_state()["hsdp.engine.runner"][0].pipe.vae
+    return getattr(vae.decoder.forward, "splits", 0)

@@ -207,18 +207,17 @@ def _vae_parallel_blocker(info: ModelInfo, config: ParallelConfig) -> str | None
 
 
 def _splits(info: ModelInfo, name: str) -> bool:
-    """Whether ``--vae-parallel`` splits autoencoder ``name``'s tiles: it tiles, and the way hsdp splits it."""
+    """Whether ``--vae-parallel --vae-tiling`` splits autoencoder ``name``'s tiles: it tiles, and the way hsdp
+    splits it."""
     return "tiling" in info.vae_options[name] and name not in info.vae_unsplittable
 
 
 def vae_parallel_default(info: ModelInfo, config: ParallelConfig, requested: bool | None) -> bool:
-    """``--vae-parallel``'s value: as given, else on wherever it can run (more than one rank shares each request,
-    and a VAE tiles). Whether a given output is split is diffusers' own size test at decode time: it tiles
-    (at least 2 tiles) only when the latents are larger than one tile."""
-    if requested is not None:
-        return requested
-    tiled = any(_splits(info, name) for name in info.autoencoders)
-    return info.kind == "diffusion" and tiled and _vae_parallel_blocker(info, config) is None
+    """``--vae-parallel``'s value: as given, else off. The split decode is diffusers' *tiled* decode, which blends
+    overlapping tiles and so differs from the whole decode one process runs by default (up to 127 levels of 255 on
+    tiny-flux at 128 x 128): a default must give the one-process output, so tiles only when the user asks."""
+    del info, config  # the default no longer depends on the layout or the VAE
+    return bool(requested)
 
 
 def vae_problems(
@@ -232,15 +231,16 @@ def vae_problems(
     if info.kind != "diffusion" or not info.autoencoders:
         return [f"{', '.join(given)}: {info.path.name} has no VAE (diffusers autoencoder); drop the flag"]
     problems = []
-    for flag, option in (("--vae-parallel", "tiling"), ("--vae-tiling", "tiling"), ("--vae-slicing", "slicing")):
+    for flag, option in (("--vae-tiling", "tiling"), ("--vae-slicing", "slicing")):
         if flags[flag] and not any(option in info.vae_options[name] for name in info.autoencoders):
             problems.append(f"{flag}: this pipeline's autoencoder ({', '.join(info.autoencoders)}) has no diffusers "
                             f"{option} (enable_{option}); drop {flag}")  # fmt: skip
     tiled = [name for name in info.autoencoders if "tiling" in info.vae_options[name]]
-    if parallel and tiled and not any(_splits(info, name) for name in tiled):
-        problems += [f"--vae-parallel: {info.vae_unsplittable[name]}; drop --vae-parallel (--vae-tiling tiles it on "
-                     "each rank)" for name in tiled]  # fmt: skip
+    if parallel and tiling and tiled and not any(_splits(info, name) for name in tiled):
+        problems += [f"--vae-parallel --vae-tiling: {info.vae_unsplittable[name]}; drop --vae-tiling (--vae-parallel "
+                     "alone splits the whole decode by rows) or --vae-parallel (--vae-tiling tiles it on each rank)"
+                     for name in tiled]  # fmt: skip
     if parallel and (blocker := _vae_parallel_blocker(info, config)) is not None:
-        problems.append(f"--vae-parallel splits the VAE's tiles over the ranks that share a request, but {blocker}; "
+        problems.append(f"--vae-parallel splits the VAE's decode over the ranks that share a request, but {blocker}; "
                         "drop --vae-parallel (or use --vae-tiling to save memory on each rank)")  # fmt: skip
     return problems

@@ -196,9 +196,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--vae-parallel",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="split the VAE's tiled decode (and encode) over the ranks that share a request, tiles round-robin, "
-        "blended as diffusers' enable_tiling does; default: on with more than one such rank, for outputs of 2 tiles "
-        "or more (--no-vae-parallel: rank 0 decodes whole)",
+        help="split the VAE's decode over the ranks that share a request by rows, equal to the whole decode within "
+        "float rounding (halos, group-norm statistics and attention exchanged; a VAE it cannot keep exact decodes "
+        "whole, with a warning); with --vae-tiling, split diffusers' tiled decode and encode tile by tile instead; "
+        "default: off, rank 0 decodes whole as one process does",
     )
     parser.add_argument(
         "--vae-tiling", action="store_true", help="diffusers' enable_tiling of the VAE: less memory on each rank"

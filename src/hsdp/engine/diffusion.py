@@ -30,7 +30,7 @@ from hsdp.engine.parallel import CFGParallelTransformer
 from hsdp.engine.params import PIPELINE_ARGS, Request, SamplingParams
 from hsdp.launch import emit_event, heartbeat
 from hsdp.mesh import ParallelMeshes
-from hsdp.vae_parallel import enable_vae_parallel, vae_memory_options
+from hsdp.vae_parallel import enable_exact_split, enable_vae_parallel, vae_memory_options
 
 logger = logging.getLogger("hsdp")
 
@@ -145,16 +145,25 @@ class DiffusionRunner:
         )
 
     def _vae_options(self, spec: LoadSpec) -> None:
-        """``--vae-tiling`` / ``--vae-slicing`` on the autoencoders that have them; ``--vae-parallel`` on those that
-        tile, with every rank decoding (each computes its share of the tiles; a smaller output, one tile, whole)."""
+        """``--vae-tiling`` / ``--vae-slicing`` on the autoencoders that have them. ``--vae-parallel``: the whole
+        decode's rows split over the ranks (:func:`hsdp.vae_parallel.enable_exact_split`; a class it cannot keep
+        exact decodes whole, on rank 0), or with ``--vae-tiling`` the tiles, every rank decoding."""
         for name in self.info.autoencoders:
             options, vae = self.info.vae_options[name], getattr(self.pipe, name)
             vae_memory_options(vae, tiling=spec.vae_tiling and "tiling" in options,
                                slicing=spec.vae_slicing and "slicing" in options)  # fmt: skip
-            if spec.vae_parallel and "tiling" in options and name not in self.info.vae_unsplittable:
+            if not spec.vae_parallel:
+                continue
+            if spec.vae_tiling and "tiling" in options and name not in self.info.vae_unsplittable:
                 enable_vae_parallel(vae, dist.group.WORLD)
                 self.decode_everywhere = True
                 logger.info("%s: tiled decode and encode split over %d ranks", name, dist.get_world_size())
+            elif not spec.vae_tiling:
+                if (whole := enable_exact_split(vae, dist.group.WORLD)) is None:
+                    self.decode_everywhere = True
+                    logger.info("%s: decode split over %d ranks by rows", name, dist.get_world_size())
+                else:
+                    logger.warning("--vae-parallel: %s decodes whole on rank 0: %s", name, whole)
 
     def modules(self) -> list[torch.nn.Module]:
         """The pipeline's models, each as loaded: a denoiser that CFG parallel wraps is listed itself, so its

@@ -162,11 +162,11 @@ class Engine:
         ``torch.compile`` of the denoisers' repeated blocks (:mod:`hsdp.engine.compile`). ``attention_backend``:
         the denoisers' diffusers attention backend, or the causal LM's transformers attention implementation
         (:mod:`hsdp.attention`). ``vae_parallel``: split the VAE's tiled decode and encode over the ranks that
-        share a request (:mod:`hsdp.vae_parallel`; None: on wherever the layout and the VAE allow, see
-        :attr:`vae_parallel`). ``vae_tiling`` / ``vae_slicing``: diffusers' ``enable_tiling`` / ``enable_slicing``
-        of the VAE (memory on each rank). ``shield_sigterm``: the engine-spawned ranks ignore SIGTERM as they
-        ignore SIGINT, for a caller that stops gracefully on it (``hsdp serve``: a group's SIGTERM, systemd's stop,
-        must not cut the running call off); :meth:`close` still stops them."""
+        share a request (:mod:`hsdp.vae_parallel`; None: off, rank 0 decodes whole as one process does).
+        ``vae_tiling`` / ``vae_slicing``: diffusers' ``enable_tiling`` / ``enable_slicing`` of the VAE (memory on
+        each rank). ``shield_sigterm``: the engine-spawned ranks ignore SIGTERM as they ignore SIGINT, for a caller
+        that stops gracefully on it (``hsdp serve``: a group's SIGTERM, systemd's stop, must not cut the running
+        call off); :meth:`close` still stops them."""
         from hsdp.attention import attention_backend_problems
         from hsdp.engine.cache import cache_problems
         from hsdp.engine.compile import compile_problems

@@ -78,7 +78,7 @@ class ServeSettings:
     attention_backend: str | None = None
     """The attention kernel (``--attention-backend``, :mod:`hsdp.attention`)."""
     vae_parallel: bool | None = None
-    """The VAE's tiles split over the ranks (``--vae-parallel``; None: where it can run, :mod:`hsdp.vae_parallel`)."""
+    """The VAE's tiles split over the ranks (``--vae-parallel``; None: off, :mod:`hsdp.vae_parallel`)."""
     vae_tiling: bool = False
     """diffusers' ``enable_tiling`` of the VAE (``--vae-tiling``)."""
     vae_slicing: bool = False
