@@ -11,6 +11,7 @@ import json
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ValidationError
 
 from hsdp.serve.http import describe_validation_errors
@@ -100,6 +101,17 @@ not applied), comma-separated; absent when every field was used."""
 def unused_headers(server: Server, body: BaseModel) -> dict[str, str]:
     unused = server.unused_fields(body)
     return {UNUSED_HEADER: ", ".join(unused)} if unused else {}
+
+
+def job_file(server: Server, job: Job, what: str, media_type: str) -> FileResponse:
+    """The file of a completed job (``what``: how its route names it, ``video ID``); 409 naming the job's status
+    and error while it has none."""
+    if job.status != "completed" or not job.output:
+        why = f": {job.error['message']}" if job.error else ""
+        raise ApiError(
+            409, f"{what} is {job.status}{why}; its content exists once status is 'completed'", code="not_ready"
+        )
+    return FileResponse(server.store.videos_dir / job.output, media_type=media_type, filename=job.output)
 
 
 # -- waiting for jobs ----------------------------------------------------------------------------------------

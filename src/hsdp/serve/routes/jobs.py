@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from hsdp.serve.jobs import Job
-from hsdp.serve.routes.common import ServerDep, form_schema, unused_headers
+from hsdp.serve.routes.common import ServerDep, form_schema, job_file, unused_headers
 from hsdp.serve.routes.videos import REFERENCE, parse_video_request
 from hsdp.serve.schemas import ApiError, DeletedJob, JobList, JobObject, JobRequest, valid_job_id
 from hsdp.serve.service import ASYNC_KIND, CONTENT_TYPES, Server
@@ -122,15 +122,7 @@ async def get_job(job_id: str, server: ServerDep) -> JobObject:
 @router.get("/v1/jobs/{job_id}/content", response_class=FileResponse, responses=_FILE)
 async def job_content(job_id: str, server: ServerDep) -> FileResponse:
     job = _job(server, job_id)
-    if job.status != "completed" or not job.output:
-        why = f": {job.error['message']}" if job.error else ""
-        raise ApiError(
-            409,
-            f"job {job_id} is {job.status}{why}; its content exists once status is 'completed'",
-            code="not_ready",
-        )
-    media_type = server.job_view(job).content_type
-    return FileResponse(server.store.videos_dir / job.output, media_type=media_type, filename=job.output)
+    return job_file(server, job, f"job {job_id}", server.job_view(job).content_type)
 
 
 @router.delete("/v1/jobs/{job_id}", response_model=JobObject | DeletedJob)

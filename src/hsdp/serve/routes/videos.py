@@ -13,6 +13,7 @@ from hsdp.serve.routes.common import (
     ServerDep,
     form_schema,
     is_form,
+    job_file,
     json_object,
     read_form,
     run_jobs,
@@ -126,15 +127,7 @@ async def get_video(video_id: str, server: ServerDep) -> VideoJob:
 
 @router.get("/v1/videos/{video_id}/content", response_class=FileResponse, responses=_MP4)
 async def video_content(video_id: str, server: ServerDep) -> FileResponse:
-    job = _video_job(server, video_id)
-    if job.status != "completed" or not job.output:
-        why = f": {job.error['message']}" if job.error else ""
-        raise ApiError(
-            409,
-            f"video {video_id} is {job.status}{why}; its content exists once status is 'completed'",
-            code="not_ready",
-        )
-    return FileResponse(server.store.videos_dir / job.output, media_type="video/mp4", filename=job.output)
+    return job_file(server, _video_job(server, video_id), f"video {video_id}", "video/mp4")
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoJob | DeletedVideo)
