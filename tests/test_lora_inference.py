@@ -10,6 +10,7 @@ the adapter ignored. Bad input is refused before any worker starts.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -182,8 +183,14 @@ def test_pipeline_denoiser_adapter_equals_peft(wan, wan_adapter, dist_run):
 
 # -- refused before any worker starts ----------------------------------------------------------------------------
 def _refusal(capsys, argv: list[str]) -> str:
+    """The refusal ``argv`` prints, without hsdp's log lines (the command's start line, when an earlier test of
+    this process configured hsdp's logging)."""
     assert cli_main(argv) == 2
-    return capsys.readouterr().err
+    return "".join(line for line in capsys.readouterr().err.splitlines(True) if not LOG_LINE.match(line))
+
+
+LOG_LINE = re.compile(r"(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[")
+"""A line of hsdp's log format (:mod:`hsdp.logging_utils`)."""
 
 
 @pytest.mark.unit

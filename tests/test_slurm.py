@@ -152,6 +152,17 @@ def test_requeued_training_job_resumes_its_checkpoint_and_the_curve(slurm, tmp_p
     assert [s["loss"] for s in first + second] == reference
 
 
+def _answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def test_server_job_answers_and_scancel_stops_it_gracefully(slurm, tmp_path):
     """deploy/slurm/serve.sbatch on tiny-llama at HSDP 2 (one node, two ranks): rank 0's log names where it serves,
     a completion is answered, and scancel (SIGTERM to every process of the job) ends it through the server's own
@@ -166,7 +177,9 @@ def test_server_job_answers_and_scancel_stops_it_gracefully(slurm, tmp_path):
                        "2", "--host", "127.0.0.1", "--port", str(port), "--output-dir", str(tmp_path / "out"))  # fmt: skip
     job = submitted.strip().split(";")[0]
     try:
-        _until("the server", lambda: f"on http://127.0.0.1:{port}" in log.read_text(), 180)
+        # The log names the address as uvicorn starts; /health answers once it listens and the engine is ready.
+        _until("the server", lambda: _answers(f"http://127.0.0.1:{port}/health"), 180)
+        assert f"on http://127.0.0.1:{port}" in log.read_text()
         body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "seed": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})  # fmt: skip

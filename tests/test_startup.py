@@ -64,5 +64,6 @@ def test_a_long_phase_is_an_info_line_off_a_terminal(caplog, monkeypatch):
     monkeypatch.setattr(logger, "propagate", True)
     with caplog.at_level(logging.DEBUG, logger="hsdp"), logging_utils.phase("loading"):
         pass
-    [record] = [r for r in caplog.records if "start-up: loading took" in r.getMessage()]
-    assert record.levelno == logging.INFO
+    # (pytest's capture handler may see a record twice when an earlier test of this process set hsdp's logging up)
+    records = [r for r in caplog.records if "start-up: loading took" in r.getMessage()]
+    assert records and {r.levelno for r in records} == {logging.INFO}

@@ -67,7 +67,7 @@ def test_train_two_ranks_checkpoint_and_export(inputs):
     assert comm is not None, out.stdout
     assert 1.0 <= float(comm[1]) <= 1.05
     assert "step 3/3 loss" in out.stderr and "tokens/s" in out.stderr and "peak memory per rank" in out.stderr
-    assert sorted(p.name for p in (root / "run").iterdir()) == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in (root / "run").iterdir()) == ["report.html", "step-00000002", "step-00000003"]
     summary = json.loads((root / "summary.json").read_text())
     assert [s["step"] for s in summary] == [1, 2, 3] and all(len(s["peak_memory"]) == 2 for s in summary)
     assert (root / "export" / "config.json").exists() and list((root / "export").glob("*.safetensors"))

@@ -398,8 +398,11 @@ def _to_empty_split(model: nn.Module, device: torch.device, host: set[int]) -> N
 
 def _local_folder(path: str | Path, revision: str | None, subfolder: str | None) -> Path:
     """``path``, or a hub name's snapshot (:func:`hsdp.models.builtin.resolve_model`), then its ``subfolder``."""
+    from hsdp.models.hub import is_hub_name
+
     folder = Path(path)
-    if not folder.exists() or revision is not None:
+    # A missing folder that is no hub name stays as given: the checkpoint checks name it (CheckpointError).
+    if (not folder.exists() and is_hub_name(str(path))) or revision is not None:
         from hsdp.models.builtin import resolve_model
 
         folder = resolve_model(path, revision=revision)

@@ -237,8 +237,11 @@ def start_forkserver(packages: Iterable[str] = ()) -> None:
     ):
         return
     _start_context("forkserver", packages)
-    with _caller_signals_ignored():
-        mp.forkserver.ensure_running()
+    try:
+        with _caller_signals_ignored():
+            mp.forkserver.ensure_running()
+    except OSError as exc:  # a forkserver of this process that died and was reaped: groups then spawn
+        logger.debug("the forkserver did not start early (%s); a later group starts its ranks without it", exc)
 
 
 @contextlib.contextmanager
