@@ -78,14 +78,21 @@ def test_ctrl_c_during_a_checkpoint_takes_effect_once_it_is_complete(tmp_path, m
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(dcp, "save", save_interrupted)
+    # Python's own SIGINT, unblocked, as in a command run from a terminal (a test process may hold it otherwise)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    with pytest.raises(KeyboardInterrupt):
-        Checkpointer(tmp_path).save(1, model, optimizer, {})
-    assert (latest_checkpoint(tmp_path) / COMPLETE).read_text() == "1\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Checkpointer(tmp_path).save(1, model, optimizer, {})
+        assert (latest_checkpoint(tmp_path) / COMPLETE).read_text() == "1\n"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def test_a_checkpoint_leaves_an_ignored_ctrl_c_ignored(tmp_path):
