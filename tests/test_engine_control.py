@@ -58,7 +58,9 @@ def test_tokens_stream_live_and_cancel_stops_generation(model_cache, dist_run):
                 engine.cancel(request_id)
 
         [out] = engine.generate("Hello", params, on_token=on_token)
-        assert out.cancelled and 3 <= len(streamed) <= 4
+        # The ranks stop at the first forward after the cancel reaches the store; tokens already on their way to
+        # the caller (how many depends on the machine's load) still arrive, but generation ends early.
+        assert out.cancelled and 3 <= len(streamed) < 24, streamed
         full = reference_tokens(path, "Hello", 4, params)
         assert streamed == full[: len(streamed)]  # the tokens streamed are the real ones, in order
         progress: list[tuple[int, int, int]] = []

@@ -31,8 +31,9 @@ class LoadSpec:
     config: ParallelConfig
     dtype: str | None = None
     forward_prefetch: bool = True
-    cancel_address: tuple[str, int] | None = None
-    """The caller's :class:`hsdp.engine.control.CancelBoard`, when requests can be cancelled."""
+    cancel_prefix: str | None = None
+    """Where in the rendezvous store the caller's :class:`hsdp.engine.control.CancelBoard` writes, when requests
+    can be cancelled."""
     weight_dtype: str | None = None
     """``int8`` / ``fp8``: 8-bit weight shards (:mod:`hsdp.quantize`)."""
     load_options: dict[str, dict] | None = None

@@ -1,7 +1,7 @@
 """Cancelling a request while the ranks generate it, without leaving any rank waiting in a collective.
 
-The caller marks a request cancelled in a small key-value store that the :class:`hsdp.Engine` hosts
-(:class:`CancelBoard`, a ``TCPStore`` on a free port). Every rank checks before each forward of a sharded model
+The caller marks a request cancelled in the rendezvous store its ranks already share with it
+(:class:`CancelBoard`, keys under a prefix of :attr:`hsdp.launch.WorkerGroup.store`: one store per engine). Every rank checks before each forward of a sharded model
 (:class:`CancelWatch`, a forward pre-hook placed ahead of FSDP's own, so nothing is gathered yet), and the ranks
 agree with one all-reduce (MIN over "my request is cancelled") so they all stop at the same forward. In
 same-request layouts every rank runs the one request, so agreement delays the stop by at most one forward. In
@@ -11,7 +11,7 @@ a cancelled request that shares its round with a live one runs on and its output
 
 from __future__ import annotations
 
-import datetime
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,6 @@ from hsdp.distributed import local_device
 
 __all__ = ["RequestCancelled", "CancelBoard", "CancelWatch"]
 
-_HOST = "127.0.0.1"  # engine-spawned ranks live on the caller's host
 
 
 class RequestCancelled(Exception):
@@ -35,9 +34,11 @@ def _key(call_id: int, request_id: int) -> str:
 class CancelBoard:
     """Caller side: where cancellations are written."""
 
-    def __init__(self) -> None:
-        self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
-        self.address = (_HOST, self._store.port)
+    def __init__(self, store: dist.Store) -> None:
+        # A group outlives its engines (``workers=``): each board writes under its own prefix, so that no engine
+        # reads an earlier one's cancellations of the same call and request numbers.
+        self.prefix = f"hsdp-cancel/{uuid.uuid4().hex}"
+        self._store = dist.PrefixStore(self.prefix, store)
 
     def cancel(self, call_id: int, request_id: int) -> None:
         self._store.set(_key(call_id, request_id), "1")
@@ -46,11 +47,8 @@ class CancelBoard:
 class CancelWatch:
     """Rank side: checks the board before every forward of the watched modules while a request is active."""
 
-    def __init__(self, address: tuple[str, int], modules: list[nn.Module]):
-        host, port = address
-        self._store = dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-        )
+    def __init__(self, store: dist.Store, prefix: str, modules: list[nn.Module]):
+        self._store = dist.PrefixStore(prefix, store)
         self._device = local_device()
         self.active: list[tuple[int, int]] = []
         """(call id, request id) of the requests this rank is generating (one batch), empty between them."""

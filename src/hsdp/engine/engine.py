@@ -211,13 +211,11 @@ class Engine:
         self.last_comm: list[dict | None] | None = None
         self._owns_group = workers is None
         self._call_id = 0
-        self._board: CancelBoard | None = None
-        if cancellable:
-            if distributed.launched_by_torchrun():
-                raise ValueError(
-                    "cancellable=True needs engine-spawned ranks; under torchrun there is no caller"
-                )
-            self._board = CancelBoard()
+        if cancellable and (distributed.launched_by_torchrun() or not isinstance(workers, (WorkerGroup, type(None)))):
+            raise ValueError(
+                "cancellable=True needs ranks that share a store with this caller (engine-spawned ranks or "
+                "workers= a WorkerGroup); under torchrun every rank is its own caller"
+            )
         if call_timeout_s is not None and workers is None and distributed.launched_by_torchrun():
             raise ValueError(
                 f"call_timeout_s={call_timeout_s}: under torchrun every rank runs generate itself and no caller "
@@ -227,13 +225,14 @@ class Engine:
             )
         started = time.perf_counter()
         self._group = self._ranks(workers, start_timeout_s, shield_sigterm)
+        self._board = CancelBoard(self._group.store) if cancellable else None
         spec = components.LoadSpec(
             self.info.path,
             self.info.kind,
             self.config,
             dtype,
             forward_prefetch,
-            cancel_address=self._board.address if self._board else None,
+            cancel_prefix=self._board.prefix if self._board else None,
             weight_dtype=weight_dtype,
             load_options=load_options(self.info, self.memory_plan),
             lora=self.adapters.slots if self.adapters else None,

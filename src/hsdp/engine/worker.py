@@ -20,7 +20,7 @@ from hsdp.engine.components import LoadSpec
 from hsdp.engine.control import CancelWatch, RequestCancelled
 from hsdp.engine.outputs import Timings
 from hsdp.engine.params import Request, SamplingParams, lockstep_rounds, request_slots
-from hsdp.launch import worker_state
+from hsdp.launch import rendezvous_store, worker_state
 from hsdp.measure import peak_memory, reset_peak_memory, resident_memory
 from hsdp.measure.comm import CommAccounting
 from hsdp.mesh import build_meshes
@@ -70,7 +70,9 @@ def load(spec: LoadSpec) -> dict:
     spec = replace(spec, config=spec.config.resolved())
     meshes = build_meshes(spec.config)
     runner = runner_cls(spec, meshes)
-    watch = CancelWatch(spec.cancel_address, runner.watched_modules()) if spec.cancel_address else None
+    watch = (
+        CancelWatch(rendezvous_store(), spec.cancel_prefix, runner.watched_modules()) if spec.cancel_prefix else None
+    )
     worker_state()[_KEY] = (runner, spec.config, meshes, watch)
     report = {**memory_report(), "baseline_memory_bytes": baseline, "sharded": runner.sharded}
     if spec.weight_dtype:

@@ -53,7 +53,7 @@ from hsdp.launch.group import (
     preload_modules,
     start_forkserver,
 )
-from hsdp.launch.rank import emit_event, error_report, event_sink, heartbeat, worker_state
+from hsdp.launch.rank import emit_event, error_report, event_sink, heartbeat, rendezvous_store, worker_state
 
 __all__ = [
     "WorkerGroup",
@@ -62,6 +62,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerTimeout",
     "worker_state",
+    "rendezvous_store",
     "emit_event",
     "event_sink",
     "heartbeat",

@@ -393,6 +393,15 @@ class WorkerGroup:
         for conn in self._conns:
             conn.send(self._store.port)
 
+    @property
+    def store(self) -> dist.Store:
+        """The caller's end of the ranks' rendezvous store (each rank reaches it as
+        :func:`hsdp.launch.rank.rendezvous_store`): flags the caller sets while a call runs (a cancellation) go
+        through it, so an engine needs no second store."""
+        if self._store is None:
+            raise RuntimeError("this WorkerGroup is closed")
+        return self._store
+
     def _stop_ranks(self) -> None:
         """Kill what :meth:`_start_ranks` started before it failed."""
         for proc in self._procs:

@@ -23,9 +23,20 @@ from hsdp.distributed import watch_process
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["heartbeat", "emit_event", "event_sink", "worker_state", "error_report", "HEARTBEAT_INTERVAL_S"]
+__all__ = [
+    "heartbeat",
+    "emit_event",
+    "event_sink",
+    "worker_state",
+    "rendezvous_store",
+    "error_report",
+    "HEARTBEAT_INTERVAL_S",
+]
 
 _STATE: dict[str, Any] = {}
+
+
+_RENDEZVOUS: list[dist.Store] = []
 
 
 _EVENT_SINK: list[Callable[[Any], None]] = []
@@ -68,6 +79,14 @@ def event_sink(sink: Callable[[Any], None]):
 def worker_state() -> dict[str, Any]:
     """Per-process storage that survives between calls (the loaded model, the optimizer, ...)."""
     return _STATE
+
+
+def rendezvous_store() -> dist.Store:
+    """This rank's client of its :class:`WorkerGroup`'s rendezvous store (the caller holds the other end,
+    :attr:`WorkerGroup.store`): small flags the caller sets while a call runs go through it."""
+    if not _RENDEZVOUS:
+        raise RuntimeError("rendezvous_store() is only available in a rank of a WorkerGroup")
+    return _RENDEZVOUS[0]
 
 
 _COMMUNICATION_WORDS = ("gloo", "nccl", "collective", "process group", "timed out", "connection")
@@ -187,6 +206,7 @@ def _worker_main(
         port = conn.recv()  # the caller makes its store once every rank has started
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=_td(collective_timeout_s))
         init_distributed(rank=rank, world_size=world_size, store=store, timeout_s=collective_timeout_s)
+        _RENDEZVOUS.append(store)
         conn.send(("ready", None))
     except Exception as exc:
         conn.send(("err", error_report(exc)))
@@ -211,6 +231,7 @@ def _worker_main(
                 _HEARTBEAT.pop()
     finally:
         _STATE.clear()
+        _RENDEZVOUS.clear()
         destroy_distributed()
         conn.close()
         skip_collection_at_exit()
