@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # Run as the hsdp command would be: a finder reports when torch starts to import, so the order of the lines on
 # stderr shows what the user saw before that import.
 _CALLER = """
@@ -67,3 +69,24 @@ def test_a_long_phase_is_an_info_line_off_a_terminal(caplog, monkeypatch):
     # (pytest's capture handler may see a record twice when an earlier test of this process set hsdp's logging up)
     records = [r for r in caplog.records if "start-up: loading took" in r.getMessage()]
     assert records and {r.levelno for r in records} == {logging.INFO}
+
+
+@pytest.mark.slow
+def test_loading_names_each_component_as_the_ranks_finish_it(caplog, monkeypatch, tmp_path, dist_run):
+    """The load phase is not one silent block: each component the ranks finish loading is named with its time (a
+    bar's postfix on a terminal; a line in a log, info when long)."""
+    from hsdp import Engine, logging_utils
+    from tests.engine_refs import builtin
+
+    monkeypatch.setattr(logging_utils.StartupProgress, "LONG_S", 0.0)
+    monkeypatch.setattr(logging.getLogger("hsdp"), "propagate", True)
+    path = builtin("tiny-flux", tmp_path)
+    with caplog.at_level(logging.INFO, logger="hsdp"), Engine(path, workers=dist_run.group(1)):
+        pass
+    loaded = [r.getMessage().strip() for r in caplog.records if r.getMessage().strip().startswith("load: ")]
+    parts = [line.rsplit(" in ", 1)[0] for line in loaded]
+    assert parts == [
+        "load: text_encoder_2 (1 of 3)",  # tiny-flux's T5, the component hsdp would shard beside the transformer
+        "load: transformer (2 of 3)",
+        "load: the other components (whole on each rank) (3 of 3)",
+    ], parts

@@ -159,6 +159,14 @@ class StartupProgress:
             process_age_s(),
         )
 
+    def part(self, what: str, seconds: float) -> None:
+        """A part of the running phase is done (a component loaded on the ranks, ``what``): the bar shows it; off a
+        terminal a part of :attr:`LONG_S` or more is an info line, as a long phase is."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"{what} in {seconds:.1f}s", refresh=True)
+        long = seconds >= self.LONG_S and self._bar is None
+        logging.getLogger("hsdp").log(logging.INFO if long else logging.DEBUG, "  %s in %.2fs", what, seconds)
+
     def close(self) -> None:
         """Start-up is over: the bar goes (what follows has its own)."""
         if self._bar is not None:

@@ -8,7 +8,9 @@ trainer loads its text encoders through it too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,11 +18,12 @@ import torch
 
 from hsdp.config import ParallelConfig
 from hsdp.engine import adapters
+from hsdp.launch import emit_event
 from hsdp.mesh import ParallelMeshes
 
 logger = logging.getLogger("hsdp")
 
-__all__ = ["LoadSpec", "load_component"]
+__all__ = ["LoadSpec", "load_component", "loading_part"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,15 @@ class LoadSpec:
     """Empty LoRA adapter slots (``--lora``, ``--max-loras``) injected into the causal LM or the pipeline's
     denoiser before sharding; the caller fills them (:func:`hsdp.engine.worker.load_adapter`) and picks one per call."""
 
+
+
+@contextlib.contextmanager
+def loading_part(what: str, index: int, total: int):
+    """Tell the caller when part ``index`` of ``total`` of the load (a component) is done, and how long it took:
+    the caller's start-up progress names it (a bar on a terminal, a line in a log)."""
+    started = time.perf_counter()
+    yield
+    emit_event({"loaded": what, "index": index, "total": total, "seconds": time.perf_counter() - started})
 
 
 def load_component(

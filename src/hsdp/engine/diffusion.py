@@ -23,7 +23,7 @@ from hsdp.context_parallel import enable_ulysses
 from hsdp.distributed import local_device
 from hsdp.engine.cache import StepCache, agreement_group
 from hsdp.engine.compile import compile_blocks
-from hsdp.engine.components import LoadSpec, load_component
+from hsdp.engine.components import LoadSpec, load_component, loading_part
 from hsdp.engine.model_info import ModelInfo, inspect_model
 from hsdp.engine.outputs import Timings
 from hsdp.engine.parallel import CFGParallelTransformer
@@ -103,20 +103,22 @@ class DiffusionRunner:
         self.decode_everywhere = any(name in self.sharded for name in self.info.autoencoders)
         # --lora adapts the denoisers (both of Wan 2.2's experts): each holds the slots (the engine checked the
         # adapters against them).
-        components = {
-            name: load_component(
-                spec,
-                meshes,
-                name,
-                lora=spec.lora if name in self.info.denoisers else None,
-                denoiser=name in self.info.denoisers,
-            )
-            for name in self.info.shardable
-        }
-        self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(spec.path, **components)
-        for name, module in self.pipe.components.items():
-            if isinstance(module, torch.nn.Module) and name not in components:
-                _own_memory(module.to(self.device))
+        parts = len(self.info.shardable) + 1
+        components = {}
+        for index, name in enumerate(self.info.shardable, 1):
+            with loading_part(name, index, parts):
+                components[name] = load_component(
+                    spec,
+                    meshes,
+                    name,
+                    lora=spec.lora if name in self.info.denoisers else None,
+                    denoiser=name in self.info.denoisers,
+                )
+        with loading_part("the other components (whole on each rank)", parts, parts):
+            self.pipe = getattr(diffusers, self.info.class_name).from_pretrained(spec.path, **components)
+            for name, module in self.pipe.components.items():
+                if isinstance(module, torch.nn.Module) and name not in components:
+                    _own_memory(module.to(self.device))
         self._vae_options(spec)
         self.cfg_wrappers: list[CFGParallelTransformer] = []
         for component in self.modules():

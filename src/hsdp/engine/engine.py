@@ -87,6 +87,12 @@ class _TorchrunRanks:
         worker.unload()
 
 
+def _loaded_part(rank: int, event: dict) -> None:
+    """Rank 0's word that a part of the load is done (every rank loads its own shards in step with the others)."""
+    if rank == 0 and "loaded" in event:
+        STARTUP.part(f"load: {event['loaded']} ({event['index']} of {event['total']})", event["seconds"])
+
+
 def _event_listener(
     on_progress: Callable[[int, int, int], None] | None, on_token: Callable[[int, int], None] | None
 ) -> Callable[[int, dict], None] | None:
@@ -244,7 +250,9 @@ class Engine:
         )
         try:
             with phase(f"load (build, read and shard the model on {self.config.world_size} ranks)"):
-                self.load_report = self._group.run(worker.load, spec, timeout_s=start_timeout_s)
+                self.load_report = self._group.run(
+                    worker.load, spec, timeout_s=start_timeout_s, on_event=_loaded_part
+                )
             for name in list(specs)[: self.adapters.slots.count if self.adapters else 0]:
                 self._slot_for(name)
         except BaseException:
