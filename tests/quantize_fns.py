@@ -166,3 +166,26 @@ def plan_wan() -> nn.Module:
     from hsdp.models.tiny import build_tiny_wan_transformer
 
     return build_tiny_wan_transformer(**PLAN_WAN)
+
+
+def stored_gathered_bytes(folder: Path, dtype: str) -> dict:
+    """Load a Wan transformer folder at HSDP over this group (a converted GGUF / fp8-scaled single file keeps its
+    stored bytes), run two forwards; the second one's all-gather bytes and this rank's parameter bytes."""
+    import torch.distributed as dist
+
+    from hsdp.config import ParallelConfig
+    from hsdp.loading import load_pretrained
+    from hsdp.measure.comm import CommCounter
+    from hsdp.sharding import parameter_bytes
+
+    torch.set_num_threads(1)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=dist.get_world_size())
+    model = load_pretrained(folder, config, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 4, 1, 8, 8, generator=g).to(model.dtype), torch.tensor([500]),
+              torch.randn(1, 8, model.config.text_dim, generator=g).to(model.dtype))  # fmt: skip
+    with torch.no_grad():
+        model(*inputs, return_dict=False)
+        with CommCounter() as counter:
+            model(*inputs, return_dict=False)
+    return dict(all_gather=counter.bytes["all_gather"], local_bytes=parameter_bytes(model)[0])

@@ -207,3 +207,25 @@ def test_a_gguf_type_diffusers_cannot_dequantize_is_refused_before_ranks_start(w
         with_single_files(wan22, {"transformer": bad})
     with pytest.raises(SingleFileError, match=r"--transformer .*tq1\.gguf: .* use a file quantized to one of .*Q8_0"):
         with_single_files(wan22, {"transformer": bad})
+
+
+def test_gathered_bytes_of_a_gguf_transformer_against_bf16_measured_and_planned(wan22, quant_files, dist_run, tmp_path, monkeypatch):
+    """All-gather bytes per forward at HSDP 2, measured (hsdp.measure.comm) for the Q4_K / Q8_0 GGUF transformer and
+    for the same model in bf16, equal the planner's count for each (``hsdp plan`` counts the stored bytes)."""
+    from hsdp.planning.profile import build_meta_model, profile_module
+    from tests import quantize_fns
+
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    gguf_file, _, _ = quant_files
+    folder = with_single_files(wan22, {"transformer": gguf_file})
+    measured, planned = {}, {}
+    for name, component in (("gguf", folder / "transformer"), ("bf16", wan22 / "transformer")):
+        measured[name] = dist_run(2, quantize_fns.stored_gathered_bytes, component, "bf16")[0]
+        profile = profile_module(*build_meta_model(component, torch.bfloat16)[:1], name)
+        # What a rank receives: (shard - 1) / shard of each gathered buffer (the estimate's "ag" fraction).
+        planned[name] = sum(unit.gathered_bytes(2) for unit in (*profile.blocks, profile.root)) // 2
+    ratio = measured["gguf"]["all_gather"] / measured["bf16"]["all_gather"]
+    print(f"GGUF Q4_K/Q8_0 transformer (width 256): gathered {ratio:.4f}x of bf16 per forward; "
+          f"measured {measured}, planned {planned}")
+    assert {k: v["all_gather"] for k, v in measured.items()} == planned
+    assert ratio < 0.4  # Q4_K: 4.5 bits per weight against 16

@@ -482,6 +482,11 @@ def load_pretrained(
             "--hsdp-shard-size 2 or more"
         )
     index, layout = stored_view(read_checkpoint_index(folder))
+    if weight_dtype is not None and layout:
+        raise ValueError(
+            f"--weight-dtype {weight_dtype}: {folder} is a GGUF / fp8-scaled checkpoint, already quantized and kept in "
+            "its stored bytes; drop --weight-dtype"
+        )
     model = build_empty_model(cls, folder, _resolve_dtype(dtype, index), model_config)
     keys = _key_plan(model, index)  # validate before any allocation
     moved = _run_prepare(model, prepare) if prepare is not None else {}

@@ -41,6 +41,7 @@ __all__ = [
     "dequantize",
     "decode_rows",
     "keep_stored",
+    "stored_linears",
     "stored_bytes_of",
 ]
 
@@ -251,6 +252,20 @@ _OPS: dict[Any, Callable[..., Any]] = {
 }
 
 
+def stored_linears(model: nn.Module, layout: Mapping[str, StoredFormat]) -> dict[str, int]:
+    """The weights of ``layout`` kept in their stored bytes when their rows split evenly over the shard size ->
+    the bytes of one stored row: ``nn.Linear`` weights outside ``_keep_in_fp32_modules`` (diffusers dequantizes
+    those at load, into fp32). The one rule both loading (:func:`keep_stored`) and ``hsdp plan`` use."""
+    keep_fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    found = {}
+    for name, module in model.named_modules():
+        key = f"{name}.weight" if name else "weight"
+        fmt = layout.get(key)
+        if fmt is not None and isinstance(module, nn.Linear) and not keep_fp32.intersection(key.split(".")):
+            found[key] = stored_bytes_of(fmt) // fmt.shape[0]
+    return found
+
+
 def keep_stored(
     model: nn.Module, layout: Mapping[str, StoredFormat], *, shard_size: int, skip: Collection[nn.Parameter] = ()
 ) -> list[str]:
@@ -258,22 +273,17 @@ def keep_stored(
     :class:`StoredQuantWeight` in the parameter's dtype; returns the names replaced. Left as they are (the loader
     dequantizes their rows as it reads them): weights in ``skip`` (kept whole), in ``_keep_in_fp32_modules``
     (diffusers dequantizes those at load, into fp32), and weights whose rows do not divide by ``shard_size``."""
-    keep_fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     skip_ids = {id(p) for p in skip}
     replaced, uneven = [], []
-    for name, module in model.named_modules():
-        key = f"{name}.weight" if name else "weight"
-        fmt = layout.get(key)
-        if fmt is None or not isinstance(module, nn.Linear) or id(module.weight) in skip_ids:
-            continue
-        if keep_fp32.intersection(key.split(".")):
+    for key, row_bytes in stored_linears(model, layout).items():
+        module, fmt = model.get_submodule(key.removesuffix(".weight").removesuffix("weight")), layout[key]
+        if id(module.weight) in skip_ids:
             continue
         if fmt.shape[0] % shard_size:
             uneven.append(key)
             continue
         qdtype = torch.uint8 if fmt.format == "gguf" else torch.float8_e4m3fn
-        cols = stored_bytes_of(fmt) // fmt.shape[0] if fmt.format == "gguf" else fmt.shape[1]
-        qdata = torch.empty(fmt.shape[0], cols, dtype=qdtype, device="meta")
+        qdata = torch.empty(fmt.shape[0], row_bytes, dtype=qdtype, device="meta")
         module.weight = nn.Parameter(StoredQuantWeight(qdata, fmt, module.weight.dtype), requires_grad=False)
         replaced.append(key)
     if uneven:
