@@ -218,10 +218,11 @@ def test_gathered_bytes_of_a_gguf_transformer_against_bf16_measured_and_planned(
     monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
     gguf_file, _, _ = quant_files
     folder = with_single_files(wan22, {"transformer": gguf_file})
-    measured, planned = {}, {}
+    measured, planned, sizes = {}, {}, {}
     for name, component in (("gguf", folder / "transformer"), ("bf16", wan22 / "transformer")):
         measured[name] = dist_run(2, quantize_fns.stored_gathered_bytes, component, "bf16")[0]
         profile = profile_module(*build_meta_model(component, torch.bfloat16)[:1], name)
+        sizes[name] = profile.param_bytes  # the component's size hsdp plan prints
         # What a rank receives: (shard - 1) / shard of each gathered buffer (the estimate's "ag" fraction).
         planned[name] = sum(unit.gathered_bytes(2) for unit in (*profile.blocks, profile.root)) // 2
     ratio = measured["gguf"]["all_gather"] / measured["bf16"]["all_gather"]
@@ -229,3 +230,4 @@ def test_gathered_bytes_of_a_gguf_transformer_against_bf16_measured_and_planned(
           f"measured {measured}, planned {planned}")
     assert {k: v["all_gather"] for k, v in measured.items()} == planned
     assert ratio < 0.4  # Q4_K: 4.5 bits per weight against 16
+    assert sizes["gguf"] < 0.4 * sizes["bf16"], sizes

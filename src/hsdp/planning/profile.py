@@ -110,7 +110,9 @@ class UnitProfile:
 
     @property
     def nbytes(self) -> int:
-        return sum(d0 * rest * b for d0, rest, b in self.params)
+        """Stored bytes: a GGUF / fp8-scaled weight's stored rows, any other parameter in its dtype."""
+        stored = self.stored or (0,) * len(self.params)
+        return sum(d0 * s if s else d0 * rest * b for s, (d0, rest, b) in zip(stored, self.params, strict=True))
 
     def _eight_bit(self, shard: int, weight_dtype: str | None) -> list[bool]:
         """Which parameters are stored and all-gathered in 8 bits over ``shard`` ranks."""
