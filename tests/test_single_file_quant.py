@@ -231,3 +231,29 @@ def test_gathered_bytes_of_a_gguf_transformer_against_bf16_measured_and_planned(
     assert {k: v["all_gather"] for k, v in measured.items()} == planned
     assert ratio < 0.4  # Q4_K: 4.5 bits per weight against 16
     assert sizes["gguf"] < 0.4 * sizes["bf16"], sizes
+
+
+def test_lora_over_a_gguf_base_kept_quantized_has_the_gradients_of_the_dequantized_base(wan22, quant_files, dist_run, tmp_path, monkeypatch):
+    """LoRA training over the GGUF transformer at HSDP 2 keeps the frozen base in its stored bytes (gathered and
+    dequantized per layer in forward, and again in backward), and the adapters' gradients equal those over the same
+    weights dequantized into a plain fp32 checkpoint (the same dequantization, the same fp32 matmuls: exact)."""
+    from safetensors import safe_open
+
+    from hsdp.stored_quant import dequantize, read_layout
+    from tests import quantize_fns
+
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    converted = with_single_files(wan22, {"transformer": quant_files[0]}) / "transformer"
+    plain = tmp_path / "dequantized"
+    plain.mkdir()
+    shutil.copy(converted / "config.json", plain / "config.json")
+    file = converted / "diffusion_pytorch_model.safetensors"
+    with safe_open(file, framework="pt") as handle:
+        layout = read_layout(handle.metadata())
+    weights = {k: dequantize(v, layout[k], torch.float32) if k in layout else v for k, v in load_file(file).items()}
+    save_file(weights, plain / "diffusion_pytorch_model.safetensors")
+    kept, reference = (dist_run(2, quantize_fns.lora_grads_over, folder)[0] for folder in (converted, plain))
+    assert kept["stored"] > 0 and reference["stored"] == 0
+    assert kept["grads"].keys() == reference["grads"].keys() and len(kept["grads"]) == 2 * 2 * 4 * 2
+    for name, grad in reference["grads"].items():
+        assert grad.abs().sum() > 0 and torch.equal(kept["grads"][name], grad), name

@@ -509,7 +509,7 @@ def load_pretrained(
             resident_modules=resident_modules,
             forward_prefetch=forward_prefetch,
             weight_dtype=weight_dtype,
-            stored_layout=layout,
+            stored_layout={moved.get(k, k): v for k, v in layout.items()},  # LoRA's base_layer, where it moved
         )
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
     # still belong on the device (moved after filling). Layerwise offload allocates each parameter where it lives.

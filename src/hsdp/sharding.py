@@ -481,8 +481,7 @@ def apply_hsdp_to_model(
     keep = _unshardable_params(model, plan, training, frozen_whole)
     if weight_dtype is not None:
         apply_weight_dtype(model, weight_dtype, config, keep=keep.values(), training=training)
-    # Training dequantizes them at load (the frozen base then trains as any other).
-    if stored_layout and not training and config.sharding_strategy is not ShardingStrategy.NO_SHARD and config.tensor_parallel_size == 1:
+    if stored_layout and not frozen_whole and config.sharding_strategy is not ShardingStrategy.NO_SHARD and config.tensor_parallel_size == 1:
         from hsdp.stored_quant import keep_stored
 
         keep_stored(model, stored_layout, shard_size=config.hsdp_shard_size, skip=set(keep.values()))

@@ -182,9 +182,13 @@ class StoredQuantWeight(torch.Tensor):
         (qdata,) = all_gather_outputs
         result = None
         with torch.no_grad():
-            full = dequantize(qdata, self.fmt, self.dtype)
+            # Into the layout's compute dtype (training's mixed precision), else the parameter's own.
+            full = dequantize(qdata, self.fmt, param_dtype or self.dtype)
             if out is not None:  # a later gather: FSDP2 re-allocated the full weight; fill it in place
-                out.copy_(full)
+                # With the same values as before (the same bytes), so autograd, which saved this tensor in forward
+                # for backward (a LoRA base's matmul), must not see a new version of it.
+                with torch.autograd._unsafe_preserve_version_counter(out):
+                    out.copy_(full)
             else:
                 result = (full, (full,))
         # The stored copy is not needed once dequantized (FSDP2 re-allocates it before the next gather).
