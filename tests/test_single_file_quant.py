@@ -257,3 +257,15 @@ def test_lora_over_a_gguf_base_kept_quantized_has_the_gradients_of_the_dequantiz
     assert kept["grads"].keys() == reference["grads"].keys() and len(kept["grads"]) == 2 * 2 * 4 * 2
     for name, grad in reference["grads"].items():
         assert grad.abs().sum() > 0 and torch.equal(kept["grads"][name], grad), name
+
+
+def test_a_quantized_gguf_tensor_that_is_no_linear_weight_is_refused(wan22, tmp_path, monkeypatch):
+    """A quantized bias: diffusers dequantizes GGUF only in Linear layers (its GGUFLinear), and a bias has no rows
+    of blocks to shard; refused while converting, naming the tensor, its type and what to store instead."""
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    high = _original(wan22 / "transformer")
+    bad = tmp_path / "bias.gguf"
+    write_gguf(high, bad, _gguf_types(high) | {"model.diffusion_model.blocks.0.ffn.0.bias": "Q8_0"})
+    with pytest.raises(SingleFileError, match=r"--transformer .*bias\.gguf: tensor blocks\.0\.ffn\.net\.0\.proj\.bias is GGUF "
+                                              r"Q8_0 but is no nn\.Linear weight.*F32 / F16 / BF16"):  # fmt: skip
+        with_single_files(wan22, {"transformer": bad})
