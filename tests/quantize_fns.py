@@ -166,3 +166,61 @@ def plan_wan() -> nn.Module:
     from hsdp.models.tiny import build_tiny_wan_transformer
 
     return build_tiny_wan_transformer(**PLAN_WAN)
+
+
+def stored_gathered_bytes(folder: Path, dtype: str) -> dict:
+    """Load a Wan transformer folder at HSDP over this group (a converted GGUF / fp8-scaled single file keeps its
+    stored bytes), run two forwards; the second one's all-gather bytes and this rank's parameter bytes."""
+    import torch.distributed as dist
+
+    from hsdp.config import ParallelConfig
+    from hsdp.loading import load_pretrained
+    from hsdp.measure.comm import CommCounter
+    from hsdp.sharding import parameter_bytes
+
+    torch.set_num_threads(1)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=dist.get_world_size())
+    model = load_pretrained(folder, config, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 4, 1, 8, 8, generator=g).to(model.dtype), torch.tensor([500]),
+              torch.randn(1, 8, model.config.text_dim, generator=g).to(model.dtype))  # fmt: skip
+    with torch.no_grad():
+        model(*inputs, return_dict=False)
+        with CommCounter() as counter:
+            model(*inputs, return_dict=False)
+    return dict(all_gather=counter.bytes["all_gather"], local_bytes=parameter_bytes(model)[0])
+
+
+def lora_grads_over(folder: Path) -> dict:
+    """LoRA (r 4 on the attention projections) over a Wan transformer folder, loaded for training at HSDP over this
+    group: one forward and backward of a fixed batch; the adapters' gradients, gathered, and how many base weights
+    this rank keeps in their stored bytes (a converted GGUF / fp8-scaled single file's)."""
+    import torch.distributed as dist
+    from peft import LoraConfig
+    from torch.distributed.tensor import DTensor
+
+    from hsdp import lora
+    from hsdp.config import ParallelConfig
+    from hsdp.loading import load_pretrained, local_slices
+    from hsdp.stored_quant import StoredQuantWeight
+
+    torch.set_num_threads(1)
+    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=dist.get_world_size())
+    adapters = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    model = load_pretrained(folder, config, training=True, prepare=lora.injector(adapters))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # the adapters as the trainer leaves them uninitialised: the same values on every rank
+        for _, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                local, region = local_slices(param)
+                local.copy_(0.05 * torch.randn(param.shape, generator=generator)[region])
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 4, 1, 8, 8, generator=g), torch.tensor([500, 300]),
+              torch.randn(2, 8, model.config.text_dim, generator=g))  # fmt: skip
+    [out] = model(*inputs, return_dict=False)
+    out.float().pow(2).mean().backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for n, p in model.named_parameters() if p.requires_grad}  # fmt: skip
+    stored = sum(isinstance(p.to_local(), StoredQuantWeight) for p in model.parameters() if isinstance(p, DTensor))
+    return dict(grads=grads, stored=stored)

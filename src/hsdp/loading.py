@@ -13,6 +13,7 @@ own conversions (:mod:`hsdp.conversions`), and a rank reads only the experts of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ from hsdp.mesh import ParallelMeshes
 from hsdp.safetensors_index import CheckpointError, CheckpointIndex, read_checkpoint_index
 from hsdp.shard_rules import ShardPlan
 from hsdp.sharding import apply_hsdp_to_model, fsdp_units, host_params, parameter_bytes
+from hsdp.stored_quant import StoredFormat, StoredQuantWeight, decode_rows, read_layout
 
 if TYPE_CHECKING:
     from hsdp.conversions import FusedParam, KeyPlan
@@ -230,6 +232,21 @@ def _fused_origin(key: str, fused: FusedParam, index: CheckpointIndex) -> str:
     return f"{key} (fused from {len(keys)} keys such as {keys[0]} in {files})"
 
 
+def stored_view(index: CheckpointIndex) -> tuple[CheckpointIndex, dict[str, StoredFormat]]:
+    """``index`` with each tensor kept in its stored bytes (GGUF, fp8-scaled: the files' ``__metadata__``,
+    :mod:`hsdp.stored_quant`) shown in its own shape and as no floating dtype (``dtype="auto"`` takes the
+    checkpoint's plain tensors' dtype, the compute dtype), and those tensors' formats."""
+    layout: dict[str, StoredFormat] = {}
+    for file in sorted({e.file for e in index.tensors.values()}):
+        with safe_open(file, framework="pt") as handle:
+            layout.update(read_layout(handle.metadata()))
+    if not layout:
+        return index, layout
+    tensors = {k: dataclasses.replace(e, shape=layout[k].shape, dtype=torch.uint8) if k in layout else e
+               for k, e in index.tensors.items()}  # fmt: skip
+    return CheckpointIndex(index.folder, tensors), layout
+
+
 def local_slices(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's storage for ``tensor`` and the region of the full tensor it holds."""
     if isinstance(tensor, DTensor):
@@ -271,8 +288,12 @@ class _Reader:
         self._handles.clear()
 
 
-def _fill_direct(targets: dict[str, torch.Tensor], plan: KeyPlan, reader: _Reader) -> None:
-    """Read each model key stored as is (or only renamed), one file at a time, only this rank's region."""
+def _fill_direct(
+    targets: dict[str, torch.Tensor], plan: KeyPlan, reader: _Reader, layout: Mapping[str, StoredFormat]
+) -> None:
+    """Read each model key stored as is (or only renamed), one file at a time, only this rank's region. A weight
+    kept in its stored bytes (``layout``, :mod:`hsdp.stored_quant`) is read as the stored bytes of this rank's
+    rows: copied as they are into a :class:`~hsdp.stored_quant.StoredQuantWeight`, dequantized into any other."""
     by_file: dict[Path, list[str]] = {}
     for key, stored in plan.direct.items():
         by_file.setdefault(reader.index.tensors[stored].file, []).append(key)
@@ -281,7 +302,13 @@ def _fill_direct(targets: dict[str, torch.Tensor], plan: KeyPlan, reader: _Reade
             local, region = local_slices(targets[key])
             if local.numel() == 0:
                 continue
-            local.copy_(reader.read(plan.direct[key], region).reshape(local.shape))
+            stored = plan.direct[key]
+            if stored in layout:
+                chunk = reader.read(stored, (region[0], slice(None)))  # whole stored rows: a row is whole blocks
+                local.copy_(chunk if isinstance(local, StoredQuantWeight)
+                            else decode_rows(chunk, layout[stored], local.dtype, region).reshape(local.shape))  # fmt: skip
+                continue
+            local.copy_(reader.read(stored, region).reshape(local.shape))
         reader.close()
 
 
@@ -311,14 +338,17 @@ def _fill_fused(
 
 
 @torch.no_grad()
-def _fill(model: nn.Module, plan: KeyPlan, index: CheckpointIndex, moved: dict[str, str]) -> int:
+def _fill(
+    model: nn.Module, plan: KeyPlan, index: CheckpointIndex, moved: dict[str, str],
+    layout: Mapping[str, StoredFormat] | None = None,
+) -> int:  # fmt: skip
     """Fill this rank's shards from the checkpoint; returns the bytes read. ``moved`` maps the keys the plan
     knows to the keys a ``prepare`` hook moved them to."""
     targets = model.state_dict(keep_vars=True)
     targets.update({old: targets[new] for old, new in moved.items()})
     reader = _Reader(index)
     try:
-        _fill_direct(targets, plan, reader)
+        _fill_direct(targets, plan, reader, layout or {})
         for fused in plan.fused:
             _fill_fused(model, fused, targets, reader)
             reader.close()
@@ -451,7 +481,12 @@ def load_pretrained(
             f"--weight-dtype {weight_dtype} stores 8-bit weight shards, which needs --use-hsdp with "
             "--hsdp-shard-size 2 or more"
         )
-    index = read_checkpoint_index(folder)
+    index, layout = stored_view(read_checkpoint_index(folder))
+    if weight_dtype is not None and layout:
+        raise ValueError(
+            f"--weight-dtype {weight_dtype}: {folder} is a GGUF / fp8-scaled checkpoint, already quantized and kept in "
+            "its stored bytes; drop --weight-dtype"
+        )
     model = build_empty_model(cls, folder, _resolve_dtype(dtype, index), model_config)
     keys = _key_plan(model, index)  # validate before any allocation
     moved = _run_prepare(model, prepare) if prepare is not None else {}
@@ -474,6 +509,7 @@ def load_pretrained(
             resident_modules=resident_modules,
             forward_prefetch=forward_prefetch,
             weight_dtype=weight_dtype,
+            stored_layout={moved.get(k, k): v for k, v in layout.items()},  # LoRA's base_layer, where it moved
         )
     # With CPU offload FSDP2 keeps the sharded parameters in host memory; buffers and replicated parameters
     # still belong on the device (moved after filling). Layerwise offload allocates each parameter where it lives.
@@ -482,7 +518,7 @@ def load_pretrained(
         _allocate(model, device, host=host_params(model))
     else:
         _allocate(model, torch.device("cpu") if offload else device)
-    read = _fill(model, keys, index, moved)
+    read = _fill(model, keys, index, moved, layout)
     if offload:
         _move_unsharded_state(model, device)
     model.eval()

@@ -28,6 +28,8 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # fp8_scaled single files (hsdp.stored_quant)
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.shard_rules import ShardPlan, resolve_plan
+
+if TYPE_CHECKING:
+    from hsdp.stored_quant import StoredFormat
 
 logger = logging.getLogger("hsdp")
 
@@ -445,6 +449,7 @@ def apply_hsdp_to_model(
     resident_modules: Collection[str] = (),
     forward_prefetch: int = 0,
     weight_dtype: str | None = None,
+    stored_layout: Mapping[str, StoredFormat] | None = None,
 ) -> ShardReport:
     """Shard ``model`` in place over the layout's meshes and return a report for this rank: tensor parallelism,
     8-bit weights, FSDP2 and prefetch, each by its applier above.
@@ -453,7 +458,8 @@ def apply_hsdp_to_model(
     weights between forwards (``reshard_after_forward=False``): memory-budgeted inference, see
     :func:`hsdp.planning.residency_for_budget`. ``forward_prefetch`` all-gathers that many units ahead in forward
     order. ``weight_dtype`` (``int8``, ``fp8``) stores the ``nn.Linear`` weights of the sharded units in 8 bits
-    and all-gathers them so (:mod:`hsdp.quantize`); inference only.
+    and all-gathers them so (:mod:`hsdp.quantize`); inference only. ``stored_layout`` (a converted GGUF or
+    fp8-scaled checkpoint's formats) keeps those ``nn.Linear`` weights in their stored bytes (:mod:`hsdp.stored_quant`).
 
     Raises ``ValueError`` when the plan matches no module (the message lists candidate module names).
     """
@@ -475,6 +481,10 @@ def apply_hsdp_to_model(
     keep = _unshardable_params(model, plan, training, frozen_whole)
     if weight_dtype is not None:
         apply_weight_dtype(model, weight_dtype, config, keep=keep.values(), training=training)
+    if stored_layout and not frozen_whole and config.sharding_strategy is not ShardingStrategy.NO_SHARD and config.tensor_parallel_size == 1:
+        from hsdp.stored_quant import keep_stored
+
+        keep_stored(model, stored_layout, shard_size=config.hsdp_shard_size, skip=set(keep.values()))
     logger.info(
         "HSDP %s: replicate_size=%d, shard_size=%d, world_size=%d, rank=%d",
         "Training" if training else "Inference",

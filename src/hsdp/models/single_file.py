@@ -87,8 +87,8 @@ def _check(base: Path, index: dict, component: str, file: Path) -> None:
         raise ValueError(f"{_flag(component)} {file}: the pipeline in {base} has no {component} (its components: {named})")
     if not file.is_file():
         raise ValueError(f"{_flag(component)} {file}: no such file")
-    if file.suffix != ".safetensors":
-        raise ValueError(f"{_flag(component)} {file}: a .safetensors file is needed (single-file checkpoints as ComfyUI loads them)")
+    if file.suffix not in (".safetensors", ".gguf"):
+        raise ValueError(f"{_flag(component)} {file}: a .safetensors or .gguf file is needed (single-file checkpoints as ComfyUI loads them)")
 
 
 def _key(base: Path, files: Mapping[str, str | os.PathLike]) -> str:
@@ -121,7 +121,9 @@ def _convert(file: Path, class_name: str, base_component: Path, target: Path) ->
     cls = getattr(diffusers, class_name)
     config = cls.load_config(base_component)
     with torch.device("meta"):
-        expected = cls.from_config(config).state_dict()
+        empty = cls.from_config(config)
+    expected = empty.state_dict()
+    linears = {f"{n}.weight" for n, m in empty.named_modules() if isinstance(m, torch.nn.Linear)}
     target.mkdir()
     shutil.copyfile(base_component / "config.json", target / "config.json")
     out = target / "diffusion_pytorch_model.safetensors"
@@ -132,7 +134,13 @@ def _convert(file: Path, class_name: str, base_component: Path, target: Path) ->
         _check_keys(flag, file, class_name, expected, checkpoint)
         return checkpoint
 
+    if file.suffix == ".gguf":
+        _convert_gguf(file, flag, convert, linears, out)
+        return
     header = _read_header(file)
+    if _is_fp8_scaled(header):
+        _convert_fp8_scaled(file, flag, header, convert, out)
+        return
     stored = {k: torch.empty(v["shape"], dtype=_torch_dtype(v["dtype"]), device="meta")
               for k, v in header.items() if k != "__metadata__"}  # fmt: skip
     try:  # on empty (meta) tensors: which stored tensor each converted key is, without reading any data
@@ -195,10 +203,145 @@ def _write_renamed(file: Path, header: dict, renames: dict[str, str], out: Path)
 def _check_keys(flag: str, file: Path, class_name: str, expected: Mapping, converted: Mapping) -> None:
     missing = sorted(set(expected) - set(converted))
     unexpected = sorted(set(converted) - set(expected))
-    wrong = [k for k in set(expected) & set(converted) if tuple(expected[k].shape) != tuple(converted[k].shape)]
+    # A GGUF tensor's shape is that of its stored bytes; its own shape is ``quant_shape`` (diffusers' GGUFParameter).
+    wrong = [k for k in set(expected) & set(converted)
+             if tuple(expected[k].shape) != tuple(getattr(converted[k], "quant_shape", converted[k].shape))]  # fmt: skip
     if missing or unexpected or wrong:
         raise SingleFileError(
             f"{flag} {file}: after diffusers' conversion for {class_name}, {len(missing)} keys are missing (e.g. "
             f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}), {len(wrong)} of another shape "
             f"(e.g. {sorted(wrong)[:3]}); is it a checkpoint of this model, in the base's size?"
         )
+
+
+# -- Quantized single files, kept in their stored bytes (hsdp.stored_quant) ----------------------------------------
+
+
+def _convert_gguf(file: Path, flag: str, convert, linears: set[str], out: Path) -> None:
+    """A GGUF file read as diffusers' ``load_gguf_checkpoint`` reads it (quantized tensors as ``GGUFParameter``s of
+    their stored bytes, F32 / F16 as tensors), converted by diffusers' converter, written as safetensors with the
+    quantized tensors in their stored bytes and their types in the header (:data:`hsdp.stored_quant.LAYOUT_KEY`).
+    The tensors are the file's memory map: nothing is read until written, one tensor at a time."""
+    import warnings
+
+    import gguf
+    import torch
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES, GGUFParameter
+
+    from hsdp.stored_quant import LAYOUT_KEY, StoredFormat
+
+    types = gguf.GGMLQuantizationType
+    stored = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the memory map is read-only; nothing writes to it
+        for tensor in gguf.GGUFReader(file).tensors:
+            qtype, data = tensor.tensor_type, torch.from_numpy(tensor.data)
+            if qtype in (types.F32, types.F16):
+                stored[tensor.name] = data
+            elif qtype == types.BF16:  # stored as bytes; the same values as diffusers' BF16 "dequantization"
+                stored[tensor.name] = data.view(torch.bfloat16)
+            elif qtype in SUPPORTED_GGUF_QUANT_TYPES:
+                stored[tensor.name] = GGUFParameter(data, quant_type=qtype)
+            else:
+                names = ", ".join(t.name for t in SUPPORTED_GGUF_QUANT_TYPES if t not in (types.BF16,))
+                raise SingleFileError(
+                    f"{flag} {file}: tensor {tensor.name} is GGUF {qtype.name}, a type diffusers cannot dequantize, so "
+                    f"hsdp cannot shard and dequantize it either; use a file quantized to one of {names} (e.g. Q8_0, "
+                    "Q5_K, Q4_K), or the .safetensors checkpoint"
+                )
+    converted = convert(stored)
+    layout = {}
+    for key, value in converted.items():
+        if not isinstance(value, GGUFParameter):
+            continue
+        if key not in linears:  # diffusers' GGUFLinear is the only layer that dequantizes
+            raise SingleFileError(
+                f"{flag} {file}: tensor {key} is GGUF {value.quant_type.name} but is no nn.Linear weight; diffusers "
+                "dequantizes GGUF only in Linear layers, and its blocks cannot be sharded as this tensor's rows: "
+                "use a file that stores it as F32 / F16 / BF16 (as GGUF converters do for norms, biases and convolutions)"
+            )
+        layout[key] = StoredFormat("gguf", tuple(value.quant_shape), quant_type=value.quant_type.name)
+    tensors = {k: v.as_tensor() if isinstance(v, GGUFParameter) else v for k, v in converted.items()}
+    _write_streamed(out, {k: (_st_dtype(v.dtype), list(v.shape), _bytes_of(v)) for k, v in tensors.items()},
+                    {LAYOUT_KEY: json.dumps({k: f.to_json() for k, f in layout.items()})})  # fmt: skip
+
+
+def _is_fp8_scaled(header: dict) -> bool:
+    """ComfyUI's ``fp8_scaled`` layout: a ``scaled_fp8`` marker and a ``scale_weight`` beside each fp8 weight."""
+    return "scaled_fp8" in header or any(k.endswith(".scale_weight") for k in header)
+
+
+def _convert_fp8_scaled(file: Path, flag: str, header: dict, convert, out: Path) -> None:
+    """An ``fp8_scaled`` file: the fp8 weights kept in their bytes under diffusers' names, each weight's
+    ``scale_weight`` in the header (:data:`hsdp.stored_quant.LAYOUT_KEY`); ``scale_input`` (used only by fp8 matmuls,
+    which ComfyUI's default path does not run) and the marker dropped. Needs a converter that only renames."""
+    import torch
+    from safetensors import safe_open
+
+    from hsdp.stored_quant import LAYOUT_KEY, StoredFormat
+
+    extra = {k for k in header if k == "scaled_fp8" or k.endswith((".scale_weight", ".scale_input"))}
+    weights = {k: v for k, v in header.items() if k != "__metadata__" and k not in extra}
+    scales = {}
+    with safe_open(file, framework="pt") as handle:
+        for key in (k for k in extra if k.endswith(".scale_weight")):
+            scale = handle.get_tensor(key)
+            if scale.numel() != 1:
+                raise SingleFileError(f"{flag} {file}: {key} has shape {list(scale.shape)}; fp8_scaled files scale each weight by one number")
+            scales[key.removesuffix(".scale_weight") + ".weight"] = float(scale.float().item())
+    stand_ins = {k: torch.empty(v["shape"], dtype=_torch_dtype(v["dtype"]), device="meta") for k, v in weights.items()}
+    renames = _renames(stand_ins, convert(stand_ins))
+    if renames is None:
+        raise SingleFileError(
+            f"{flag} {file}: an fp8_scaled file is read for models whose diffusers converter only renames keys (Wan); "
+            "this converter computes tensors: pass the file's bf16 / fp16 checkpoint"
+        )
+    layout = {new: StoredFormat("fp8_scaled", tuple(weights[old]["shape"]), scale=scales[old])
+              for new, old in renames.items() if old in scales and weights[old]["dtype"] == "F8_E4M3"}  # fmt: skip
+    start = 8 + int.from_bytes(file.open("rb").read(8), "little")
+
+    def region(old: str):
+        begin, end = weights[old]["data_offsets"]
+        return (file, start + begin, end - begin)
+
+    entries = {new: (weights[old]["dtype"], weights[old]["shape"], region(old)) for new, old in renames.items()}
+    _write_streamed(out, entries, {LAYOUT_KEY: json.dumps({k: f.to_json() for k, f in layout.items()})})
+
+
+_ST_DTYPES = {v: k for k, v in _DTYPES.items()}
+
+
+def _st_dtype(dtype) -> str:
+    return _ST_DTYPES[str(dtype).removeprefix("torch.")]
+
+
+def _bytes_of(tensor):
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _write_streamed(out: Path, entries: dict, metadata: dict[str, str]) -> None:
+    """A safetensors file of ``{key: (dtype, shape, data)}``, ``data`` an array of the bytes or ``(file, offset,
+    size)``, written one tensor at a time (in 16 MiB chunks from a file), so no process holds them all."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for key, (dtype, shape, data) in entries.items():
+        size = data[2] if isinstance(data, tuple) else data.nbytes
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(out, "wb") as dst:
+        dst.write(len(encoded).to_bytes(8, "little") + encoded)
+        for _, _, data in entries.values():
+            if not isinstance(data, tuple):
+                dst.write(memoryview(data))
+                continue
+            source, begin, size = data
+            with open(source, "rb") as src:
+                src.seek(begin)
+                while size > 0:
+                    chunk = src.read(min(size, 16 << 20))
+                    dst.write(chunk)
+                    size -= len(chunk)

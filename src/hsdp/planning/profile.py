@@ -9,6 +9,7 @@ folder's ``config.json`` names (or the module's own class), never from the class
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,6 +26,7 @@ from hsdp.config import DTYPES
 from hsdp.quantize import quantizable_linears, quantized_bytes, rows_split_evenly
 from hsdp.shard_rules import resolve_plan
 from hsdp.sharding import _unshardable_params
+from hsdp.stored_quant import stored_linears
 
 __all__ = [
     "PlanError",
@@ -83,6 +85,9 @@ class UnitProfile:
     the shard size (:func:`hsdp.quantize.quantizable_linears`); empty: none is."""
     trainable: tuple[bool, ...] = ()
     """Per parameter: trained (gradients, AdamW state); empty: every one is (LoRA freezes the base)."""
+    stored: tuple[int, ...] = ()
+    """Per parameter: the bytes of one stored row of a weight kept in a GGUF / fp8-scaled checkpoint's bytes when
+    its rows split evenly over the shard size (:func:`hsdp.stored_quant.stored_linears`), 0 otherwise; empty: none."""
 
     def trained(self) -> UnitProfile:
         """The unit's trained parameters only: what has gradients and optimizer state."""
@@ -96,7 +101,8 @@ class UnitProfile:
 
     def _only(self, keep: list[int]) -> UnitProfile:
         linear = tuple(self.linear[i] for i in keep) if self.linear else ()
-        return UnitProfile(self.name, tuple(self.params[i] for i in keep), linear)
+        stored = tuple(self.stored[i] for i in keep) if self.stored else ()
+        return UnitProfile(self.name, tuple(self.params[i] for i in keep), linear, stored=stored)
 
     @property
     def numel(self) -> int:
@@ -104,7 +110,9 @@ class UnitProfile:
 
     @property
     def nbytes(self) -> int:
-        return sum(d0 * rest * b for d0, rest, b in self.params)
+        """Stored bytes: a GGUF / fp8-scaled weight's stored rows, any other parameter in its dtype."""
+        stored = self.stored or (0,) * len(self.params)
+        return sum(d0 * s if s else d0 * rest * b for s, (d0, rest, b) in zip(stored, self.params, strict=True))
 
     def _eight_bit(self, shard: int, weight_dtype: str | None) -> list[bool]:
         """Which parameters are stored and all-gathered in 8 bits over ``shard`` ranks."""
@@ -114,24 +122,38 @@ class UnitProfile:
             q and rows_split_evenly(d0, shard) for q, (d0, _, _) in zip(self.linear, self.params, strict=True)
         ]
 
+    def _stored_rows(self, shard: int) -> list[int]:
+        """Per parameter: its stored row bytes when kept in a checkpoint's quantized bytes over ``shard`` ranks, else 0."""
+        if not self.stored:
+            return [0] * len(self.params)
+        return [s if s and rows_split_evenly(d0, shard) else 0 for s, (d0, _, _) in zip(self.stored, self.params, strict=True)]
+
     def shard_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
         """Bytes FSDP2 allocates per rank: dim 0 padded to a multiple of ``shard``, one chunk each (8-bit rows and
-        their scales for the weights ``weight_dtype`` quantizes)."""
+        their scales for the weights ``weight_dtype`` quantizes; the stored rows of a GGUF / fp8-scaled weight)."""
         return sum(
-            quantized_bytes(d0 // shard, rest, weight_dtype)
+            d0 // shard * s
+            if s
+            else quantized_bytes(d0 // shard, rest, weight_dtype)
             if q
             else math.ceil(d0 / shard) * rest * (elem or b)
-            for q, (d0, rest, b) in zip(self._eight_bit(shard, weight_dtype), self.params, strict=True)
+            for s, q, (d0, rest, b) in zip(
+                self._stored_rows(shard), self._eight_bit(shard, weight_dtype), self.params, strict=True
+            )
         )
 
     def gathered_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
         """Size of the padded all-gather output (in ``elem`` bytes per value, or the stored dtype; 8-bit rows and
-        their scales for the weights ``weight_dtype`` quantizes)."""
+        their scales for the weights ``weight_dtype`` quantizes; the stored rows of a GGUF / fp8-scaled weight)."""
         return sum(
-            quantized_bytes(d0, rest, weight_dtype)
+            d0 * s
+            if s
+            else quantized_bytes(d0, rest, weight_dtype)
             if q
             else math.ceil(d0 / shard) * shard * rest * (elem or b)
-            for q, (d0, rest, b) in zip(self._eight_bit(shard, weight_dtype), self.params, strict=True)
+            for s, q, (d0, rest, b) in zip(
+                self._stored_rows(shard), self._eight_bit(shard, weight_dtype), self.params, strict=True
+            )
         )
 
     def copy_out_bytes(self, shard: int, elem: int | None = None, weight_dtype: str | None = None) -> int:
@@ -139,13 +161,18 @@ class UnitProfile:
         8-bit weights are copied out as 8-bit rows and scales and dequantized one at a time into the compute
         dtype through an fp32 product (:func:`hsdp.quantize.dequantize_rows`), each 8-bit copy freed after."""
         eight = self._eight_bit(shard, weight_dtype)
+        stored = self._stored_rows(shard)
         live = sum(
-            quantized_bytes(d0, rest, weight_dtype) if q else d0 * rest * (elem or b)
-            for q, (d0, rest, b) in zip(eight, self.params, strict=True)
+            d0 * s if s else quantized_bytes(d0, rest, weight_dtype) if q else d0 * rest * (elem or b)
+            for s, q, (d0, rest, b) in zip(stored, eight, self.params, strict=True)
         )
         peak = live
-        for q, (d0, rest, b) in zip(eight, self.params, strict=True):
-            if q:
+        for s, q, (d0, rest, b) in zip(stored, eight, self.params, strict=True):
+            if s:  # dequantized one weight at a time into the compute dtype, its stored copy freed after
+                e = elem or b
+                peak = max(peak, live + d0 * rest * e)
+                live += d0 * rest * e - d0 * s
+            elif q:
                 e = elem or b
                 product = d0 * rest * 4  # fp32; it is the result itself when the compute dtype is fp32
                 peak = max(peak, live + product + (d0 * rest * e if e != 4 else 0))
@@ -254,6 +281,9 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
     )
     owned: dict[str, list[tuple[int, int, int]]] = {n: [] for n in [*targets, ""]}
     linear: dict[str, list[bool]] = {n: [] for n in owned}
+    stored: dict[str, list[int]] = {n: [] for n in owned}
+    # Weights a GGUF / fp8-scaled checkpoint keeps in its stored bytes (build_meta_model attaches the layout).
+    stored_rows = stored_linears(model, getattr(model, "hsdp_stored_layout", None) or {})
     trainable: dict[str, list[bool]] = {n: [] for n in owned}
     frozen = any(not p.requires_grad for p in model.parameters())
     replicated_trained = 0
@@ -268,6 +298,7 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         owner = _owner(pname, targets)
         owned[owner].append((param.shape[0], param.numel() // max(1, param.shape[0]), param.element_size()))
         linear[owner].append(pname in eight_bit)
+        stored[owner].append(stored_rows.get(pname, 0))
         trainable[owner].append(param.requires_grad)
     if config is None:  # a transformers PretrainedConfig, or a diffusers FrozenDict
         found = getattr(model, "config", None)
@@ -280,8 +311,8 @@ def profile_module(model: nn.Module, name: str = "model", config: dict | None = 
         name=name,
         class_name=type(model).__name__,
         kind=model_kind(type(model)),
-        blocks=tuple(_unit(t, owned, linear, trainable, frozen) for t in targets if owned[t]),
-        root=_unit("", owned, linear, trainable, frozen),
+        blocks=tuple(_unit(t, owned, linear, trainable, frozen, stored) for t in targets if owned[t]),
+        root=_unit("", owned, linear, trainable, frozen, stored),
         replicated_bytes=replicated,
         hidden=hidden,
         ffn=_config_int(config, "intermediate_size", "ffn_dim", "d_ff", "n_inner", default=4 * hidden),
@@ -306,16 +337,17 @@ def parameter_units(model: nn.Module) -> dict[str, str]:
     return {n: _owner(n, targets) for n, _ in model.named_parameters()}
 
 
-def _unit(name: str, owned: dict, linear: dict, trainable: dict, frozen: bool) -> UnitProfile:
+def _unit(name: str, owned: dict, linear: dict, trainable: dict, frozen: bool, stored: dict) -> UnitProfile:
     """One unit's profile; which parameters are trained is recorded only when some parameter is frozen."""
-    return UnitProfile(name, tuple(owned[name]), tuple(linear[name]), tuple(trainable[name]) if frozen else ())
+    kept = tuple(stored[name]) if any(stored[name]) else ()
+    return UnitProfile(name, tuple(owned[name]), tuple(linear[name]), tuple(trainable[name]) if frozen else (), kept)
 
 
 def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
-    from hsdp.loading import CheckpointError, read_checkpoint_index
+    from hsdp.loading import CheckpointError, read_checkpoint_index, stored_view
 
-    try:
-        dtype = read_checkpoint_index(folder).floating_dtype
+    try:  # a GGUF / fp8-scaled checkpoint's plain tensors give its compute dtype
+        dtype = stored_view(read_checkpoint_index(folder))[0].floating_dtype
     except CheckpointError:  # a config-only folder still plans, at the config's dtype
         dtype = None
     named = str(config.get("torch_dtype") or config.get("dtype") or "")  # transformers 5 writes "dtype"
@@ -325,7 +357,13 @@ def _stored_dtype(folder: Path, config: dict) -> torch.dtype:
 def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, dict]:
     """The model a folder's ``config.json`` describes, parameters on the meta device at the stored dtype (built as
     :func:`hsdp.loading.load_pretrained` builds it), and that config."""
-    from hsdp.loading import CheckpointError, build_empty_model, model_class_for
+    from hsdp.loading import (
+        CheckpointError,
+        build_empty_model,
+        model_class_for,
+        read_checkpoint_index,
+        stored_view,
+    )
 
     try:
         cls = model_class_for(folder)
@@ -339,6 +377,10 @@ def build_meta_model(folder: Path, dtype: torch.dtype | None = None) -> tuple[nn
         raise PlanError(f"cannot build {cls.__name__} from {folder / 'config.json'}: {exc}") from exc
     if not isinstance(model.config, dict):  # transformers' config, with every default filled in
         config = model.config.to_dict()
+    # A converted GGUF / fp8-scaled single file: which weights keep their stored bytes (hsdp.stored_quant); a
+    # config-only folder has none.
+    with contextlib.suppress(CheckpointError):
+        model.hsdp_stored_layout = stored_view(read_checkpoint_index(folder))[1]
     return model, config
 
 
