@@ -90,6 +90,10 @@ def _loaded(exported, folder, **kwargs) -> torch.Tensor:
     return _run(pipe, exported["call"])
 
 
+BUILT_IN = ["tiny-wan", "tiny-flux", "tiny-sdxl"]  # z-image joins the single-file test only (suite time)
+
+
+@pytest.mark.parametrize("exported", BUILT_IN, indirect=True)
 def test_diffusers_export_loads_in_diffusers_with_the_same_output(exported):
     folder = exported["root"] / "diffusers"
     # the weights and the export's manifest (hsdp.exports), which diffusers' loader leaves alone
@@ -141,6 +145,7 @@ def test_wan_comfyui_export_names_the_original_layers(exported):
     assert "diffusion_model.head.head.lora_up.weight" in keys  # outside the blocks the reader takes no alpha
 
 
+@pytest.mark.parametrize("exported", BUILT_IN, indirect=True)
 def test_diffusers_folder_reads_as_a_peft_adapter(exported):
     """``--lora`` / ``--lora-adapter`` take a diffusers-format folder: the same tensors under peft keys, the same
     r, alpha and targets."""
