@@ -236,3 +236,37 @@ def test_an_unreachable_hub_falls_back_to_the_cache(offline_cache, tmp_path):
     empty = _hsdp("download", REPO, env=_env(tmp_path / "empty", None))
     assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr
     assert f"model '{REPO}': cannot reach the hub at http://127.0.0.1:9" in empty.stderr
+
+
+def test_a_disk_that_fills_while_downloading_leaves_nothing_used_later(repo_folder, tmp_path, monkeypatch):
+    """The cache's disk fills half-way through the denoiser's weights (simulated by a file size limit,
+    ``RLIMIT_FSIZE``, on the downloading process): a message that says what to do, no partial file in the cache;
+    offline, the cached snapshot is refused as incomplete; the next download fetches only what is missing."""
+    big = "transformer/diffusion_pytorch_model.safetensors"
+    limit = (repo_folder / big).stat().st_size // 2
+    assert all(p.stat().st_size < limit for p in repo_folder.rglob("*.json"))  # only weights hit the limit
+    limited = "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    limited += f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+    limited += "from huggingface_hub import constants; constants.DOWNLOAD_CHUNK_SIZE = 4096; "
+    limited += "from hsdp.cli import main; sys.exit(main(sys.argv[1:]))"
+    cache = tmp_path / "cache"
+    with LocalHub(REPO, repo_folder) as hub:
+        full = subprocess.run([sys.executable, "-c", limited, "download", REPO], capture_output=True, text=True,
+                              env=_env(cache, hub.endpoint), timeout=300)  # fmt: skip
+        assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
+        assert "File too large: the disk or a size limit is full). Nothing half-written is kept" in full.stderr
+        assert not list(cache.rglob("*.incomplete")) and not list(cache.rglob(big))
+        fetched = {r[1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]}
+        from huggingface_hub import constants
+
+        from hsdp.models.hub import HubError, _cached_snapshot
+
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # what HF_HUB_OFFLINE=1 runs would resolve
+        with pytest.raises(HubError, match=r"the cached snapshot .* lacks \[.*'transformer'"):
+            _cached_snapshot(REPO, None)
+        hub.requests.clear()
+        again = _hsdp("download", REPO, env=_env(cache, hub.endpoint))
+    assert again.returncode == 0, again.stderr
+    assert Path(again.stdout.strip().splitlines()[-1], big).read_bytes() == (repo_folder / big).read_bytes()
+    refetched = {r[1] for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]}
+    assert any(p.endswith(big) for p in refetched) and len(refetched) < len(fetched), (fetched, refetched)

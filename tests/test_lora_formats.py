@@ -1,7 +1,9 @@
-"""LoRA exports other tools read (:mod:`hsdp.lora_formats`): on the tiny Wan, FLUX and SDXL pipelines with a peft
-adapter of random nonzero weights (``lora_alpha != r``), diffusers' own ``pipe.load_lora_weights`` reads the
-diffusers-format export (and, for Wan, the ComfyUI export) back into the same denoiser output as the peft adapter
-applied, within 1e-5, and a different one from the base; a diffusers-format folder is read as a peft adapter."""
+"""LoRA exports other tools read (:mod:`hsdp.lora_formats`): on the tiny Wan, FLUX and SDXL pipelines and the
+held-out Z-Image with a peft adapter of random nonzero weights (``lora_alpha != r``), diffusers' own
+``pipe.load_lora_weights`` reads the diffusers-format export and each single-file export (ComfyUI, kohya; the
+layouts :mod:`hsdp.lora_layouts` derives) back into the same denoiser output as the peft adapter applied, within
+1e-5, and a different one from the base; a format a family has no layout for is refused naming those it has; a
+diffusers-format folder is read as a peft adapter."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 from hsdp.exports import MANIFEST
 from hsdp.lora import adapter_state
-from hsdp.lora_formats import COMFYUI_WEIGHTS, DIFFUSERS_WEIGHTS, as_peft_folder, save_lora
+from hsdp.lora_formats import COMFYUI_WEIGHTS, DIFFUSERS_WEIGHTS, KOHYA_WEIGHTS, as_peft_folder, save_lora
 from hsdp.models.builtin import resolve_model
 
 pytestmark = pytest.mark.slow  # builds three pipelines and runs each four times
@@ -19,14 +21,23 @@ ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]  # diffusers' training scripts'
 CASES = {
     # Wan also adapts a feed-forward layer (renamed in ComfyUI) and the head (outside the blocks: alpha baked in).
     "tiny-wan": ("transformer", [*ATTENTION, "ffn.net.0.proj", "proj_out"], {"height": 32, "width": 32, "num_frames": 5}),
-    "tiny-flux": ("transformer", [*ATTENTION, "proj_mlp"], {"height": 64, "width": 64, "max_sequence_length": 32}),
+    "tiny-flux": ("transformer", ATTENTION, {"height": 64, "width": 64, "max_sequence_length": 32}),
     "tiny-sdxl": ("unet", ATTENTION, {"height": 64, "width": 64}),
+    "z-image": ("transformer", ATTENTION, {"height": 32, "width": 32}),  # held out: built by tests/heldout_pipelines
 }
+SINGLE_FILE = {"tiny-wan": {"comfyui"}, "tiny-flux": {"kohya"}, "tiny-sdxl": {"kohya"}, "z-image": {"comfyui", "kohya"}}
+"""The single-file formats diffusers reads back for each case's adapter (the others are refused): Wan's musubi
+(kohya) reader takes exactly the block linears, not the head; FLUX's and SDXL's read no ``diffusion_model.`` layout
+of these names."""
 
 
 def _pipeline(name: str):
     from diffusers import DiffusionPipeline
 
+    if name == "z-image":
+        from tests.heldout_pipelines import z_image
+
+        return z_image()
     return DiffusionPipeline.from_pretrained(resolve_model(name), dtype=torch.float32)
 
 
@@ -62,14 +73,15 @@ def exported(request, tmp_path_factory):
     config, model = _with_adapter(pipe, component, targets)
     adapted = _run(pipe, call)
     save_lora(model, config, root / "diffusers", format="diffusers", component=component)
-    comfy = None
-    try:
-        save_lora(model, config, root / "comfyui", format="comfyui", component=component)
-        comfy = root / "comfyui"
-    except ValueError as exc:
-        comfy = str(exc)
-    return {"name": name, "call": call, "base": base, "adapted": adapted, "root": root, "comfy": comfy,
-            "state": adapter_state(model), "component": component}  # fmt: skip
+    single = {}
+    for fmt in ("comfyui", "kohya"):
+        try:
+            save_lora(model, config, root / fmt, format=fmt, component=component, pipeline=type(pipe))
+            single[fmt] = root / fmt
+        except ValueError as exc:
+            single[fmt] = str(exc)
+    return {"name": name, "call": call, "base": base, "adapted": adapted, "root": root, "single": single,
+            "comfy": single["comfyui"], "state": adapter_state(model), "component": component}  # fmt: skip
 
 
 def _loaded(exported, folder, **kwargs) -> torch.Tensor:
@@ -78,6 +90,10 @@ def _loaded(exported, folder, **kwargs) -> torch.Tensor:
     return _run(pipe, exported["call"])
 
 
+BUILT_IN = ["tiny-wan", "tiny-flux", "tiny-sdxl"]  # z-image joins the single-file test only (suite time)
+
+
+@pytest.mark.parametrize("exported", BUILT_IN, indirect=True)
 def test_diffusers_export_loads_in_diffusers_with_the_same_output(exported):
     folder = exported["root"] / "diffusers"
     # the weights and the export's manifest (hsdp.exports), which diffusers' loader leaves alone
@@ -87,23 +103,49 @@ def test_diffusers_export_loads_in_diffusers_with_the_same_output(exported):
     torch.testing.assert_close(out, exported["adapted"], rtol=0, atol=1e-5)
 
 
-def test_comfyui_export_read_back_by_diffusers_or_refused_with_the_reason(exported):
-    if exported["name"] != "tiny-wan":
-        message = exported["comfy"]
-        assert isinstance(message, str) and "--export-format diffusers" in message
-        assert {"tiny-flux": "fused qkv", "tiny-sdxl": "UNet2DConditionModel"}[exported["name"]] in message
-        return
+def test_single_file_exports_read_back_by_diffusers_or_refused_naming_the_formats(exported):
+    """Each single-file export diffusers reads back: every module's ``scale * B @ A`` as the diffusers-format
+    export's (read by the same ``lora_state_dict``), and the pipeline's output with ``load_lora_weights(file)``
+    equal to the peft adapter's; a refused format names the formats the model takes."""
+    from safetensors.torch import load_file
+
+    from hsdp.lora_layouts import converted_state
+
+    pipeline = type(_pipeline(exported["name"]))
+    component = exported["component"]
+    reference = {k.removeprefix("base_model.model."): v for k, v in exported["state"].items()}
+    for fmt, out in exported["single"].items():
+        if fmt not in SINGLE_FILE[exported["name"]]:
+            assert isinstance(out, str) and "use --export-format diffusers" in out, (fmt, out)
+            assert f"no {fmt} layout" in out
+            continue
+        assert not isinstance(out, str), out
+        tensors = load_file(out / (KOHYA_WEIGHTS if fmt == "kohya" else COMFYUI_WEIGHTS))
+        prefix = {"comfyui": "diffusion_model.", "kohya": "lora_"}[fmt]
+        assert tensors and all(k.startswith(prefix) for k in tensors), sorted(tensors)[:3]
+        back, config = converted_state(str(out / "lora.safetensors"), pipeline, component, "test")
+        assert back.keys() == reference.keys()
+        for key in (k for k in reference if ".lora_A." in k):
+            module = key.split(".lora_A.")[0]
+            b_key = key.replace(".lora_A.", ".lora_B.")
+            want = (8 / 4) * reference[b_key] @ reference[key]  # the adapter's lora_alpha / r
+            got = (config.lora_alpha / config.r) * back[b_key] @ back[key]
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=f"{fmt} {module}")
+        loaded = _loaded(exported, out, weight_name="lora.safetensors")
+        torch.testing.assert_close(loaded, exported["adapted"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("exported", ["tiny-wan"], indirect=True)
+def test_wan_comfyui_export_names_the_original_layers(exported):
     from safetensors import safe_open
 
     with safe_open(exported["comfy"] / COMFYUI_WEIGHTS, framework="pt") as handle:
         keys = list(handle.keys())  # noqa: SIM118
-    assert keys and all(k.startswith("diffusion_model.") for k in keys)
     assert "diffusion_model.blocks.0.self_attn.q.lora_down.weight" in keys
-    assert "diffusion_model.blocks.0.ffn.0.alpha" in keys and "diffusion_model.head.head.lora_up.weight" in keys
-    out = _loaded(exported, exported["comfy"], weight_name=COMFYUI_WEIGHTS)
-    torch.testing.assert_close(out, exported["adapted"], rtol=0, atol=1e-5)
+    assert "diffusion_model.head.head.lora_up.weight" in keys  # outside the blocks the reader takes no alpha
 
 
+@pytest.mark.parametrize("exported", BUILT_IN, indirect=True)
 def test_diffusers_folder_reads_as_a_peft_adapter(exported):
     """``--lora`` / ``--lora-adapter`` take a diffusers-format folder: the same tensors under peft keys, the same
     r, alpha and targets."""
@@ -130,8 +172,8 @@ def test_lm_refuses_diffusers_formats(tmp_path):
     inject_adapter_in_model(config, model)
     with pytest.raises(ValueError, match="--export-format peft"):
         save_lora(model, config, tmp_path / "x", format="diffusers")
-    with pytest.raises(ValueError, match="use one of peft, diffusers, comfyui"):
-        save_lora(model, config, tmp_path / "x", format="kohya")
+    with pytest.raises(ValueError, match="use one of peft, diffusers, comfyui, kohya"):
+        save_lora(model, config, tmp_path / "x", format="onetrainer")
     assert not (tmp_path / "x").exists()
 
 
@@ -169,8 +211,8 @@ def test_train_export_format_is_checked_before_training(tmp_path):
         preflight(cfg.replace(export_format="comfyui"))
     with pytest.raises(TrainConfigError, match="without --lora-r"):
         preflight(cfg.replace(lora_r=0, export_format="diffusers"))
-    with pytest.raises(TrainConfigError, match="--export-format='kohya'"):
-        preflight(cfg.replace(export_format="kohya"))
+    with pytest.raises(TrainConfigError, match="--export-format='onetrainer'"):
+        preflight(cfg.replace(export_format="onetrainer"))
     assert preflight(cfg).resume_from is None  # peft, the default for an LM
 
 

@@ -165,3 +165,22 @@ def test_wan22_experts_as_two_files_and_the_whole_file_path(comfy_file, tmp_path
         expected = convert_wan_transformer_to_diffusers(load_file(file))
         assert converted.keys() == expected.keys() and all(torch.equal(converted[k], expected[k]) for k in expected)
     assert json.loads((folder / "model_index.json").read_text())["boundary_ratio"] == 0.875
+
+
+def test_a_file_of_unknown_keys_names_the_closest_family_and_its_keys(tmp_path, monkeypatch):
+    """Keys the component's converter does not know: the error names the family diffusers' own key markers point
+    to (CHECKPOINT_KEY_NAMES) and a sample of the file's keys; keys of no family say so."""
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    fluxish = tmp_path / "flux_dev.safetensors"
+    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(2),
+               "double_blocks.0.img_attn.qkv.weight": torch.zeros(6, 2)}, fluxish)  # fmt: skip
+    for base, said in (("tiny-wan", "after diffusers' conversion for WanTransformer3DModel"),
+                       ("tiny-flux", "diffusers' converter for FluxTransformer2DModel does not read its keys")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"--transformer .*flux_dev.safetensors: {said}.*marker key of 'flux' "
+                                             r"\(double_blocks.0.img_attn.norm.key_norm.scale\); its keys: "
+                                             r"double_blocks.0.img_attn.norm.key_norm.scale, double_blocks.0.img_attn.qkv"):  # fmt: skip
+            with_single_files(resolve_model(base), {"transformer": fluxish})
+    garbage = tmp_path / "garbage.safetensors"
+    save_file({"foo.bar.weight": torch.zeros(2, 2)}, garbage)
+    with pytest.raises(ValueError, match=r"keys match no family diffusers' single-file loaders know \(foo.bar.weight\)"):
+        with_single_files(resolve_model("tiny-wan"), {"transformer": garbage})

@@ -123,9 +123,15 @@ def test_diffusion_export_refuses_a_folder_of_the_user_and_impossible_formats(me
     with pytest.raises(TrainConfigError, match="overlap"):
         check_diffusion_run(_wan_cfg(media, tmp_path, output_dir=str(run), export=str(run)))
     out = str(tmp_path / "out")
-    for model, reason in (("tiny-flux", "fused"), ("tiny-sdxl", "UNet2DConditionModel")):  # before any rank starts
-        with pytest.raises(TrainConfigError, match=reason):
+    takes = "This model takes --export-format peft, diffusers"
+    for model, reason in (("tiny-flux", f"{takes}, kohya$"), ("tiny-sdxl", f"UNet2DConditionModel.*{takes}, kohya$")):
+        with pytest.raises(TrainConfigError, match=reason):  # before any rank starts
             check_diffusion_run(_wan_cfg(media, tmp_path, model=model, export=out, export_format="diffusers,comfyui"))
+    # Wan's kohya (musubi-tuner) reader takes every linear layer of its blocks; the default targets (attention) not.
+    with pytest.raises(TrainConfigError, match=f"no kohya layout.*{takes}, comfyui$"):
+        check_diffusion_run(_wan_cfg(media, tmp_path, export=out, export_format="kohya"))
+    blocks = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    check_diffusion_run(_wan_cfg(media, tmp_path, export=out, export_format="kohya,comfyui", lora_target_modules=blocks))
     with pytest.raises(TrainConfigError, match="names a format twice"):
         check_diffusion_run(_wan_cfg(media, tmp_path, export=out, export_format="diffusers,diffusers"))
 

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,14 @@ from torch import nn
 
 from hsdp.distributed import rank
 from hsdp.exports import commit, staging_dir
+from hsdp.lora_layouts import (
+    LAYOUT_FORMATS,
+    converted_state,
+    layout_problem,
+    probe_adapter,
+    sample,
+    single_file_lora,
+)
 from hsdp.lora_state import ADAPTER_WEIGHTS, adapter_state
 from hsdp.sharding import unwrapped_class
 
@@ -50,6 +58,7 @@ __all__ = [
     "FORMATS",
     "DIFFUSERS_WEIGHTS",
     "COMFYUI_WEIGHTS",
+    "KOHYA_WEIGHTS",
     "save_lora",
     "format_problem",
     "diffusers_lora",
@@ -60,9 +69,10 @@ __all__ = [
 
 logger = logging.getLogger("hsdp")
 
-FORMATS = ("peft", "diffusers", "comfyui")
+FORMATS = ("peft", "diffusers", *LAYOUT_FORMATS)
 DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 COMFYUI_WEIGHTS = "lora.safetensors"
+KOHYA_WEIGHTS = "lora.safetensors"  # each format into its own folder
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -88,46 +98,80 @@ def diffusers_lora(
     return tensors, {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(meta, indent=2, sort_keys=True)}
 
 
-def _scaling(config: LoraConfig) -> float:
-    """The one ``alpha / r`` of ``config`` (``alpha / sqrt(r)`` with rsLoRA), which ComfyUI files carry as
+def _scaling(config: LoraConfig, format: str = "comfyui") -> float:
+    """The one ``alpha / r`` of ``config`` (``alpha / sqrt(r)`` with rsLoRA), which single-file LoRAs carry as
     ``alpha``; per-module ranks or alphas are refused (hsdp's adapters never set them)."""
     if config.rank_pattern or config.alpha_pattern:
         raise ValueError(
-            "--export-format comfyui: the adapter sets rank_pattern / alpha_pattern (per-module ranks); export "
+            f"--export-format {format}: the adapter sets rank_pattern / alpha_pattern (per-module ranks); export "
             "it with --export-format diffusers, whose metadata keeps them"
         )
     return config.lora_alpha / (config.r**0.5 if config.use_rslora else config.r)
 
 
-def comfyui_lora(peft_state: dict[str, torch.Tensor], config: LoraConfig, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The ``diffusion_model.``-keyed LoRA of ``model``'s family; ``ValueError`` (with the reason) when the family
-    has no diffusers converter to invert, or the converter would not read the result back."""
+def comfyui_lora(
+    peft_state: dict[str, torch.Tensor],
+    config: LoraConfig,
+    model: nn.Module,
+    pipeline: type | None = None,
+    component: str = "transformer",
+    format: str = "comfyui",
+) -> dict[str, torch.Tensor]:
+    """The single-file LoRA (``format``: ``comfyui``, ``kohya``) of ``model``, a ``component`` of ``pipeline``,
+    in the layout diffusers' converters for the pipeline read back (:mod:`hsdp.lora_layouts`; ``pipeline`` None:
+    the pipeline :func:`lora_pipeline` finds for the model's class). ``ValueError`` with each layout's problem
+    and the formats the family takes when none reads back."""
     from hsdp.families import family_of_model
 
     name = unwrapped_class(model).__name__  # the model's own class, not FSDP2's FSDP<Name> subclass
-    problem = format_problem("comfyui", name)
-    if problem:
-        raise ValueError(problem)
-    family = family_of_model(name)
-    out = family.comfyui_lora(_module_keys(peft_state), _scaling(config))
-    problem = family.comfyui_check(out, _module_keys(peft_state)) if family.comfyui_check else None
-    if problem:
-        raise ValueError(f"--export-format comfyui: {problem}; use --export-format diffusers")
-    return out
+    pipeline = pipeline or lora_pipeline(name, format)
+    try:
+        return single_file_lora(format, _module_keys(peft_state), _scaling(config, format), pipeline, component,
+                                family_of_model(name).original_names)  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"--export-format {format}: {exc}; use --export-format diffusers") from exc
 
 
-def format_problem(format: str, model_class: str) -> str | None:
-    """Why adapters of a ``model_class`` denoiser (its own class name, as its ``config.json`` says) cannot be
-    written in ``format``, or None; reads no weights, so ``hsdp train`` refuses before any rank starts."""
+def lora_pipeline(model_class: str, format: str) -> type:
+    """The diffusers pipeline whose ``lora_state_dict`` reads LoRAs of a ``model_class`` denoiser (the family's
+    :attr:`hsdp.families.Family.lora_pipeline`)."""
+    import diffusers
+
     from hsdp.families import family_of_model
 
-    if format != "comfyui":
+    name = family_of_model(model_class).lora_pipeline
+    if not name:
+        raise ValueError(f"--export-format {format}: pass the pipeline of {model_class} (no family names one)")
+    return getattr(diffusers, name)
+
+
+def format_problem(format: str, model_class: str, denoiser_dir: Path | None = None, lora=None) -> str | None:
+    """Why adapters of a ``model_class`` denoiser (its own class name, as its ``config.json`` says) cannot be
+    written in ``format``, or None; reads no weights, so ``hsdp train`` refuses before any rank starts. For a
+    single-file format the layout is derived on a probe adapter (:func:`hsdp.lora_layouts.layout_problem`) of the
+    modules ``lora`` (a ``LoraConfig``) targets in the denoiser of ``denoiser_dir`` (its pipeline: the parent's
+    ``model_index.json``); the message names the formats this model takes."""
+    if format not in LAYOUT_FORMATS or denoiser_dir is None or lora is None:
         return None
-    family = family_of_model(model_class)
-    if family.comfyui_lora is None:
-        reason = family.comfyui_refusal or f"no ComfyUI key map for {model_class}"
-        return f"--export-format comfyui: {reason}; use --export-format diffusers"
-    return None
+    import diffusers
+
+    from hsdp.families import family_of_model
+
+    try:
+        pipeline = _pipeline_class(denoiser_dir, denoiser_dir, f"--export-format {format}")
+    except ValueError as exc:
+        return f"{exc}; use --export-format diffusers"
+    config = json.loads((denoiser_dir / "config.json").read_text())
+    probe = probe_adapter(getattr(diffusers, model_class), config, lora)
+    original = family_of_model(model_class).original_names
+    problems = {f: layout_problem(f, pipeline, denoiser_dir.name, probe, original) for f in LAYOUT_FORMATS}
+    if problems[format] is None:
+        return None
+    takes = ["peft", "diffusers", *(f for f, p in problems.items() if p is None)]
+    return (
+        f"--export-format {format}: {model_class}: {problems[format]}. This model takes --export-format "
+        f"{', '.join(takes)}"
+    )
 
 
 def _write(
@@ -163,19 +207,21 @@ def save_lora(
     *,
     dtype: torch.dtype | None = None,
     run: str = "",
+    pipeline: type | None = None,
 ) -> Path:
     """Write the adapters of ``model`` (injected with ``config``) in ``format``; collective: every rank gathers the
     adapters (only they: never the frozen base), rank 0 checks and writes, then a barrier. ``component`` names the
     pipeline component the adapters belong to (the diffusers format's key prefix); ``dtype`` casts the tensors
     (default: as trained, fp32); ``run`` names the run for :mod:`hsdp.exports` (an earlier export of the same run
-    in ``out_dir`` is replaced, anything else there refused). A problem (a format the model's family cannot take)
+    in ``out_dir`` is replaced, anything else there refused); ``pipeline`` the diffusers pipeline class whose
+    converters the single-file formats are derived from and checked by (:func:`comfyui_lora`). A problem (a format the model's family cannot take)
     is a ``ValueError`` on every rank, raised before anything is written. ``model`` a mapping (a pipeline's
     denoisers by name, Wan 2.2's experts): one subfolder of ``out_dir`` per model, named by its key, each as
     ``model`` alone would be written, all in one export."""
     models = dict(model) if isinstance(model, Mapping) else {"": model}
     files: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] = {}
     for folder, one in models.items():
-        for name, written in _lora_files(one, config, format, component).items():
+        for name, written in _lora_files(one, config, format, component, pipeline).items():
             files[f"{folder}/{name}" if folder else name] = written
     if dtype is not None:  # every tensor of the file (ComfyUI's alpha scalars too)
         files = {name: ({k: v.to(dtype) for k, v in tensors.items()}, meta) for name, (tensors, meta) in files.items()}
@@ -188,7 +234,7 @@ def save_lora(
 
 
 def _lora_files(
-    model: nn.Module, config: LoraConfig, format: str, component: str
+    model: nn.Module, config: LoraConfig, format: str, component: str, pipeline: type | None = None
 ) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """{file name: (tensors, metadata)} of ``model``'s adapters in ``format`` (:func:`save_lora`); collective."""
     if format not in FORMATS:
@@ -203,7 +249,8 @@ def _lora_files(
         return {ADAPTER_WEIGHTS: (state, {"format": "pt"})}
     if format == "diffusers":
         return {DIFFUSERS_WEIGHTS: diffusers_lora(state, config, component)}
-    return {COMFYUI_WEIGHTS: (comfyui_lora(state, config, model), {"format": "pt"})}
+    tensors = comfyui_lora(state, config, model, pipeline, component, format)
+    return {KOHYA_WEIGHTS if format == "kohya" else COMFYUI_WEIGHTS: (tensors, {"format": "pt"})}
 
 
 def _is_diffusers_model(model: nn.Module) -> bool:
@@ -368,49 +415,9 @@ def _pipeline_class(path: Path, model_dir: Path, flag: str) -> type:
 def _converted_file(
     path: Path, pipeline: type, component: str, flag: str
 ) -> tuple[dict[str, torch.Tensor], LoraConfig]:
-    """``<module>.lora_X.weight`` tensors and the ``LoraConfig`` of the LoRA file ``path`` for the pipeline's
-    ``component``, as diffusers' ``load_lora_weights`` reads it: ``lora_state_dict`` (the family's converters:
-    kohya, musubi-tuner, ComfyUI...), peft key names, then ``get_peft_kwargs`` (ranks from the tensors, the file's
-    network alphas, else alpha = rank). Keys of other components (a text encoder's) are named in a warning and
-    not applied; a file with none for ``component`` is refused with the keys it has and the keys expected."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
-    from diffusers.utils.peft_utils import get_peft_kwargs
-    from peft import LoraConfig
-
-    try:
-        out = pipeline.lora_state_dict(str(path))
-    except Exception as exc:  # noqa: BLE001 - diffusers' converters raise many kinds on keys they do not know
-        raise ValueError(
-            f"{flag} {path}: diffusers' {pipeline.__name__}.lora_state_dict does not read this file ({exc!r}); pass "
-            "a LoRA file of this model family (kohya, ComfyUI or diffusers keys) or a peft adapter folder"
-        ) from exc
-    state, alphas = (out[0], out[1] if len(out) > 1 else None) if isinstance(out, tuple) else (out, None)
-    prefix = f"{component}."
-    mine = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-    if not mine:
-        raise ValueError(
-            f"{flag} {path}: none of its {len(state)} LoRA keys (as diffusers' {pipeline.__name__} converters read "
-            f"them) is for the {component}: found {_sample(state)}; expected keys like "
-            f"{prefix}<module>.lora_A.weight. Pass a LoRA trained for this model family"
-        )
-    others = sorted(set(state) - {prefix + k for k in mine})
-    if others:
-        logger.warning(
-            "%s %s: %d LoRA keys for other components than the %s are not applied (%s)",
-            flag, path, len(others), component, _sample(others),
-        )
-    if not any(".lora_A." in k for k in mine):
-        mine = convert_unet_state_dict_to_peft(mine)
-    ranks = {f"^{k}": v.shape[1] for k, v in mine.items() if ".lora_B." in k and v.ndim > 1}
-    if not ranks:  # LoKr, LoHa, ...: other factorizations than B @ A
-        raise ValueError(
-            f"{flag} {path}: no LoRA pair (lora_A / lora_B, lora_down / lora_up) among its keys for the {component}: "
-            f"found {_sample(mine)}; hsdp applies LoRA adapters only"
-        )
-    alphas = {k.removeprefix(prefix): v for k, v in (alphas or {}).items() if k.startswith(prefix)} or None
-    return mine, LoraConfig(**get_peft_kwargs(ranks, network_alpha_dict=alphas, peft_state_dict=mine))
+    """The LoRA file ``path`` for the pipeline's ``component`` as diffusers' ``load_lora_weights`` reads it
+    (:func:`hsdp.lora_layouts.converted_state`)."""
+    return converted_state(str(path), pipeline, component, flag)
 
 
-def _sample(keys: Iterable[str], count: int = 3) -> str:
-    keys = sorted(keys)
-    return ", ".join(keys[:count]) + (f" ... ({len(keys)} in all)" if len(keys) > count else "")
+_sample = sample

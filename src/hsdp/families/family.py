@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 __all__ = [
     "Family",
     "register_family",
@@ -35,13 +33,12 @@ class Family:
     """``(component configs by name) -> seconds``: the longest audio the pipeline makes, when its ``__call__``
     computes that limit in code (Stable Audio: the DiT's ``sample_size`` latents), so that a longer request is
     refused before loading."""
-    comfyui_lora: Callable[[dict[str, torch.Tensor], float], dict[str, torch.Tensor]] | None = None
-    """``(diffusers-keyed adapter tensors, alpha / r) -> the diffusion_model.-keyed ComfyUI LoRA``: the inverse of
-    diffusers' converter for the family (:mod:`hsdp.lora_formats`)."""
-    comfyui_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], str | None] | None = None
-    """``(ComfyUI tensors, diffusers-keyed tensors) -> problem or None``: diffusers' converter reads them back."""
-    comfyui_refusal: str = ""
-    """Why the family has no ComfyUI export (when ``comfyui_lora`` is None)."""
+    original_names: Callable[[str], str] | None = None
+    """``diffusers module name -> the original model's``, when the family's single-file LoRAs (ComfyUI, kohya)
+    name layers as its original code does (Wan: ``attn1.to_q`` -> ``self_attn.q``); the layouts themselves are
+    derived and checked by :mod:`hsdp.lora_layouts`. ``ValueError`` for a module with no original name."""
+    lora_pipeline: str = ""
+    """The diffusers pipeline whose ``lora_state_dict`` reads the family's LoRA files, when the caller names none."""
     training_config: tuple[tuple[str, Any], ...] = ()
     """``(field, value)`` set over the denoiser's config when it is loaded for training, as the family's diffusers
     training script loads it (HiDream: ``force_inference_output``)."""

@@ -13,13 +13,8 @@ FLUX = register_family(
         pipelines=r"Flux(Kontext|Fill|Img2Img|Inpaint|KontextInpaint)?Pipeline",
         latent_packing=2,
         denoisers=r"FluxTransformer2DModel",
-        # The inverse of _convert_kohya_flux_lora_to_diffusers is more than renaming: the original model fuses
-        # to_q/to_k/to_v into one qkv (single blocks add proj_mlp), so their LoRAs become one block-diagonal LoRA
-        # of rank 3r, and the converter hard-codes FLUX.1's 19 + 38 blocks and its 3072 width.
-        comfyui_refusal=(
-            "FLUX.1's ComfyUI LoRA uses the original fused qkv / linear1 layers, which diffusers' converter "
-            "(_convert_kohya_flux_lora_to_diffusers) splits with FLUX.1-dev's fixed 19 + 38 blocks and 3072 width; "
-            "hsdp does not write that fused layout"
-        ),
+        # Its kohya files with original names fuse to_q/to_k/to_v into one qkv, which diffusers' converter splits
+        # with FLUX.1-dev's fixed widths; hsdp writes OneTrainer's diffusers-named layout, which it reads at any size.
+        lora_pipeline="FluxPipeline",
     )
 )

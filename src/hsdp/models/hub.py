@@ -18,6 +18,7 @@ finds the files in the cache. A shared cache folder makes that once per cluster.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -48,6 +49,8 @@ class HubError(FileNotFoundError):
 
 _NETWORK_ERRORS = ("ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError")
 """Class names of the connection errors of the HTTP clients huggingface_hub uses (httpx, requests)."""
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+"""No space left, a file over the process's size limit (``RLIMIT_FSIZE``), a quota exceeded."""
 
 
 def is_hub_name(name: str) -> bool:
@@ -110,8 +113,10 @@ def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
     for name in text:
         target = folder / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.exists():
-            shutil.copyfile(snapshot / name, target)
+        if not target.exists():  # copied beside, then renamed: a full disk leaves no half file taken later
+            partial = target.with_name(target.name + ".partial")
+            shutil.copyfile(snapshot / name, partial)
+            partial.rename(target)
     api = HfApi()
     for name in weights:
         if not (folder / name).exists():
@@ -261,6 +266,16 @@ def _hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            from huggingface_hub import constants
+
+            raise HubError(
+                f"model {repo_id!r}: writing into the Hugging Face cache {constants.HF_HUB_CACHE} failed "
+                f"({exc.strerror}: the disk or a size limit is full). Nothing half-written is kept: huggingface_hub "
+                "writes each file beside its place and moves it in only when complete. Free space there (or point "
+                f"HF_HOME / HF_HUB_CACHE at a larger disk) and run `hsdp download {repo_id}` again: the files "
+                "already complete are not fetched again"
+            ) from exc
         if any(c.__name__ in _NETWORK_ERRORS for c in type(exc).__mro__):
             from huggingface_hub import constants
 

@@ -128,16 +128,17 @@ def _convert(file: Path, class_name: str, base_component: Path, target: Path) ->
     shutil.copyfile(base_component / "config.json", target / "config.json")
     out = target / "diffusion_pytorch_model.safetensors"
 
+    header = None if file.suffix == ".gguf" else _read_header(file)  # (a GGUF file has no safetensors header)
+
     def convert(checkpoint: dict) -> dict:
         if _should_convert_state_dict_to_diffusers(expected, checkpoint):
             checkpoint = mapping["checkpoint_mapping_fn"](config=config, checkpoint=dict(checkpoint))
-        _check_keys(flag, file, class_name, expected, checkpoint)
+        _check_keys(flag, file, class_name, expected, checkpoint, header)
         return checkpoint
 
     if file.suffix == ".gguf":
         _convert_gguf(file, flag, convert, linears, out)
         return
-    header = _read_header(file)
     if _is_fp8_scaled(header):
         _convert_fp8_scaled(file, flag, header, convert, out)
         return
@@ -152,7 +153,15 @@ def _convert(file: Path, class_name: str, base_component: Path, target: Path) ->
     if renames is not None and _covers(header, renames.values()):
         _write_renamed(file, header, renames, out)  # streamed: no process holds the file's tensors
         return
-    checkpoint = convert(load_file(file))  # a converter that computes tensors (splits, reshapes): the whole file
+    try:  # a converter that computes tensors (splits, reshapes): the whole file
+        checkpoint = convert(load_file(file))
+    except (KeyError, IndexError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, SingleFileError):
+            raise
+        raise SingleFileError(
+            f"{flag} {file}: diffusers' converter for {class_name} does not read its keys ({type(exc).__name__}: "
+            f"{str(exc)[:120]}); {_closest(header)}"
+        ) from exc
     save_file({k: v.contiguous() for k, v in checkpoint.items()}, out)
 
 
@@ -200,17 +209,20 @@ def _write_renamed(file: Path, header: dict, renames: dict[str, str], out: Path)
         shutil.copyfileobj(src, dst, 16 << 20)
 
 
-def _check_keys(flag: str, file: Path, class_name: str, expected: Mapping, converted: Mapping) -> None:
+def _check_keys(
+    flag: str, file: Path, class_name: str, expected: Mapping, converted: Mapping, header: Mapping = None
+) -> None:
     missing = sorted(set(expected) - set(converted))
     unexpected = sorted(set(converted) - set(expected))
     # A GGUF tensor's shape is that of its stored bytes; its own shape is ``quant_shape`` (diffusers' GGUFParameter).
     wrong = [k for k in set(expected) & set(converted)
              if tuple(expected[k].shape) != tuple(getattr(converted[k], "quant_shape", converted[k].shape))]  # fmt: skip
     if missing or unexpected or wrong:
+        hint = f"; {_closest(header)}" if header is not None and (missing or unexpected) else ""
         raise SingleFileError(
             f"{flag} {file}: after diffusers' conversion for {class_name}, {len(missing)} keys are missing (e.g. "
             f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}), {len(wrong)} of another shape "
-            f"(e.g. {sorted(wrong)[:3]}); is it a checkpoint of this model, in the base's size?"
+            f"(e.g. {sorted(wrong)[:3]}); is it a checkpoint of this model, in the base's size?{hint}"
         )
 
 
@@ -345,3 +357,35 @@ def _write_streamed(out: Path, entries: dict, metadata: dict[str, str]) -> None:
                     chunk = src.read(min(size, 16 << 20))
                     dst.write(chunk)
                     size -= len(chunk)
+
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+_GENERIC = {"weight", "bias", "scale", "norm", "0", "1", "2"}  # parts every family's keys have
+
+
+def _closest(header: Mapping) -> str:
+    """The model family diffusers' own key markers (``single_file_utils.CHECKPOINT_KEY_NAMES``, what
+    ``from_single_file`` infers a checkpoint's type from) say the file's keys are closest to, and a sample of the
+    keys: a marker key present names its family; else the family whose marker names share the most parts with the
+    file's key names."""
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
+
+    keys = sorted(k for k in header if k != "__metadata__")
+    stripped = {next((k.removeprefix(p) for p in _PREFIXES if k.startswith(p)), k) for k in keys}
+    parts = {part for k in stripped for part in k.split(".") if not part.isdigit()}
+    best, best_score = None, 0.0
+    for family, markers in CHECKPOINT_KEY_NAMES.items():
+        for marker in [markers] if isinstance(markers, str) else markers:
+            bare = next((marker.removeprefix(p) for p in _PREFIXES if marker.startswith(p)), marker)
+            named = [part for part in bare.split(".") if not part.isdigit() and part not in _GENERIC]
+            score = 2.0 if bare in stripped else sum(p in parts for p in named) / max(len(named), 1)
+            if score > best_score and score >= 0.5:
+                best, best_score = f"'{family}' ({marker})", score
+    shown = ", ".join(keys[:4]) + (f" ... ({len(keys)} keys)" if len(keys) > 4 else "")
+    if best is None:
+        return f"its keys match no family diffusers' single-file loaders know ({shown})"
+    how = "has the marker key of" if best_score == 2.0 else f"is closest ({best_score:.0%} of a marker's names) to"
+    return (
+        f"by diffusers' single-file key markers the file {how} {best}; its keys: {shown}. Pass --model a base "
+        "pipeline of that family, or a file of this one"
+    )

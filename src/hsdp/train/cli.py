@@ -166,8 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="|".join(FORMATS),
         help="with LoRA: peft (adapter folder; the default for a causal LM), diffusers (pytorch_lora_weights."
-        "safetensors for pipe.load_lora_weights; the default for a pipeline) or comfyui (diffusion_model. keys); "
-        "several comma-separated (diffusers,comfyui) go into --export's subfolders of those names",
+        "safetensors for pipe.load_lora_weights; the default for a pipeline), comfyui (diffusion_model. keys) or kohya "
+        "(lora_unet_ keys), the last two in a layout diffusers' own converters read back; several comma-separated "
+        "(diffusers,comfyui) go into --export's subfolders of those names",
     )
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument(

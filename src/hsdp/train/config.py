@@ -614,16 +614,17 @@ def _is_diffusers_folder(model_dir: Path) -> bool:
         return False
 
 
-def check_export_formats(cfg: TrainConfig, denoiser_dir: Path) -> None:
-    """Refuse a LoRA format the trained denoiser's family cannot be written in (FLUX's fused ComfyUI layout, a UNet
-    without a ComfyUI key map) before any rank starts, not after training."""
+def check_export_formats(cfg: TrainConfig, denoiser_dir: Path, lora=None) -> None:
+    """Refuse a LoRA format the trained denoiser cannot be written in (a single-file layout diffusers' converters
+    would not read back, :func:`hsdp.lora_formats.format_problem` on a probe of ``lora``'s target modules) before
+    any rank starts, not after training."""
     from hsdp.lora_formats import format_problem
 
     if not (cfg.export and cfg.use_lora):
         return
     model_class = json.loads((denoiser_dir / "config.json").read_text()).get("_class_name", "")
     for fmt in cfg.export_formats(diffusers=True):
-        problem = format_problem(fmt, model_class)
+        problem = format_problem(fmt, model_class, denoiser_dir, lora)
         if problem:
             raise TrainConfigError(problem)
 

@@ -580,12 +580,14 @@ class Trainer:
                 )
             )  # fmt: skip
 
-    def _export_lora(self, component: str = "transformer", diffusers: bool = False) -> Path:
-        """The adapters in each ``--export-format`` (several: one subfolder each), cast to ``--export-dtype``."""
+    def _export_lora(self, component: str = "transformer", diffusers: bool = False, pipeline: type | None = None) -> Path:
+        """The adapters in each ``--export-format`` (several: one subfolder each), cast to ``--export-dtype``;
+        ``pipeline`` the diffusers pipeline class the single-file formats are checked by."""
         cfg = self.cfg
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         for fmt, folder in cfg.export_folders(diffusers).items():
-            save_lora(self.model, self.lora, folder, format=fmt, component=component, dtype=dtype, run=cfg.run_name())
+            save_lora(self.model, self.lora, folder, format=fmt, component=component, dtype=dtype, run=cfg.run_name(),
+                      pipeline=pipeline)  # fmt: skip
         return Path(cfg.export)
 
     def _guarded_step(self) -> StepResult:

@@ -184,7 +184,8 @@ def diffusion_preflight(cfg: TrainConfig, model_dir: Path) -> Preflight:
     components = trained_components(cfg, model_dir)
     for component in components:
         _check_sequence_parallel(cfg, model_dir, component)
-        check_export_formats(cfg, model_dir / component)
+        lora = cfg.lora_config(str(model_dir / component), default_targets=DEFAULT_LORA_TARGETS) if cfg.use_lora else None
+        check_export_formats(cfg, model_dir / component, lora)
     check_attention_backend(cfg, "diffusion")
     if len(components) > 1:
         _check_experts(cfg, components)
@@ -605,9 +606,9 @@ class DiffusionTrainer(Trainer):
         ``transformer.`` keys into ``transformer_2``."""
         cfg = self.cfg
         if len(pipeline_denoisers(cfg, self.model_dir)) == 1:
-            return super()._export_lora(component, diffusers)
+            return super()._export_lora(component, diffusers, pipeline=self.pipeline_class)
         dtype = DTYPES[cfg.export_dtype] if cfg.export_dtype else None
         for fmt, folder in cfg.export_folders(diffusers).items():
             save_lora(self.experts, self.lora, folder, format=fmt, component=self.pipeline_class.transformer_name,
-                      dtype=dtype, run=cfg.run_name())  # fmt: skip
+                      dtype=dtype, run=cfg.run_name(), pipeline=self.pipeline_class)  # fmt: skip
         return Path(cfg.export)
