@@ -282,6 +282,15 @@ def _early_log_level(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``hsdp`` command; SIGTERM stops it with a message wherever the command has no handling of its own
+    (:mod:`hsdp.signals`)."""
+    from hsdp.signals import sigterm_raises
+
+    with sigterm_raises():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     import logging
 
     from hsdp.logging_utils import configure_logging, phase
@@ -318,8 +327,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> NoReturn:
     """The ``hsdp`` command (and ``python -m hsdp.cli``): :func:`main`, then exit without the final collections."""
+    from hsdp.signals import STOP_EXIT, Stopped
+
     try:
         code = main()
+    except Stopped as exc:  # SIGTERM before a subcommand runs (while the libraries import)
+        print(f"hsdp: {exc}", file=sys.stderr)
+        sys.exit(STOP_EXIT)
     except KeyboardInterrupt:  # Ctrl-C before a subcommand runs (while the libraries import): no traceback
         print("hsdp: interrupted", file=sys.stderr)
         sys.exit(130)
