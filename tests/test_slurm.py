@@ -69,6 +69,7 @@ MpiDefault=none
 ReturnToService=2
 KillWait=60
 JobRequeue=1
+SchedulerParameters=sched_interval=1
 NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -121,8 +122,9 @@ def _env(slurm) -> dict:
 
 
 def _submit(env: dict, folder: Path, script: str, *args: str) -> str:
-    submitted = _slurm(env, "sbatch", "--parsable", "--chdir", str(folder), "--output", str(folder / "job.log"),
-                       str(ROOT / "deploy" / "slurm" / script), *args)  # fmt: skip
+    # --oversubscribe: the jobs share this machine's cores (the node has as many CPUs as the host, often 2)
+    submitted = _slurm(env, "sbatch", "--parsable", "--oversubscribe", "--chdir", str(folder), "--output",
+                       str(folder / "job.log"), str(ROOT / "deploy" / "slurm" / script), *args)  # fmt: skip
     return submitted.strip().split(";")[0]
 
 

@@ -8,6 +8,7 @@ Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -283,10 +284,13 @@ def _early_log_level(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``hsdp`` command; SIGTERM stops it with a message wherever the command has no handling of its own
-    (:mod:`hsdp.signals`)."""
+    (:mod:`hsdp.signals`). Not in a rank under torchrun (``hsdp.distributed.launched_by_torchrun``, read here
+    without importing torch): its agent stops the ranks (SIGTERM, then SIGKILL), and a serving rank that took the
+    signal for a failed call would wait for the next one instead of ending."""
     from hsdp.signals import sigterm_raises
 
-    with sigterm_raises():
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+    with contextlib.nullcontext() if under_torchrun else sigterm_raises():
         return _main(argv)
 
 

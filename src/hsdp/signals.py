@@ -7,6 +7,7 @@ staging folder stays there), spawned ranks left to notice on their own that thei
 ``KeyboardInterrupt`` does (it is one: whatever stops ranks at once on Ctrl-C does so here too), and the ``hsdp``
 command exits :data:`STOP_EXIT` naming the signal. Where a command handles the signal itself (``hsdp train``'s
 step boundary, :mod:`hsdp.train.stop`; ``hsdp serve``'s drain) its handler replaces this one for that block.
+A rank under torchrun keeps the signal's default: its agent stops it (:func:`hsdp.cli.main`).
 """
 
 from __future__ import annotations
