@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate
         folder.mkdir()
         jobs[name] = _submit(env, folder, "train.sbatch", *args, "--steps", "100000", "--output-dir",
                              str(folder / "run"), "--summary-json", str(folder / "summary.json"))  # fmt: skip
-    first, stopped_at = {}, {}
+    first, stopped_at, references, second = {}, {}, {}, {}
     try:
         for name, job in jobs.items():
             _until(f"{name}: 2 steps", partial(_made, tmp_path / name / "summary.json", 2), 600)
@@ -187,38 +188,49 @@ def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate
             _slurm(env, "scancel", "--batch", "--signal=USR1", job)
         for name, job in jobs.items():
             stopped_at[name], first[name] = _stopped_and_requeued(env, tmp_path / name, job)
-        for name in jobs:
+        # The uninterrupted runs, while the jobs restart: to the resumed runs' last steps (below); the learning rate
+        # is constant, so the steps to come do not change the curve.
+        references = {
+            name: subprocess.Popen([*hsdp, "train", *args, "--steps", "100000", "--output-dir", str(tmp_path / name / "whole"),
+                                    "--summary-json", str(tmp_path / name / "whole.json")], env=env,
+                                   start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for name, args in runs.items()
+        }  # fmt: skip
+        for name, job in jobs.items():
             folder, step = tmp_path / name, stopped_at[name]
             resumed = f"Resumed from {folder / 'run' / f'step-{step:08d}'} at step {step}"  # the job's log names it
             _until(f"{name}: the resumed run", partial(_resumed, folder, resumed, step), 600)
+            _slurm(env, "scancel", job)  # each as soon as it has shown it, and its reference once it is as far
+            _until(f"{name}: the job's end", partial(_gone, env, job))
+            second[name] = _steps(folder / "summary.json")
+            end = second[name][-1]["step"]
+            _until(f"{name}: the uninterrupted run's step {end}", partial(_made, folder / "whole.json", end,
+                                                                          references[name]), 600)  # fmt: skip
+            os.killpg(references[name].pid, signal.SIGKILL)
         _until("the generate job's end", partial(_gone, env, generated), 600)
     finally:
+        for reference in references.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(reference.pid, signal.SIGKILL)
         subprocess.run(["scancel", *jobs.values(), generated], env=env, check=False)
-    for name, job in jobs.items():
-        _until(f"{name}: the job's end", partial(_gone, env, job))
     _, err = one.communicate(timeout=600)
     assert one.returncode == 0, err[-3000:]
     log = (generate / "job.log").read_text()
     assert log.count("\nwrote ") == 1, log[-3000:]  # rank 0 writes; the other ranks have the same outputs
     assert (generate / "sharded.txt").read_text() == (generate / "one.txt").read_text(), log[-3000:]
-    second = {name: _steps(tmp_path / name / "summary.json") for name in jobs}
-    references = {  # the uninterrupted runs, to the resumed runs' last steps, side by side
-        name: subprocess.Popen([*hsdp, "train", *runs[name], "--steps", str(second[name][-1]["step"]), "--output-dir",
-                                str(tmp_path / name / "whole"), "--summary-json", str(tmp_path / name / "whole.json")],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for name in jobs
-    }  # fmt: skip
     for name, reference in references.items():
         folder = tmp_path / name
-        _, err = reference.communicate(timeout=600)
-        assert reference.returncode == 0, err[-3000:]
+        _, err = reference.communicate()
         assert second[name][0]["step"] == stopped_at[name] + 1 and "restart 1" in (folder / "job.log").read_text()
-        whole = [s["loss"] for s in _steps(folder / "whole.json")]
+        end = second[name][-1]["step"]
+        whole = [s["loss"] for s in _steps(folder / "whole.json")][:end]
+        assert len(whole) == end, err[-3000:]
         assert [s["loss"] for s in first[name] + second[name]] == whole, name
 
 
-def _made(summary: Path, steps: int) -> bool:
-    return len(_steps(summary)) >= steps
+def _made(summary: Path, steps: int, proc: subprocess.Popen | None = None) -> bool:
+    """The run has written ``steps`` steps (or ``proc`` has ended: the caller's assertion says why)."""
+    return len(_steps(summary)) >= steps or (proc is not None and proc.poll() is not None)
 
 
 def _gone(env: dict, job: str) -> bool:
