@@ -138,3 +138,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
+# Signals the tests send to the commands they start (Ctrl-C's SIGINT, a scheduler's SIGTERM) reach them only if the
+# test process holds them as a terminal's shell would: a child inherits an ignored disposition and a blocked mask
+# across exec. A non-interactive shell starts `cmd &` with SIGINT ignored (POSIX: no job control), so a suite started
+# in the background hands every `hsdp` it runs an ignored SIGINT: Ctrl-C never arrived in both CI workers once
+# (issue 37 item 5). Restored here for the whole run; a test that changes either and leaves it changed fails.
+_TEST_SIGNALS = ("SIGINT", "SIGTERM")
+
+
+def _signal_state() -> tuple:
+    import signal
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return tuple((name, signal.getsignal(getattr(signal, name)), getattr(signal, name) in blocked) for name in _TEST_SIGNALS)
+
+
+def _terminal_sigint() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+
+
+_terminal_sigint()
+
+
+@pytest.fixture(autouse=True)
+def _signals_left_as_found():
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    if after != before:
+        import signal
+
+        for name, handler, blocked in before:
+            signal.signal(getattr(signal, name), handler)
+            how = signal.SIG_BLOCK if blocked else signal.SIG_UNBLOCK
+            signal.pthread_sigmask(how, [getattr(signal, name)])
+        pytest.fail(f"the test left the signal handling changed (name, handler, blocked): {before} -> {after}")

@@ -1,8 +1,10 @@
-"""deploy/slurm/train.sbatch under a real SLURM (Debian's slurm-wlm): slurmctld and one slurmd on this machine,
-started and stopped here. Mid-run the batch shell gets the signal that ``--signal=B:USR1@180`` sends ahead of the
-time limit; the script sends SIGTERM to every process of the job's steps, hsdp train saves at its next step
-boundary and stops, the script requeues the job, which runs again, resumes from that checkpoint, and its loss curve
-equals an uninterrupted run's (issue 37 items 1 and 2)."""
+"""deploy/slurm/*.sbatch under a real SLURM (Debian's slurm-wlm): slurmctld and one slurmd on this machine, started
+and stopped here. train.sbatch on tiny-llama and on a tiny-wan LoRA at once: mid-run each batch shell gets the
+signal that ``--signal=B:USR1@180`` sends ahead of the time limit; the script sends SIGTERM to every process of the
+job's steps, hsdp train saves at its next step boundary and stops, the script requeues the job, which runs again,
+names the checkpoint it resumed from, and its loss curve equals an uninterrupted run's. Meanwhile generate.sbatch
+runs hsdp generate at HSDP 2 from SLURM's environment alone, its output equal to one process's. serve.sbatch
+answers and drains on scancel (issue 37)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -66,6 +70,7 @@ MpiDefault=none
 ReturnToService=2
 KillWait=60
 JobRequeue=1
+SchedulerParameters=sched_interval=1
 NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -112,44 +117,145 @@ def slurm(tmp_path_factory):
                 daemon.kill()
 
 
-def test_requeued_training_job_resumes_its_checkpoint_and_the_curve(slurm, tmp_path):
-    env = {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    data = tmp_path / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"document {i}: shards, meshes and gradients. " * 3}) for i in range(40)))
-    args = ["--model", "tiny-llama", "--data", str(data), "--batch-size", "2", "--seq-len", "32", "--use-hsdp",
-            "--hsdp-shard-size", "2", "--save-every", "1000", "--output-dir", str(tmp_path / "run")]  # fmt: skip
-    summary, log = tmp_path / "summary.json", tmp_path / "job.log"
-    submitted = _slurm(env, "sbatch", "--parsable", "--chdir", str(tmp_path), "--output", str(log), str(SCRIPT),
-                       *args, "--steps", "100000", "--summary-json", str(summary))  # fmt: skip
-    job = submitted.strip().split(";")[0]
+def _env(slurm) -> dict:
+    return {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+
+
+def _submit(env: dict, folder: Path, script: str, *args: str) -> str:
+    # --oversubscribe: the jobs share this machine's cores (the node has as many CPUs as the host, often 2)
+    submitted = _slurm(env, "sbatch", "--parsable", "--oversubscribe", "--chdir", str(folder), "--output",
+                       str(folder / "job.log"), str(ROOT / "deploy" / "slurm" / script), *args)  # fmt: skip
+    return submitted.strip().split(";")[0]
+
+
+def _steps(summary: Path) -> list[dict]:
+    """The steps a run has written so far (every step rewrites the file: a read may meet it half written)."""
+    for _ in range(50):
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(summary.read_text())
+        time.sleep(0.1)
+    return []
+
+
+def _training_runs(tmp_path: Path) -> dict[str, list[str]]:
+    """tiny-llama on text and a LoRA on tiny-wan (a diffusers pipeline) on captioned images, both at HSDP 2."""
+    import numpy as np
+    from PIL import Image
+
+    text = tmp_path / "docs.jsonl"
+    text.write_text("\n".join(json.dumps({"text": f"document {i}: shards, meshes and gradients. " * 3}) for i in range(40)))
+    media = tmp_path / "media"
+    media.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(media / f"img{i}.png")
+        (media / f"img{i}.txt").write_text(f"a cat playing piano, style {i}")
+    layout = ["--batch-size", "2", "--use-hsdp", "--hsdp-shard-size", "2", "--save-every", "1000"]
+    return {
+        "llama": ["--model", "tiny-llama", "--data", str(text), "--seq-len", "32", *layout],
+        "wan": ["--model", "tiny-wan", "--data", str(media), "--resolution", "32", "--lora-r", "4", "--lr", "1e-3",
+                *layout],  # fmt: skip
+    }
+
+
+def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate_runs_as_one_process(slurm, tmp_path):
+    """train.sbatch on tiny-llama and on a tiny-wan LoRA (issue 37 item 1), side by side: after two steps each batch
+    shell gets what --signal=B:USR1@180 sends, each run stops at a step boundary with one checkpoint and nothing
+    temporary, the script requeues, and the requeued run says which checkpoint it resumed from and continues with
+    the losses of an uninterrupted run (which runs meanwhile, outside SLURM). Meanwhile generate.sbatch runs
+    hsdp generate at HSDP 2 from SLURM's environment alone; its output equals one process's."""
+    env = _env(slurm)
+    hsdp = [sys.executable, "-m", "hsdp.cli"]
+    prompt = ["--model", "tiny-llama", "--prompt", "a sharded", "--max-new-tokens", "8", "--seed", "0"]
+    generate = tmp_path / "generate"
+    generate.mkdir()
+    generated = _submit(env, generate, "generate.sbatch", *prompt, "--use-hsdp", "--hsdp-shard-size", "2",
+                        "--output", str(generate / "sharded.txt"))  # fmt: skip
+    one = subprocess.Popen([*hsdp, "generate", *prompt, "--output", str(generate / "one.txt")], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    runs, jobs = _training_runs(tmp_path), {}
+    for name, args in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        jobs[name] = _submit(env, folder, "train.sbatch", *args, "--steps", "100000", "--output-dir",
+                             str(folder / "run"), "--summary-json", str(folder / "summary.json"))  # fmt: skip
+    first, stopped_at, references, second = {}, {}, {}, {}
     try:
-        _until("2 steps", lambda: len(json.loads(summary.read_text())) >= 2)
-        # What --signal=B:USR1@180 sends ahead of the time limit: the script stops the steps and requeues the job
-        _slurm(env, "scancel", "--batch", "--signal=USR1", job)
-        stopped = _until("the stop", lambda: re.search(r"stopped by SIGTERM after step (\d+)\n", log.read_text()))
-        step = int(stopped[1])
-        _until("the requeue", lambda: f"requeueing job {job}" in log.read_text())
-        first = json.loads(summary.read_text())
-        assert [s["step"] for s in first] == list(range(1, step + 1))
-        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [f"step-{step:08d}"]  # nothing temporary
-        # A requeued job waits (BeginTime) before it may run again; lift that wait here.
-        _until("the job pending", lambda: "PENDING" in _slurm(env, "scontrol", "show", "job", job))
-        _slurm(env, "scontrol", "update", f"jobid={job}", "StartTime=now")
-        resumed = f"Resumed from {tmp_path / 'run' / f'step-{step:08d}'} at step {step}"
-        _until("the resumed run", lambda: resumed in log.read_text() and len(json.loads(summary.read_text())) >= 2)
+        for name, job in jobs.items():
+            _until(f"{name}: 2 steps", partial(_made, tmp_path / name / "summary.json", 2), 600)
+            # What --signal=B:USR1@180 sends ahead of the time limit: the script stops the steps and requeues the job
+            _slurm(env, "scancel", "--batch", "--signal=USR1", job)
+        for name, job in jobs.items():
+            stopped_at[name], first[name] = _stopped_and_requeued(env, tmp_path / name, job)
+        # The uninterrupted runs, while the jobs restart: to the resumed runs' last steps (below); the learning rate
+        # is constant, so the steps to come do not change the curve.
+        references = {
+            name: subprocess.Popen([*hsdp, "train", *args, "--steps", "100000", "--output-dir", str(tmp_path / name / "whole"),
+                                    "--summary-json", str(tmp_path / name / "whole.json")], env=env,
+                                   start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for name, args in runs.items()
+        }  # fmt: skip
+        for name, job in jobs.items():
+            folder, step = tmp_path / name, stopped_at[name]
+            resumed = f"Resumed from {folder / 'run' / f'step-{step:08d}'} at step {step}"  # the job's log names it
+            _until(f"{name}: the resumed run", partial(_resumed, folder, resumed, step), 600)
+            _slurm(env, "scancel", job)  # each as soon as it has shown it, and its reference once it is as far
+            _until(f"{name}: the job's end", partial(_gone, env, job))
+            second[name] = _steps(folder / "summary.json")
+            end = second[name][-1]["step"]
+            _until(f"{name}: the uninterrupted run's step {end}", partial(_made, folder / "whole.json", end,
+                                                                          references[name]), 600)  # fmt: skip
+            os.killpg(references[name].pid, signal.SIGKILL)
+        _until("the generate job's end", partial(_gone, env, generated), 600)
     finally:
-        subprocess.run(["scancel", job], env=env, check=False)
-    _until("the job's end", lambda: job not in _slurm(env, "squeue", "-h", "-o", "%i"))
-    second = json.loads(summary.read_text())
-    assert second[0]["step"] == step + 1 and "restart 1" in log.read_text()
-    end = second[-1]["step"]
-    whole = subprocess.run([sys.executable, "-m", "hsdp.cli", "train", *args, "--steps", str(end), "--output-dir",
-                            str(tmp_path / "whole"), "--summary-json", str(tmp_path / "whole.json")],
-                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    reference = [s["loss"] for s in json.loads((tmp_path / "whole.json").read_text())]
-    assert [s["loss"] for s in first + second] == reference
+        for reference in references.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(reference.pid, signal.SIGKILL)
+        subprocess.run(["scancel", *jobs.values(), generated], env=env, check=False)
+    _, err = one.communicate(timeout=600)
+    assert one.returncode == 0, err[-3000:]
+    log = (generate / "job.log").read_text()
+    assert log.count("\nwrote ") == 1, log[-3000:]  # rank 0 writes; the other ranks have the same outputs
+    assert (generate / "sharded.txt").read_text() == (generate / "one.txt").read_text(), log[-3000:]
+    for name, reference in references.items():
+        folder = tmp_path / name
+        _, err = reference.communicate()
+        assert second[name][0]["step"] == stopped_at[name] + 1 and "restart 1" in (folder / "job.log").read_text()
+        end = second[name][-1]["step"]
+        whole = [s["loss"] for s in _steps(folder / "whole.json")][:end]
+        assert len(whole) == end, err[-3000:]
+        assert [s["loss"] for s in first[name] + second[name]] == whole, name
+
+
+def _made(summary: Path, steps: int, proc: subprocess.Popen | None = None) -> bool:
+    """The run has written ``steps`` steps (or ``proc`` has ended: the caller's assertion says why)."""
+    return len(_steps(summary)) >= steps or (proc is not None and proc.poll() is not None)
+
+
+def _gone(env: dict, job: str) -> bool:
+    return job not in _slurm(env, "squeue", "-h", "-o", "%i")
+
+
+def _resumed(folder: Path, line: str, step: int) -> bool:
+    """The log names the checkpoint and the resumed run has made 2 steps (not the first run's summary)."""
+    steps = _steps(folder / "summary.json")
+    return line in (folder / "job.log").read_text() and len(steps) >= 2 and steps[0]["step"] == step + 1
+
+
+def _stopped_and_requeued(env: dict, folder: Path, job: str) -> tuple[int, list[dict]]:
+    """The step the job stopped after and the steps it made; its requeue let run at once."""
+    log = folder / "job.log"
+    found = _until("the stop", lambda: re.search(r"stopped by SIGTERM after step (\d+)\n", log.read_text()))
+    step = int(found[1])
+    _until("the requeue", lambda: f"requeueing job {job}" in log.read_text())
+    steps = _steps(folder / "summary.json")
+    assert [s["step"] for s in steps] == list(range(1, step + 1))
+    assert sorted(p.name for p in (folder / "run").iterdir()) == [f"step-{step:08d}"]  # nothing temporary
+    # A requeued job waits (BeginTime) before it may run again; lift that wait here.
+    _until("the job pending", lambda: "PENDING" in _slurm(env, "scontrol", "show", "job", job))
+    _slurm(env, "scontrol", "update", f"jobid={job}", "StartTime=now")
+    return step, steps
 
 
 def _answers(url: str) -> bool:

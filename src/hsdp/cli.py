@@ -8,6 +8,7 @@ Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -282,6 +283,18 @@ def _early_log_level(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``hsdp`` command; SIGTERM stops it with a message wherever the command has no handling of its own
+    (:mod:`hsdp.signals`). Not in a rank under torchrun (``hsdp.distributed.launched_by_torchrun``, read here
+    without importing torch): its agent stops the ranks (SIGTERM, then SIGKILL), and a serving rank that took the
+    signal for a failed call would wait for the next one instead of ending."""
+    from hsdp.signals import sigterm_raises
+
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+    with contextlib.nullcontext() if under_torchrun else sigterm_raises():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     import logging
 
     from hsdp.logging_utils import configure_logging, phase
@@ -318,8 +331,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> NoReturn:
     """The ``hsdp`` command (and ``python -m hsdp.cli``): :func:`main`, then exit without the final collections."""
+    from hsdp.signals import STOP_EXIT, Stopped
+
     try:
         code = main()
+    except Stopped as exc:  # SIGTERM before a subcommand runs (while the libraries import)
+        print(f"hsdp: {exc}", file=sys.stderr)
+        sys.exit(STOP_EXIT)
     except KeyboardInterrupt:  # Ctrl-C before a subcommand runs (while the libraries import): no traceback
         print("hsdp: interrupted", file=sys.stderr)
         sys.exit(130)

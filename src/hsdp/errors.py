@@ -2,12 +2,13 @@
 
 One map for every subcommand, so the same mistake ends every command the same way: what a user can fix
 (a flag, a config, a missing file) is 2, a worker process that failed is 1, Ctrl-C is 130 (the shell's
-128 + SIGINT). Anything else is a bug and keeps its traceback.
+128 + SIGINT), SIGTERM 143 (:mod:`hsdp.signals`). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 from hsdp.launch import WorkerError
+from hsdp.signals import STOP_EXIT, Stopped
 
 USAGE_EXIT = 2
 WORKER_EXIT = 1
@@ -19,6 +20,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (ValueError, USAGE_EXIT),
     (FileNotFoundError, USAGE_EXIT),
     (WorkerError, WORKER_EXIT),
+    (Stopped, STOP_EXIT),  # a KeyboardInterrupt: before it
     (KeyboardInterrupt, INTERRUPT_EXIT),
 )
 HANDLED: tuple[type[BaseException], ...] = tuple(cls for cls, _ in EXIT_CODES)
@@ -34,5 +36,5 @@ def exit_code(exc: BaseException) -> int:
 
 def format_problem(command: str, exc: BaseException) -> str:
     """``hsdp <command>: <message>``; a multi-problem error keeps its own list on the following lines."""
-    message = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+    message = "interrupted" if type(exc) is KeyboardInterrupt else str(exc)
     return f"hsdp {command}: {message}"

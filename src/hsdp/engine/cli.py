@@ -274,6 +274,7 @@ def _lora_scales(scales: list[float] | None, count: int) -> list[float] | float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hsdp.distributed import rank
     from hsdp.engine import Engine, SamplingParams
     from hsdp.engine.adapters import parse_adapters
     from hsdp.engine.model_info import inspect_model
@@ -351,12 +352,15 @@ def run(args: argparse.Namespace) -> int:
                 adapter=list(adapters) if len(adapters) > 1 else None,
                 adapter_scale=scales,
             )
+            writer = rank() == 0  # under torchrun every rank has the outputs: one writes them (shared storage)
     except (ValueError, FileNotFoundError) as exc:  # found by the engine's own checks
         print(f"hsdp generate: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
         print(f"hsdp generate: a worker failed, nothing was written: {exc}", file=sys.stderr)
         return 1
+    if not writer:
+        return 0
     written: list[Path] = []
     for output, path in zip(outputs, paths, strict=True):
         if path is None:

@@ -255,8 +255,8 @@ class Engine:
                 )
             for name in list(specs)[: self.adapters.slots.count if self.adapters else 0]:
                 self._slot_for(name)
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(graceful=not isinstance(exc, KeyboardInterrupt))  # Ctrl-C, SIGTERM: the ranks stop at once
             raise
         self.load_s = time.perf_counter() - started
         STARTUP.close()

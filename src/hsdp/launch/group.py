@@ -261,6 +261,27 @@ def _caller_signals_ignored():
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def _caller_signals_deferred():
+    """:data:`_CALLER_SIGNALS` held for the block and delivered after it: a rank forked in it inherits the holding
+    handler, so that a signal to the whole process group does not end it before it sets its own dispositions, and
+    the caller still receives its Ctrl-C or SIGTERM (ignored instead, a SIGTERM in a fork's window was lost and the
+    run went on; issue 37). Not for a process that ``exec``s (the forkserver): a Python handler does not survive
+    that, :func:`_caller_signals_ignored` does. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in _CALLER_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+
+
 def _deliver_event(on_event: Callable[[int, Any], None] | None, rank: int, payload: Any) -> None:
     if on_event is None:
         return
@@ -342,11 +363,14 @@ class WorkerGroup:
             _FORKSERVER_FAILED.append(exc)
             self._stop_ranks()
             self._start_ranks(_start_context("spawn"), child_env, timeout)
+        except BaseException:  # Ctrl-C, SIGTERM (hsdp.signals): the ranks started so far go with it
+            self._stop_ranks()
+            raise
         try:
             with phase("rendezvous (the ranks join the process group)"):
                 self._collect(start_timeout_s, what="start")
-        except BaseException:
-            self.close()
+        except BaseException as exc:
+            self.close(graceful=not isinstance(exc, KeyboardInterrupt))  # Ctrl-C, SIGTERM: at once
             raise
 
     def _start_ranks(self, ctx: mp.context.BaseContext, child_env: dict[str, str], timeout_s: float) -> None:
@@ -382,11 +406,11 @@ class WorkerGroup:
                 daemon=True,
                 name=f"hsdp-rank{rank}",
             )
-            with _caller_signals_ignored() if forked else contextlib.nullcontext():  # a forked rank ignores it from birth
+            with _caller_signals_deferred() if forked else contextlib.nullcontext():  # a forked rank ignores it from birth
                 proc.start()
+                self._conns.append(parent_conn)  # before a deferred signal is delivered: its stop stops this rank too
+                self._procs.append(proc)
             child_conn.close()
-            self._conns.append(parent_conn)
-            self._procs.append(proc)
         # The caller owns the rendezvous store: binding port 0 picks a free port atomically. Made after the forks,
         # so that no rank holds a copy of its listening socket (nor of its server thread's state).
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
@@ -404,9 +428,9 @@ class WorkerGroup:
 
     def _stop_ranks(self) -> None:
         """Kill what :meth:`_start_ranks` started before it failed."""
-        for proc in self._procs:
+        for proc in getattr(self, "_procs", []):
             _kill(proc)
-        for conn in self._conns:
+        for conn in getattr(self, "_conns", []):
             conn.close()
         self._store = None
 

@@ -23,12 +23,12 @@ from hsdp.distributed import rank
 from hsdp.launch import WorkerError
 from hsdp.lora_formats import FORMATS
 from hsdp.measure.comm import CommReport
+from hsdp.signals import STOP_EXIT, Stopped
 from hsdp.train.config import TrainConfig, TrainConfigError
 from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
 from hsdp.train.run_page import write_run_page
 from hsdp.train.schedule import SCHEDULERS
-from hsdp.train.stop import STOP_EXIT
 from hsdp.train.trainer import TrainResult
 
 __all__ = ["add_arguments", "run", "config_from_args"]
@@ -331,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         print(f"hsdp train: training failed: {exc}\n{_stopped(args)}", file=sys.stderr)
         return 1
+    except Stopped as exc:  # SIGTERM in the checks or while the ranks start (:mod:`hsdp.signals`)
+        print(f"hsdp train: {exc} before training started\n{_stopped(args)}", file=sys.stderr)
+        return STOP_EXIT
     except KeyboardInterrupt:
         print(f"hsdp train: interrupted\n{_stopped(args)}", file=sys.stderr)
         return 130

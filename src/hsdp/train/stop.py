@@ -20,15 +20,14 @@ import signal
 import threading
 from collections.abc import Iterable, Iterator
 
+from hsdp.signals import STOP_EXIT  # hsdp train's exit status once it stopped with its checkpoint saved
+
 __all__ = ["STOP_SIGNALS", "STOP_EXIT", "StopRequest", "stop_requests", "requested", "signal_name"]
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM,)
 """What stops a run at its next step boundary: SLURM's and Kubernetes' stop signal (and SLURM's
 ``--signal=TERM@SECONDS`` ahead of a time limit)."""
 
-STOP_EXIT = 128 + signal.SIGTERM
-"""``hsdp train``'s exit status once it stopped on SIGTERM with its checkpoint saved: 143, as a shell reports a
-process ended by SIGTERM (Ctrl-C's is 130); a requeued job resumes with ``--resume auto``."""
 
 
 class StopRequest:
