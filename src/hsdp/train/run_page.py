@@ -7,8 +7,8 @@ embedded as JSON); the data table (items, size buckets, files left out with why)
 step in a grid (``samples/step-N/``, linked relatively, so the page and the run folder move together); the
 checkpoint, the export and the resume command.
 
-Rank 0 rewrites it (atomically: a reader never sees half a page) when the run starts and at each log, eval,
-validation and checkpoint point. While the run goes the page says so and reloads itself (a few lines of inline
+Rank 0 rewrites it (atomically: a reader never sees half a page) when the run starts, at each eval, validation
+and checkpoint point, and at log points at most every ``PAGE_EVERY_S`` (:mod:`hsdp.train.trainer`). While the run goes the page says so and reloads itself (a few lines of inline
 script, with a box to turn it off); the page of a finished, stopped or failed run has no script and stays still.
 """
 

@@ -59,6 +59,9 @@ logger = logging.getLogger("hsdp")
 
 __all__ = ["Trainer", "StepResult", "TrainResult", "load_data", "load_dataset"]
 
+PAGE_EVERY_S = 10.0
+"""The run page (:mod:`hsdp.train.run_page`) is rewritten at a log point at most this often."""
+
 
 @dataclass
 class StepResult:
@@ -518,6 +521,7 @@ class Trainer:
             disable=self.rank != 0 or not cfg.progress,
             leave=False,
         )
+        page_due = time.monotonic() + PAGE_EVERY_S
         try:
             self._write_page(result, "running")
             if self.step == 0:
@@ -572,8 +576,11 @@ class Trainer:
                 )
                 if saved:
                     self.save()
-                if logged or evaluated or sampled or saved:
+                # A log point rewrites the page at most every PAGE_EVERY_S (it grows with the run; the first step
+                # shows at once); eval, samples and checkpoints always do.
+                if evaluated or sampled or saved or (logged and (step.step == 1 or time.monotonic() >= page_due)):
                     self._write_page(result, "running")
+                    page_due = time.monotonic() + PAGE_EVERY_S
                 if self.stop_agreed and self.step < cfg.steps:
                     result.stopped_by = signal_name(requested())
                     if self.rank == 0:
