@@ -385,22 +385,21 @@ def test_plan_plot_draws_one_bar_per_layout_equal_to_the_table(tmp_path, capsys)
     from hsdp.planning.profile import format_size
 
     common = ("tiny-llama", "--devices", "4", "--device-memory", "64MiB", "--train", "--seq-len", "64")
-    assert _run(*common, "--json") == 0
-    table = {row["layout"]: row["total"] for row in json.loads(capsys.readouterr().out)["layouts"]}
     svg, png = tmp_path / "plan.svg", tmp_path / "plan.png"
-    assert _run(*common, "--plot", str(svg)) == 0
-    out = capsys.readouterr().out
+    assert _run(*common, "--json", "--plot", str(svg)) == 0
+    table = {row["layout"]: row["total"] for row in json.loads(capsys.readouterr().out)["layouts"]}
     bars = [r for r in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "bar"]
     assert {r.get("data-layout"): int(r.get("data-bytes")) for r in bars} == table and len(bars) == len(table)
     widths = {r.get("data-layout"): float(r.get("width")) for r in bars}
     big = max(table, key=table.get)
     for layout, total in table.items():  # to scale
         assert widths[layout] / widths[big] == pytest.approx(total / table[big], abs=1e-3)
+
+    assert _run(*common, "--plot", str(png)) == 0
+    out = capsys.readouterr().out
     chart = out[out.index("memory per rank (") :].splitlines()[1 : len(table) + 1]
     assert [line.split()[0:2] for line in chart] == [layout.split()[:2] for layout in table]
     assert [line.rsplit(" ", 2)[-2:] for line in chart] == [format_size(t).split() for t in table.values()]
-
-    assert _run(*common, "--plot", str(png)) == 0
     image = Image.open(png)
     assert image.format == "PNG"
     assert {b["layout"]: b["bytes"] for b in json.loads(image.text["hsdp-plan"])} == table

@@ -394,8 +394,6 @@ def test_playground_edit_input_gives_the_edits_answer(kontext, kontext_client, p
     edit = kontext_client.post("/v1/images/edits", data=form, files=[("image", ("in.png", source, "image/png"))])
     assert edit.status_code == 200, edit.text
     assert np.array_equal(shown, _pixels(base64.b64decode(edit.json()["data"][0]["b64_json"])))
-    plain = kontext_client.post("/v1/images/generations", json={**form, "seed": 5, "num_inference_steps": STEPS})
-    assert not np.array_equal(shown, _pixels(base64.b64decode(plain.json()["data"][0]["b64_json"])))  # it edited
     screenshot(page, "playground-edit")
     assert_accessible(page, "the playground with an input image")
 

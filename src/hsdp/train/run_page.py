@@ -220,10 +220,10 @@ def _data(table: dict | None) -> str:
 
 
 def refresh_seconds(records: list[dict], log_every: int) -> int:
-    """How often a live page reloads itself: about two log intervals (the last step's time x ``log_every``),
+    """How often a live page reloads itself: about one log interval (the last step's time x ``log_every``),
     between 2 and 30 seconds."""
     last = records[-1]["seconds"] if records else 1.0
-    return int(min(30, max(2, round(2 * last * max(1, log_every)))))
+    return int(min(30, max(2, round(last * max(1, log_every)))))
 
 
 _RELOAD = """(() => {
