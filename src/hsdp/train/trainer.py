@@ -577,8 +577,8 @@ class Trainer:
                 if saved:
                     self.save()
                 # A log point rewrites the page at most every PAGE_EVERY_S (it grows with the run; the first step
-                # shows at once); eval, samples and checkpoints always do.
-                if evaluated or sampled or saved or (logged and (step.step == 1 or time.monotonic() >= page_due)):
+                # of this process shows at once); eval, samples and checkpoints always do.
+                if evaluated or sampled or saved or (logged and (len(result.steps) == 1 or time.monotonic() >= page_due)):
                     self._write_page(result, "running")
                     page_due = time.monotonic() + PAGE_EVERY_S
                 if self.stop_agreed and self.step < cfg.steps:
