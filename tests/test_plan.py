@@ -372,3 +372,40 @@ def test_offload_layers_moves_the_blocks_after_k_to_the_host_and_is_recommended_
     labels = [e.layout.label for e in result.estimates]
     assert labels == ["hsdp 1x1", "hsdp 1x1 offload-layers 30 prefetch 1", "hsdp 1x1 offload"]
     assert not result.estimates[0].fits and result.recommended is result.estimates[1]
+
+
+def test_plan_plot_draws_one_bar_per_layout_equal_to_the_table(tmp_path, capsys):
+    """``--plot FILE.svg`` / ``.png`` and the terminal chart: one bar per layout of the table, each the table's total
+    per rank (the SVG's ``data-bytes``, the PNG's ``hsdp-plan`` text chunk), drawn to scale; a bar per layout in the
+    PNG's pixels; another suffix is refused before planning."""
+    import xml.etree.ElementTree as ET
+
+    from PIL import Image
+
+    from hsdp.planning.profile import format_size
+
+    common = ("tiny-llama", "--devices", "4", "--device-memory", "64MiB", "--train", "--seq-len", "64")
+    svg, png = tmp_path / "plan.svg", tmp_path / "plan.png"
+    assert _run(*common, "--json", "--plot", str(svg)) == 0
+    table = {row["layout"]: row["total"] for row in json.loads(capsys.readouterr().out)["layouts"]}
+    bars = [r for r in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "bar"]
+    assert {r.get("data-layout"): int(r.get("data-bytes")) for r in bars} == table and len(bars) == len(table)
+    widths = {r.get("data-layout"): float(r.get("width")) for r in bars}
+    big = max(table, key=table.get)
+    for layout, total in table.items():  # to scale
+        assert widths[layout] / widths[big] == pytest.approx(total / table[big], abs=1e-3)
+
+    assert _run(*common, "--plot", str(png)) == 0
+    out = capsys.readouterr().out
+    chart = out[out.index("memory per rank (") :].splitlines()[1 : len(table) + 1]
+    assert [line.split()[0:2] for line in chart] == [layout.split()[:2] for layout in table]
+    assert [line.rsplit(" ", 2)[-2:] for line in chart] == [format_size(t).split() for t in table.values()]
+    image = Image.open(png)
+    assert image.format == "PNG"
+    assert {b["layout"]: b["bytes"] for b in json.loads(image.text["hsdp-plan"])} == table
+    column = [image.getpixel((231, y)) for y in range(40, image.height)]  # inside every bar, below the title
+    runs = sum(1 for y in range(1, len(column)) if column[y] != (255, 255, 255) and column[y - 1] == (255, 255, 255))
+    assert runs == len(table)
+
+    assert _run(*common, "--plot", str(tmp_path / "plan.pdf")) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "plan.pdf").exists()

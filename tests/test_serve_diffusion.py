@@ -369,3 +369,35 @@ def test_video_errors_name_the_field(i2v_client):
         files={"input_reference": ("in.png", _png(input_image(32)), "image/png")},
     )
     assert _error(cfg)["param"] == "true_cfg_scale"
+
+
+# -- the playground's input image: an edit, as /v1/images/edits makes it ------------------------------------------
+def test_playground_edit_input_gives_the_edits_answer(kontext, kontext_client, page, tmp_path):
+    """On tiny-flux-kontext (an edit pipeline: it takes ``image``, no ``mask_image``), the playground offers the
+    input image field and no mask; an image picked there makes the job's picture equal ``/v1/images/edits``' answer
+    for the same image, prompt and seed. ``/v1/jobs`` takes a mask as the edits route does and refuses it here,
+    naming the field."""
+    from tests.browser import assert_accessible, open_playground, run_job, screenshot, shown_bytes
+    from tests.engine_refs import input_image
+
+    source = _png(input_image(64, seed=1))
+    (tmp_path / "in.png").write_bytes(source)
+    card = kontext_client.get("/v1/models").json()["data"][0]
+    names = [f["name"] for f in card["parameters"]["fields"] if f["type"] == "image"]
+    assert names == ["input_reference"], names  # no mask: the pipeline takes no mask_image
+
+    open_playground(page, kontext.url)
+    page.set_input_files("#f-input_reference", str(tmp_path / "in.png"))
+    run_job(page, "make it red", seed=5, num_inference_steps=STEPS, size="64x64")
+    shown = _pixels(shown_bytes(page))
+    form = {"prompt": "make it red", "seed": "5", "num_inference_steps": str(STEPS), "size": "64x64"}
+    edit = kontext_client.post("/v1/images/edits", data=form, files=[("image", ("in.png", source, "image/png"))])
+    assert edit.status_code == 200, edit.text
+    assert np.array_equal(shown, _pixels(base64.b64decode(edit.json()["data"][0]["b64_json"])))
+    screenshot(page, "playground-edit")
+    assert_accessible(page, "the playground with an input image")
+
+    refused = kontext_client.post(
+        "/v1/jobs", data={"prompt": "x"}, files=[("input_reference", ("in.png", source)), ("mask", ("m.png", source))]
+    )
+    assert _error(refused)["param"] == "mask" and "takes no mask" in _error(refused)["message"]

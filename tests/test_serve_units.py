@@ -3,6 +3,7 @@ metrics. The end-to-end behaviour over HTTP is in test_serve.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -922,3 +923,26 @@ def test_stop_joins_the_watchdog(tmp_path, monkeypatch):
     runner.start()
     runner.stop()
     assert not runner._thread.is_alive() and not runner._watchdog.is_alive()
+
+
+def test_an_inpainting_pipeline_offers_a_mask_field():
+    """``/v1/models``' ``parameters`` of a pipeline whose ``__call__`` takes ``mask_image`` (FLUX Fill's) list the
+    ``mask`` file field after the input image, both required as ``__call__`` requires them: the playground draws a
+    file input for each and sends them as ``/v1/jobs``' ``input_reference`` and ``mask`` parts."""
+    from pathlib import Path
+
+    from hsdp.engine.model_info import ModelInfo
+    from hsdp.serve.fields import model_parameters
+    from hsdp.serve.settings import ServeLimits
+
+    takes = frozenset({"prompt", "image", "mask_image", "num_inference_steps", "height", "width"})
+    info = ModelInfo(
+        path=Path("fill"), kind="diffusion", class_name="FluxFillPipeline", output="image", call_params=takes,
+        required_params=frozenset({"image", "mask_image"}),
+    )  # fmt: skip
+    files = [(f.name, f.required) for f in model_parameters(info, ServeLimits(), "/v1/jobs").fields if f.type == "image"]
+    assert files == [("input_reference", True), ("mask", True)]
+    no_mask = dataclasses.replace(info, call_params=takes - {"mask_image"}, required_params=frozenset({"image"}))
+    assert [f.name for f in model_parameters(no_mask, ServeLimits(), "/v1/jobs").fields if f.type == "image"] == [
+        "input_reference"
+    ]

@@ -51,35 +51,125 @@ def test_report_to_problems_name_the_flag():
     assert any("--report-to='mlflow'" in p for p in cfg.replace(report_to="mlflow").problems())
 
 
-def test_run_page_of_a_flux_lora_run_shows_the_summary_json_curves_and_each_validation_step(media, tmp_path, page):
-    """``hsdp train`` on tiny-flux (LoRA, HSDP 2, validation samples) writes ``<output-dir>/report.html``; opened
-    in a headless Chromium from the file (no server), its curves' points are ``--summary-json``'s records and its
-    sample grid has a row per validation step, each image loaded."""
-    import json
+def _drawn(page) -> dict:
+    """Every chart's points as the page holds them: metric -> [[step, value]] (memory: [[rank, step, bytes]])."""
+    return page.evaluate(
+        """() => Object.fromEntries([...document.querySelectorAll("svg[data-metric]")].map(svg => [svg.dataset.metric,
+             [...svg.querySelectorAll("circle")].map(c => c.dataset.series === undefined
+               ? [Number(c.dataset.step), Number(c.dataset.value)]
+               : [Number(c.dataset.series.split(" ")[1]), Number(c.dataset.step), Number(c.dataset.value)])]))"""
+    )
 
-    from hsdp.cli import main as cli_main
+
+def _served_page_with_steps(process, url: str, steps: int) -> str:
+    """The page ``--serve-report`` answers once it holds ``steps`` records (the run holds before the next)."""
+    import json
+    import re
+    import time
+
+    import httpx
+
+    while process.poll() is None:
+        time.sleep(0.2)  # a poll interval, not a wait for something to happen
+        text = httpx.get(url, timeout=30).text
+        records = re.search(r'<script type="application/json" id="records">(.*?)</script>', text, re.S)
+        if records and len(json.loads(records.group(1))) == steps:
+            return text
+    raise AssertionError(f"the run ended (exit {process.returncode}) before its page held {steps} steps")
+
+
+def test_run_page_of_a_flux_lora_run_updates_while_it_goes_and_is_served(media, tmp_path, page):
+    """``hsdp train --serve-report 0`` on tiny-flux (LoRA, HSDP 2, validation samples), held before its second
+    step (tests/fault_injection): the served page says it is running, with step 1's points only, the step-0 samples
+    and the data table (items, buckets, the PDF left out with why), and serves samples but no checkpoint. Opened from
+    the file in a headless Chromium, the page reloads itself until the run ends; then it has the points of
+    ``--summary-json`` (every curve and each rank's memory), a grid row per validation step with each image loaded,
+    no reload script, and the server is gone."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    import httpx
+
     from hsdp.models.builtin import resolve_model
     from tests.browser import assert_accessible, screenshot
 
     resolve_model("tiny-flux")  # built here, not by the ranks
-    run, summary = tmp_path / "run", tmp_path / "summary.json"
-    argv = ["train", "--model", "tiny-flux", "--data", str(media), "--resolution", "32", "--steps", "2",
-            "--batch-size", "2", "--lr", "1e-3", "--lora-r", "4", "--use-hsdp", "--hsdp-shard-size", "2",
-            "--output-dir", str(run), "--validation-prompt", "a red fox", "--validation-every", "2",
-            "--summary-json", str(summary)]  # fmt: skip
-    assert cli_main(argv) == 0
+    data, run, summary, gate = tmp_path / "data", tmp_path / "run", tmp_path / "summary.json", tmp_path / "go"
+    shutil.copytree(media, data)
+    (data / "notes.pdf").write_bytes(b"%PDF-1.4")
+    argv = [sys.executable, "-m", "hsdp.cli", "train", "--model", "tiny-flux", "--data", str(data),
+            "--resolution", "32", "--steps", "2", "--batch-size", "2", "--lr", "1e-3", "--lora-r", "4",
+            "--use-hsdp", "--hsdp-shard-size", "2", "--output-dir", str(run), "--validation-prompt", "a red fox",
+            "--validation-every", "2", "--summary-json", str(summary), "--serve-report", "0"]  # fmt: skip
+    faults = str(Path(__file__).parent / "fault_injection")
+    env = {**os.environ, "HSDP_TEST_HOLD_FILE": f"{gate}:2"}
+    env["PYTHONPATH"] = os.pathsep.join([faults, env.get("PYTHONPATH", "")])
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    served_at = threading.Event()
+
+    def drain() -> None:  # the run's output, read as it comes (a full pipe would stop the run)
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("run page served at "):
+                served_at.set()
+        served_at.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        served_at.wait(timeout=300)
+        url = next((line.split()[4] for line in lines if line.startswith("run page served at ")), None)
+        assert url, "".join(lines)
+        served = _served_page_with_steps(process, url, 1)
+        assert '<body data-state="running"' in served and 'id="auto-refresh"' in served
+        sample = next((run / "samples" / "step-0").glob("*.png")).relative_to(run).as_posix()
+        answer = httpx.get(url + sample, timeout=30)
+        assert answer.status_code == 200 and answer.headers["content-type"] == "image/png"
+        assert answer.content == (run / sample).read_bytes()
+        assert httpx.get(url + "summary.json", timeout=30).status_code == 404
+
+        page.goto((run / "report.html").as_uri())  # the file, as the run writes it
+        assert page.get_attribute("body", "data-state") == "running"
+        middle = _drawn(page)
+        assert [s for s, _ in middle["loss"]] == [1] and [r for r, _, _ in middle["peak_memory"]] == [0, 1]
+        assert page.eval_on_selector_all(".grid tr[data-step]", "rs => rs.map(r => Number(r.dataset.step))") == [0]
+        assert page.inner_text('#data td[data-field="items"]').startswith("4 ")
+        assert len(page.query_selector_all('#data th:text-matches("^bucket ")')) == 2
+        left_out = page.inner_text('#left-out tr[data-kind="skipped"]')
+        assert "notes.pdf" in left_out and "not an image or video" in left_out
+        screenshot(page, "train-run-page-running")
+        assert_accessible(page, "the run page while the run goes")
+
+        gate.touch()
+        page.wait_for_function("document.body.dataset.state === 'finished'", timeout=300_000)  # reloaded itself
+        process.wait(timeout=300)
+        reader.join(timeout=60)
+    finally:
+        gate.touch()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, "".join(lines)
     records = json.loads(summary.read_text())
-    page.goto((run / "report.html").as_uri())
-    drawn = page.evaluate(
-        """() => Object.fromEntries([...document.querySelectorAll("svg[data-metric]")].map(svg => [svg.dataset.metric,
-             [...svg.querySelectorAll("circle")].map(c => [Number(c.dataset.step), Number(c.dataset.value)])]))"""
-    )
+    assert [r["step"] for r in records] == [1, 2]
+    drawn = _drawn(page)
     for name in ("loss", "lr", "tokens_per_s"):
         assert drawn[name] == [[r["step"], r[name]] for r in records], name
-    assert [r["step"] for r in records] == [1, 2]
+    assert middle["loss"] == drawn["loss"][:1]  # the points so far, then more
+    memory = sorted([rank, r["step"], peak] for r in records for rank, peak in enumerate(r["peak_memory"]))
+    assert sorted(drawn["peak_memory"]) == memory
     rows = page.eval_on_selector_all(".grid tr[data-step]", "rows => rows.map(r => Number(r.dataset.step))")
     assert rows == [0, 2]  # before the first step and at the end
     loaded = page.eval_on_selector_all(".grid img", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
     assert loaded == [64, 64], loaded
+    assert page.query_selector("#auto-refresh") is None and page.query_selector("main script:not([type])") is None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url, timeout=30)
     screenshot(page, "train-run-page")
     assert_accessible(page, "the run page")

@@ -11,6 +11,9 @@ rank (a deterministic error of the request); one containing "slow-decode" makes 
 
 ``HSDP_TEST_DISK_FULL=<path>``: while the file ``<path>`` exists, the server's disk is "full": writing a job record
 or a video fails with ENOSPC (a video leaves a partial staging file behind, as a real full disk does).
+
+``HSDP_TEST_HOLD_FILE=<path>:<step>``: ``hsdp train``'s rank 0 waits before training step ``<step>`` until the file
+``<path>`` exists (tests/test_train_report.py reads the run page of a run that is still going).
 """
 
 import os
@@ -78,3 +81,19 @@ if os.environ.get("HSDP_TEST_DISK_FULL"):
 
     jobs._write_json_atomic = _write_json_or_full
     runner.save_frames = _save_frames_or_full
+
+if os.environ.get("HSDP_TEST_HOLD_FILE"):
+    # HSDP_TEST_HOLD_FILE=<path>:<step>: rank 0 holds the run before training step <step> until <path> exists (the
+    # other ranks wait in that step's collectives), so a test sees the run page of a run that is still going.
+    from hsdp.train import trainer as _trainer
+
+    _gate, _hold_at = os.environ["HSDP_TEST_HOLD_FILE"].rsplit(":", 1)
+    _guarded_step = _trainer.Trainer._guarded_step
+
+    def _held_step(self):
+        if self.rank == 0 and self.step + 1 == int(_hold_at):
+            while not os.path.exists(_gate):
+                time.sleep(0.05)
+        return _guarded_step(self)
+
+    _trainer.Trainer._guarded_step = _held_step

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from hsdp.cli import add_revision_argument, add_single_file_arguments, resolve_model_argument
 from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.planning.estimate import Estimate, Hardware, Workload
+from hsdp.planning.plot import check_plot_path, terminal_chart, write_plot
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
 from hsdp.planning.search import Plan, plan
 from hsdp.suggest import did_you_mean
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=100.0, help="collective bandwidth per rank, GB/s")
     parser.add_argument("--host-gbps", type=float, default=25.0, help="host-device copy bandwidth, GB/s")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="also draw the memory per rank of each layout as a bar chart: FILE.svg, or FILE.png (Pillow)",
+    )
 
 
 def _device_memory(args: argparse.Namespace) -> int:
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
     resolve_model_argument(args, headers_only=True)
     try:
         _check_args(args)
+        if args.plot:
+            check_plot_path(args.plot)
         memory = _device_memory(args)
         reserve = _parse_reserve(args.reserve, memory)
         hw = Hardware(memory - reserve, args.device_tflops, args.link_gbps, args.host_gbps)
@@ -189,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
             dtype = DTYPES[args.dtype] if args.dtype else None
             profiles = _lm_lora(args, dtype) if args.lora_r else profile_model(args.model, dtype, sharded)
         result = plan(profiles, args.devices, work, hw, args.param_dtype, args.weight_dtype)
+        if args.plot:
+            mode = "training" if work.training else "inference"
+            title = f"{args.model_name}: memory per rank on {args.devices} devices ({mode})"
+            plotted = write_plot(result, args.plot, title)
     except PlanError as exc:
         print(f"hsdp plan: {exc}", file=sys.stderr)
         return 2
@@ -214,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
             "(per rank: tensor bytes, what max_memory_allocated counts on an accelerator and what hsdp train logs "
             "there; on a CPU hsdp train logs the resident set, which adds the runtime's own memory)\n"
         )
+        print(terminal_chart(result) + "\n")
+    if args.plot:
+        print(f"plot: {plotted}", file=sys.stderr if args.json else sys.stdout)
     if result.recommended is None:
         print(f"hsdp plan: {result.reason}", file=sys.stderr)
         return 1

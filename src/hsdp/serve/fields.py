@@ -144,6 +144,16 @@ def model_parameters(info: ModelInfo, limits: ServeLimits, job_route: str | None
                 description="The input image (PNG, JPEG or WebP)",
             )
         )
+    if info.takes_mask:
+        fields.append(
+            FieldInfo(
+                name="mask",
+                type="image",
+                required="mask_image" in info.required_params,
+                maximum=limits.max_side,
+                description="Inpainting mask: white = repaint (PNG, JPEG or WebP, the input image's size)",
+            )
+        )
     fields.append(
         FieldInfo(name="lora", type="adapters", description="LoRA adapters served here, each with a scale")
     )

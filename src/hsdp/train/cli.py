@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 from hsdp.checkpoint import latest_checkpoint
@@ -25,9 +28,10 @@ from hsdp.lora_formats import FORMATS
 from hsdp.measure.comm import CommReport
 from hsdp.signals import STOP_EXIT, Stopped
 from hsdp.train.config import TrainConfig, TrainConfigError
+from hsdp.train.page_server import serve_run_page
 from hsdp.train.report import REPORTERS, write_summary
 from hsdp.train.run import run_training
-from hsdp.train.run_page import write_run_page
+from hsdp.train.run_page import PAGE_NAME, end_live_page
 from hsdp.train.schedule import SCHEDULERS
 from hsdp.train.trainer import TrainResult
 
@@ -177,6 +181,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logging-dir", default=None, help="tracker folder (default OUTPUT_DIR/runs)")
     parser.add_argument("--summary-json", default=None, help="write per-step figures here")
     parser.add_argument(
+        "--serve-report",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the run page <output-dir>/report.html and its samples over HTTP on PORT while the run goes "
+        "(0: a free port; the URL is printed); it stops with the run",
+    )
+    parser.add_argument(
+        "--serve-report-host",
+        default="127.0.0.1",
+        help="the address --serve-report binds (default 127.0.0.1, this machine only; 0.0.0.0 for the network, "
+        "with no authentication)",
+    )
+    parser.add_argument(
         "--comm-stats", action="store_true", help="count the last step's collectives against the minimum"
     )
     diffusion = parser.add_argument_group("diffusion pipelines (docs/training-diffusion.md)")
@@ -315,26 +333,74 @@ def _planned(cfg: TrainConfig) -> TrainConfig:
     return planned.cfg
 
 
+def _end_page(cfg: TrainConfig | None, state: str, started: float) -> None:
+    """A run whose ranks ended without writing their last page: the page stops reloading itself and says why."""
+    if cfg is None or not cfg.output_dir or int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        end_live_page(cfg.output_dir, cfg, state.splitlines()[0][:300], since=started)
+    except (OSError, ValueError) as exc:
+        logger.warning("the run page was not rewritten: %s", exc)
+
+
+def _serve(args: argparse.Namespace, serving: contextlib.ExitStack) -> int | None:
+    """``--serve-report``: the run page over HTTP from the process that starts the run (rank 0's under torchrun),
+    until ``serving`` closes; the exit status 2 when the port cannot be bound."""
+    if args.serve_report is None or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        url = serving.enter_context(serve_run_page(args.output_dir, args.serve_report, args.serve_report_host))
+    except OSError as exc:  # the port taken, or not ours to bind
+        print(
+            f"hsdp train: --serve-report {args.serve_report} on {args.serve_report_host}: {exc.strerror or exc}; "
+            "pick another port (0: any free one) or --serve-report-host",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"run page served at {url} while the run goes", flush=True)
+    return None
+
+
+def _serve_problem(args: argparse.Namespace) -> str | None:
+    if args.serve_report is None:
+        return None
+    if not args.output_dir:
+        return "--serve-report serves <output-dir>/report.html: set --output-dir"
+    if not 0 <= args.serve_report <= 65535:
+        return f"--serve-report {args.serve_report}: a port is 0 (any free one) to 65535"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.summary_json and Path(args.summary_json).is_dir():
         print(f"hsdp train: --summary-json {args.summary_json} is a folder; it names the file to write", file=sys.stderr)
         return 2
+    if problem := _serve_problem(args):
+        print(f"hsdp train: {problem}", file=sys.stderr)
+        return 2
     resolve_model_argument(args)  # a hub name: downloaded (once per node) before any rank starts
+    cfg, started = None, time.time() - 1  # file times are coarser than time()
     try:
         cfg = config_from_args(args)
-        if _names_no_layout(args):
-            cfg = _planned(cfg)
-        result = run_training(cfg)
+        with contextlib.ExitStack() as serving:
+            if (refused := _serve(args, serving)) is not None:
+                return refused
+            if _names_no_layout(args):
+                cfg = _planned(cfg)
+            result = run_training(cfg)
     except (TrainConfigError, ValueError) as exc:
+        _end_page(cfg, f"failed: {exc}", started)
         print(f"hsdp train: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
+        _end_page(cfg, f"failed: {exc}", started)
         print(f"hsdp train: training failed: {exc}\n{_stopped(args)}", file=sys.stderr)
         return 1
     except Stopped as exc:  # SIGTERM in the checks or while the ranks start (:mod:`hsdp.signals`)
         print(f"hsdp train: {exc} before training started\n{_stopped(args)}", file=sys.stderr)
         return STOP_EXIT
     except KeyboardInterrupt:
+        _end_page(cfg, "interrupted", started)
         print(f"hsdp train: interrupted\n{_stopped(args)}", file=sys.stderr)
         return 130
     if result.stopped_by is not None:  # on every rank: torchrun's agent sees why its ranks ended
@@ -363,6 +429,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"exported merged model: {result.export_merged}")
     if args.summary_json:
         write_summary(args.summary_json, steps)
-    if cfg.output_dir:
-        print(f"run page: {write_run_page(cfg.output_dir, result, cfg)}")
+    if cfg.output_dir:  # rank 0 wrote it as the run ended
+        print(f"run page: {Path(cfg.output_dir) / PAGE_NAME}")
     return 0

@@ -51,12 +51,16 @@ from hsdp.train.data import (
 )
 from hsdp.train.grads import all_reduce_plain_grads, clip_grad_norm_
 from hsdp.train.report import make_reporter, step_metrics, write_summary
+from hsdp.train.run_page import write_run_page
 from hsdp.train.schedule import build_scheduler
 from hsdp.train.stop import requested, signal_name
 
 logger = logging.getLogger("hsdp")
 
 __all__ = ["Trainer", "StepResult", "TrainResult", "load_data", "load_dataset"]
+
+PAGE_EVERY_S = 10.0
+"""The run page (:mod:`hsdp.train.run_page`) is rewritten at a log point at most this often."""
 
 
 @dataclass
@@ -92,6 +96,8 @@ class TrainResult:
     stopped_by: str | None = None
     """The signal that stopped the run before ``cfg.steps`` (``SIGTERM``; :mod:`hsdp.train.stop`), its checkpoint
     saved at the step it stopped at; None for a run that went to the end. Nothing is exported then."""
+    data: dict | None = None
+    """What the run trains on, for its page (:meth:`Trainer.data_table`)."""
 
     @property
     def losses(self) -> list[float]:
@@ -338,8 +344,10 @@ class Trainer:
         cfg = self.cfg
         return {"path": str(cfg.data), "seq_len": cfg.seq_len, "seed": cfg.seed}
 
-    def _validate(self) -> None:
-        """Validation samples when due, before the first step and after each (diffusion); none for an LM."""
+    def _validate(self) -> bool:
+        """Validation samples when due, before the first step and after each (diffusion); none for an LM. True when
+        it wrote some."""
+        return False
 
     def _step_note(self, step: int) -> str:
         """What the log line of step ``step`` (0-based) adds: which of several denoisers it trained."""
@@ -483,12 +491,28 @@ class Trainer:
         assert self.checkpointer is not None
         self.checkpointer.save(self.step, self.model, self.optimizer, self._state())
 
+    def data_table(self) -> dict:
+        """What the run trains on, for its page: source, items and their unit; diffusion adds size buckets and the
+        files left out or upscaled, with why."""
+        return {"source": str(self.cfg.data), "items": len(self.data), "unit": f"rows of {self.data.seq_len} tokens"}
+
+    def _write_page(self, result: TrainResult, state: str) -> None:
+        """Rank 0 rewrites ``<output-dir>/report.html`` (:mod:`hsdp.train.run_page`); a page it cannot write is a
+        warning, never the end of the run."""
+        if self.rank != 0 or not self.cfg.output_dir:
+            return
+        last = latest_checkpoint(self.checkpointer.root) if self.checkpointer else None
+        try:
+            write_run_page(self.cfg.output_dir, result, self.cfg, state=state, checkpoint=last and str(last))
+        except OSError as exc:
+            logger.warning("the run page was not written: %s", exc)
+
     def fit(self, on_step=None) -> TrainResult:
         """Train up to ``cfg.steps``; ``on_step(StepResult)`` is called on every rank after each step."""
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        result = TrainResult(unit=self.unit, memory_kind=peak_memory(self.device).kind)
+        result = TrainResult(unit=self.unit, memory_kind=peak_memory(self.device).kind, data=self.data_table())
         reporter = make_reporter(cfg) if self.rank == 0 else None
         bar = tqdm(
             total=cfg.steps,
@@ -497,9 +521,12 @@ class Trainer:
             disable=self.rank != 0 or not cfg.progress,
             leave=False,
         )
+        page_due = time.monotonic() + PAGE_EVERY_S
         try:
+            self._write_page(result, "running")
             if self.step == 0:
                 self._validate()
+                self._write_page(result, "running")
             while self.step < cfg.steps:
                 if cfg.comm_stats and self.step == cfg.steps - 1:
                     step, report = measure_comm(self.model, self._guarded_step, training=True)
@@ -511,7 +538,8 @@ class Trainer:
                     write_summary(cfg.summary_json, result.steps)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step.loss:.4f}", per_s=f"{step.tokens_per_s:.1f} {self.unit}")
-                if self.rank == 0 and (step.step % cfg.log_every == 0 or step.step == cfg.steps):
+                logged = step.step % cfg.log_every == 0 or step.step == cfg.steps
+                if self.rank == 0 and logged:
                     logger.info(
                         "step %d/%d loss %.4f lr %.3g%s %s/s %.1f peak memory per rank (MiB, %s) %s%s",
                         step.step,
@@ -525,9 +553,10 @@ class Trainer:
                         " ".join(f"{p / 2**20:.0f}" for p in step.peak_memory),
                         self._step_note(step.step - 1),
                     )
-                if self.eval_data is not None and (
+                evaluated = self.eval_data is not None and (
                     (cfg.eval_every and step.step % cfg.eval_every == 0) or step.step == cfg.steps
-                ):
+                )
+                if evaluated:
                     step.eval_loss, step.eval_perplexity = self.evaluate()
                     if self.rank == 0:
                         perplexity = step.eval_perplexity  # None for diffusion: a loss, not a likelihood
@@ -537,20 +566,29 @@ class Trainer:
                             step.eval_loss,
                             "" if perplexity is None else f" perplexity {perplexity:.2f}",
                         )
-                self._validate()
+                sampled = self._validate()
                 if reporter is not None:
                     reporter.log(step.step, step_metrics(step))
                 if on_step is not None:
                     on_step(step)
-                if self.checkpointer and (
+                saved = self.checkpointer and (
                     (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps or self.stop_agreed
-                ):
+                )
+                if saved:
                     self.save()
+                # A log point rewrites the page at most every PAGE_EVERY_S (it grows with the run; the first step
+                # of this process shows at once); eval, samples and checkpoints always do.
+                if evaluated or sampled or saved or (logged and (len(result.steps) == 1 or time.monotonic() >= page_due)):
+                    self._write_page(result, "running")
+                    page_due = time.monotonic() + PAGE_EVERY_S
                 if self.stop_agreed and self.step < cfg.steps:
                     result.stopped_by = signal_name(requested())
                     if self.rank == 0:
                         logger.info("stopping at step %d/%d: %s", self.step, cfg.steps, result.stopped_by)
                     break
+        except BaseException as exc:  # the page stops reloading itself and says why
+            self._write_page(result, f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+            raise
         finally:
             bar.close()
             if reporter is not None:
@@ -560,6 +598,7 @@ class Trainer:
             result.checkpoint = str(latest_checkpoint(self.checkpointer.root))
         if result.stopped_by is None:  # a stopped run is not finished: its export would pass for the trained model
             self._export(result)
+        self._write_page(result, "finished" if result.stopped_by is None else f"stopped by {result.stopped_by}")
         return result
 
     def _export(self, result: TrainResult) -> None:

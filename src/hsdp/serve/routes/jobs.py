@@ -8,12 +8,25 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from hsdp.serve.jobs import Job
-from hsdp.serve.routes.common import ServerDep, form_schema, job_file, unused_headers
+from hsdp.serve.media import Upload, reference_upload
+from hsdp.serve.routes.common import (
+    ServerDep,
+    form_schema,
+    is_form,
+    job_file,
+    json_object,
+    read_form,
+    unused_headers,
+    validate,
+)
 from hsdp.serve.routes.videos import REFERENCE, parse_video_request
 from hsdp.serve.schemas import ApiError, DeletedJob, JobList, JobObject, JobRequest, valid_job_id
 from hsdp.serve.service import ASYNC_KIND, CONTENT_TYPES, Server
 
 __all__ = ["router"]
+
+MASK = "mask"
+"""The inpainting mask's field, as ``/v1/images/edits`` names it (``mask_image`` is accepted too)."""
 
 _JOB_BODY = {
     "requestBody": {
@@ -22,7 +35,12 @@ _JOB_BODY = {
             "application/json": {"schema": JobRequest.model_json_schema()},
             "multipart/form-data": {
                 "schema": form_schema(
-                    JobRequest, {REFERENCE: "input image (pipelines that take one)"}, ("prompt",)
+                    JobRequest,
+                    {
+                        REFERENCE: "input image (pipelines that take one)",
+                        MASK: "inpainting mask, white = repaint",
+                    },
+                    ("prompt",),
                 )
             },
         },
@@ -59,9 +77,27 @@ def _format(server: Server, body: JobRequest) -> str:
     return body.output_format or formats[0]
 
 
+async def _parse(request: Request) -> tuple[JobRequest, Upload | None, Upload | None]:
+    """The body and its input image (``input_reference``) as ``/v1/videos`` reads them, and the inpainting mask:
+    the ``mask`` (or ``mask_image``) file part, or in JSON a data URL as ``mask``."""
+    if is_form(request):
+        fields, files = await read_form(request)
+        image = Upload(REFERENCE, "image", files[REFERENCE][0]) if REFERENCE in files else None
+        field = next((name for name in (MASK, "mask_image") if name in files), None)
+        return (
+            validate(JobRequest, fields),
+            image,
+            Upload(field, "mask_image", files[field][0]) if field else None,
+        )
+    data = await json_object(request)
+    mask = data.pop(MASK, None)
+    body, image = await parse_video_request(request, JobRequest, data=data)
+    return body, image, reference_upload(mask, MASK) if mask is not None else None
+
+
 async def _jobs(server: Server, request: Request) -> tuple[list[Job], dict[str, str]]:
     """The jobs of one request, and the response headers naming the fields the pipeline did not take."""
-    body, image = await parse_video_request(request, JobRequest)
+    body, image, mask = await _parse(request)
     server.check_model(body.model, "diffusion")
     made = server.outputs
     fmt = _format(server, body)
@@ -78,6 +114,7 @@ async def _jobs(server: Server, request: Request) -> tuple[list[Job], dict[str, 
         fps=body.fps,
         output_format=fmt,
         image=image,
+        mask=mask,
         image_field=REFERENCE,
     )
     return jobs, unused_headers(server, body)

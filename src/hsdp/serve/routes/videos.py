@@ -50,15 +50,17 @@ router = APIRouter()
 
 
 async def parse_video_request(
-    request: Request, model: type[VideoRequestT] = VideoRequest
+    request: Request, model: type[VideoRequestT] = VideoRequest, *, data: dict | None = None
 ) -> tuple[VideoRequestT, Upload | None]:
     """The body as JSON or as form fields (``curl -F``), and the input image: the ``input_reference`` file part,
-    or in JSON a data URL (``"input_reference": {"image_url": "data:..."}``)."""
+    or in JSON a data URL (``"input_reference": {"image_url": "data:..."}``). ``data``: the JSON body when the
+    caller has read it already."""
     if is_form(request):
         fields, files = await read_form(request)
         image = files.get(REFERENCE) and Upload(REFERENCE, "image", files[REFERENCE][0])
         return validate(model, fields), image or None
-    data = await json_object(request)
+    if data is None:
+        data = await json_object(request)
     reference = data.pop(REFERENCE, None)
     image = reference_upload(reference, REFERENCE) if reference is not None else None
     return validate(model, data), image

@@ -125,29 +125,29 @@ function chosenAdapters() {
 // applies them to what is left empty, so the page's request is the one a client leaving them out sends.
 function requestBody() {
   const body = {};
-  let image = null;
+  const uploads = {};  // file parts by field name: input_reference, and mask for an inpainting pipeline
   for (const field of state.fields) {
     if (field.type === "adapters") continue;
     const input = $(`f-${field.name}`);
-    if (field.type === "image") { image = input.files[0] || null; continue; }
+    if (field.type === "image") { if (input.files[0]) uploads[field.name] = input.files[0]; continue; }
     const raw = input.value.trim();
     if (raw === "" && field.name !== "prompt") continue;
     body[field.name] = field.type === "integer" || field.type === "number" ? Number(raw) : raw;
   }
   const adapters = chosenAdapters();
   if (adapters.length) body.lora = adapters.length === 1 ? adapters[0] : adapters;
-  return { body, image };
+  return { body, uploads };
 }
 
 async function submitJob(event) {
   event.preventDefault();
   $("form-error").textContent = "";
-  const { body, image } = requestBody();
+  const { body, uploads } = requestBody();
   let options;
-  if (image) {
+  if (Object.keys(uploads).length) {
     const form = new FormData();
     for (const [name, value] of Object.entries(body)) form.append(name, typeof value === "object" ? JSON.stringify(value) : value);
-    form.append("input_reference", image);
+    for (const [name, file] of Object.entries(uploads)) form.append(name, file);
     options = { method: "POST", body: form };
   } else {
     options = { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) };

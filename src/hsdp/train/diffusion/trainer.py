@@ -578,10 +578,33 @@ class DiffusionTrainer(Trainer):
         """Validation samples of the model as it is now (collective; rank 0 writes them): :mod:`.validation`."""
         return validation.generate_samples(self, self.validation)
 
-    def _validate(self) -> None:
+    def _validate(self) -> bool:
         cfg, every = self.cfg, self.cfg.validation_every
-        if self.validation and (self.step == 0 or (every and self.step % every == 0) or self.step == cfg.steps):
+        due = self.validation and (self.step == 0 or (every and self.step % every == 0) or self.step == cfg.steps)
+        if due:
             self.sample()
+        return bool(due)
+
+    def data_table(self) -> dict:
+        dataset = self.data.dataset
+        groups: dict[str, int] = {}
+        for bucket in dataset.buckets:
+            label = f"{bucket.frames} x {bucket.height} x {bucket.width}"
+            groups[label] = groups.get(label, 0) + 1
+        clips = sum(b.frames > 1 for b in dataset.buckets)
+        upscaled = [
+            [str(dataset.items[i].path), f"{h} x {w} is below its bucket {dataset.buckets[i].height} x "
+             f"{dataset.buckets[i].width} on a side"]
+            for i, h, w in dataset.enlarged
+        ]  # fmt: skip (lists: the table travels as JSON in the page)
+        return {
+            "source": str(self.cfg.data),
+            "items": len(dataset),
+            "unit": f"({len(dataset) - clips} images, {clips} clips)",
+            "buckets": [[f"{label} (frames x height x width)", count] for label, count in groups.items()],
+            "skipped": [[str(path), why] for path, why in dataset.skipped],
+            "upscaled": upscaled,
+        }
 
     def evaluate(self) -> tuple[float, None]:
         """(loss at fixed timesteps on ``--eval-data``, no perplexity): :mod:`hsdp.train.diffusion.evaluation`."""
