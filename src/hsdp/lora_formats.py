@@ -349,10 +349,11 @@ def _cached(source: Path, key: bytes, convert: Callable[[], tuple[dict[str, torc
 
 
 def _pipeline_class(path: Path, model_dir: Path, flag: str) -> type:
-    """The diffusers pipeline class of the denoiser folder ``model_dir`` (its parent's ``model_index.json``), which
-    must read LoRA files (``lora_state_dict``)."""
-    index = model_dir.parent / "model_index.json"
-    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    """The diffusers pipeline class of the denoiser folder ``model_dir`` (its parent pipeline's,
+    :func:`hsdp.models.description.describe`), which must read LoRA files (``lora_state_dict``)."""
+    from hsdp.models.description import describe, is_pipeline
+
+    name = describe(model_dir.parent).class_name if is_pipeline(model_dir.parent) else ""
     import diffusers
 
     pipeline = getattr(diffusers, name, None) if name else None
