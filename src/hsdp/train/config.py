@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdp.config import DTYPES, ParallelConfig
-from hsdp.models.description import INDEX_FILE, is_pipeline
+from hsdp.models.description import INDEX_FILE, class_for_folder, is_pipeline
 from hsdp.suggest import did_you_mean
 from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
@@ -622,7 +622,7 @@ def check_export_formats(cfg: TrainConfig, denoiser_dir: Path) -> None:
 
     if not (cfg.export and cfg.use_lora):
         return
-    model_class = json.loads((denoiser_dir / "config.json").read_text()).get("_class_name", "")
+    model_class = class_for_folder(denoiser_dir).__name__
     for fmt in cfg.export_formats(diffusers=True):
         problem = format_problem(fmt, model_class)
         if problem:

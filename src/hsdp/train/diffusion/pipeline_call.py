@@ -703,8 +703,8 @@ def _bounding_shape(mask: torch.Tensor) -> tuple[int, ...]:
 @contextmanager
 def _initial_latents(pipeline_class: type, latents: torch.Tensor) -> Iterator[None]:
     """The pipeline's ``randn_tensor`` gives ``latents`` (VAE layout, its dimensions matched to the shape asked
-    for by size, equal sizes in order) where it draws the initial latents. Other draws come from a fixed seed, so
-    every recording pass (and every rank) gives the denoiser the same values: LTX-2's audio latents, the joint
+    for by size, equal sizes in order) where it draws the initial latents. Other draws come from a fixed seed, one
+    row repeated, so every recording pass, rank and micro-batch layout gives the denoiser the same values: LTX-2's audio latents, the joint
     transformer's second stream, which a run on video media has no data for, are the pipeline's own initial noise."""
     modules = {sys.modules[c.__module__] for c in pipeline_class.__mro__ if hasattr(sys.modules[c.__module__], "randn_tensor")}
     originals = {m: m.randn_tensor for m in modules}
@@ -718,7 +718,9 @@ def _initial_latents(pipeline_class: type, latents: torch.Tensor) -> Iterator[No
             bound = inspect.signature(original).bind(shape, *args, **kwargs).arguments
             device = bound.get("device") or "cpu"
             bound["generator"] = torch.Generator(device=device).manual_seed(_OTHER_DRAWS_SEED)
-            return original(**bound)
+            # One draw for every row: a row's values do not depend on how many rows this rank's micro-batch has.
+            bound["shape"] = (1, *tuple(shape)[1:])
+            return original(**bound).expand(tuple(shape)).contiguous()
         asked.append(None)
         dtype = kwargs.get("dtype") or latents.dtype
         return latents.permute(order).to(dtype=dtype)

@@ -290,12 +290,11 @@ def _check_bucket_sizes(cfg: TrainConfig, pipe, dataset: MediaDataset) -> None:
 
 def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) -> None:
     """``--ulysses-degree`` needs the denoiser's ``_cp_plan`` (where diffusers splits and gathers the sequence)."""
-    import diffusers
-
     if cfg.parallel.ulysses_degree <= 1:
         return
-    name = json.loads((model_dir / component / "config.json").read_text()).get("_class_name", "")
-    if not has_cp_plan(getattr(diffusers, name, None)):
+    cls = describe(model_dir).components[component].cls()
+    name = cls.__name__
+    if not has_cp_plan(cls):
         raise TrainConfigError(
             f"--ulysses-degree={cfg.parallel.ulysses_degree}: {component} ({name}) has no _cp_plan, so diffusers "
             "cannot split its sequence; train it with --hsdp-shard-size instead"
