@@ -227,10 +227,9 @@ def _returns_like(model: torch.nn.Module, arguments: dict, made: torch.Tensor) -
             returned = model(**on_meta, return_dict=False)
     except Exception:  # noqa: BLE001 - a forward that cannot run on meta: the one-tensor return
         return (made,)
-    shapes = [tuple(t.shape) for t in returned] if isinstance(returned, tuple) else []
-    if len(shapes) <= 1 or not all(isinstance(t, torch.Tensor) for t in returned):
-        return (made,)
-    return (made, *(torch.zeros(shape, dtype=made.dtype, device=made.device) for shape in shapes[1:]))
+    if not (isinstance(returned, tuple) and len(returned) > 1 and all(isinstance(t, torch.Tensor) for t in returned)):
+        return (made,)  # one return (a tensor, or Z-Image's list of per-row tensors)
+    return (made, *(torch.zeros(t.shape, dtype=made.dtype, device=made.device) for t in returned[1:]))
 
 
 @contextmanager
