@@ -164,7 +164,7 @@ def test_the_frame_rule_is_the_pipeline_s_as_the_trainer_reads_it(name, request)
     """Issue 33 item 3: the engine read the temporal compression from ``vae/config.json``, where the LTX and LTX-2
     VAEs leave it null (their class derives it), and took 1 where the pipeline's is 2 (LTX-2 here) or 4 (LTX here).
     Now the engine, the server and the trainer read it from the pipeline by one rule
-    (:mod:`hsdp.pipeline_sizes`): the model's info equals the loaded pipeline's attribute and the trainer's spec."""
+    (:mod:`hsdp.models.description`): the model's info equals the loaded pipeline's attribute and the trainer's spec."""
     from diffusers import DiffusionPipeline
 
     from hsdp.train.diffusion.frozen import media_spec
@@ -173,7 +173,7 @@ def test_the_frame_rule_is_the_pipeline_s_as_the_trainer_reads_it(name, request)
     info = inspect_model(folder)
     loaded = DiffusionPipeline.from_pretrained(folder)
     assert info.temporal_factor == loaded.vae_temporal_compression_ratio == {"ltx2": 2, "ltx": 4}[name]
-    spec = media_spec(loaded, folder, "transformer")
+    spec = media_spec(folder, "transformer")
     assert (info.spatial_multiple, info.temporal_factor) == (spec.spatial_multiple, spec.temporal_multiple)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 import time
@@ -31,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from hsdp.config import DTYPES, ParallelConfig
 from hsdp.distributed import local_device
 from hsdp.mesh import ParallelMeshes
+from hsdp.models.description import ModelDescription, class_for_folder
 from hsdp.safetensors_index import CheckpointError, CheckpointIndex, read_checkpoint_index
 from hsdp.shard_rules import ShardPlan
 from hsdp.sharding import apply_hsdp_to_model, fsdp_units, host_params, parameter_bytes
@@ -48,43 +48,13 @@ __all__ = [
     "read_checkpoint_index",
     "model_class_for",
     "build_empty_model",
+    "build_component",
 ]
 
 def model_class_for(folder: Path) -> type[nn.Module]:
-    """The model class named by a folder's ``config.json`` (diffusers ``_class_name`` or HF ``architectures``)."""
-    config_file = folder / "config.json"
-    if not folder.is_dir():
-        raise CheckpointError(f"model folder {folder} does not exist")
-    if (folder / "model_index.json").exists() and not config_file.exists():
-        raise CheckpointError(
-            f"{folder} is a diffusers pipeline folder; load one of its components, e.g. {folder / 'transformer'}"
-        )
-    if not config_file.exists():
-        raise CheckpointError(
-            f"{folder} has no config.json: not a Hugging Face model or diffusers component folder"
-        )
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_file}: invalid JSON ({exc})") from exc
-    if "_class_name" in config:
-        import diffusers
-
-        library, name = diffusers, config["_class_name"]
-    elif config.get("architectures"):
-        import transformers
-
-        library, name = transformers, config["architectures"][0]
-    else:
-        raise CheckpointError(
-            f"{config_file} names no model class (_class_name or architectures); pass model_class="
-        )
-    cls = getattr(library, name, None)
-    if cls is None:
-        raise CheckpointError(
-            f"{config_file}: class {name!r} is not in {library.__name__} {library.__version__}"
-        )
-    return cls
+    """The model class of a component or model folder, as every command resolves it
+    (:func:`hsdp.models.description.class_for_folder`: a pipeline's own entry, else ``config.json``'s class)."""
+    return class_for_folder(folder)
 
 
 @contextlib.contextmanager
@@ -126,6 +96,22 @@ def build_empty_model(
     if dtype is not None:
         _cast(model, dtype)
     return model
+
+
+def build_component(
+    description: ModelDescription, name: str, dtype: torch.dtype | None = None, *, empty: bool = True
+) -> Any:
+    """Component ``name`` of a described pipeline, as every command builds it: with a ``config.json``, on meta
+    (``empty``; :func:`build_empty_model`, no weights read) or loaded whole by its class's ``from_pretrained`` in
+    ``dtype``; without one (tokenizers, processors, a guider), loaded as saved. The class is the description's
+    (diffusers, transformers or the pipeline's own module)."""
+    component = description.components[name]
+    cls = component.cls()
+    if component.has_config and empty:
+        return build_empty_model(cls, component.folder, dtype)
+    if component.has_config and dtype is not None:
+        return cls.from_pretrained(component.folder, torch_dtype=dtype)
+    return cls.from_pretrained(component.folder)
 
 
 def _cast(model: nn.Module, dtype: torch.dtype) -> None:

@@ -149,8 +149,8 @@ def format_problem(format: str, model_class: str, denoiser_dir: Path | None = No
     """Why adapters of a ``model_class`` denoiser (its own class name, as its ``config.json`` says) cannot be
     written in ``format``, or None; reads no weights, so ``hsdp train`` refuses before any rank starts. For a
     single-file format the layout is derived on a probe adapter (:func:`hsdp.lora_layouts.layout_problem`) of the
-    modules ``lora`` (a ``LoraConfig``) targets in the denoiser of ``denoiser_dir`` (its pipeline: the parent's
-    ``model_index.json``); the message names the formats this model takes."""
+    modules ``lora`` (a ``LoraConfig``) targets in the denoiser of ``denoiser_dir`` (its pipeline: the parent
+    folder's); the message names the formats this model takes."""
     if format not in LAYOUT_FORMATS or denoiser_dir is None or lora is None:
         return None
     import diffusers
@@ -396,10 +396,11 @@ def _cached(source: Path, key: bytes, convert: Callable[[], tuple[dict[str, torc
 
 
 def _pipeline_class(path: Path, model_dir: Path, flag: str) -> type:
-    """The diffusers pipeline class of the denoiser folder ``model_dir`` (its parent's ``model_index.json``), which
-    must read LoRA files (``lora_state_dict``)."""
-    index = model_dir.parent / "model_index.json"
-    name = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    """The diffusers pipeline class of the denoiser folder ``model_dir`` (its parent pipeline's,
+    :func:`hsdp.models.description.describe`), which must read LoRA files (``lora_state_dict``)."""
+    from hsdp.models.description import describe, is_pipeline
+
+    name = describe(model_dir.parent).class_name if is_pipeline(model_dir.parent) else ""
     import diffusers
 
     pipeline = getattr(diffusers, name, None) if name else None

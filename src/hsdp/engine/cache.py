@@ -135,14 +135,11 @@ def build_cache_config(
 
 def _meta_denoiser(folder) -> nn.Module:
     """The denoiser built on the meta device from its config: structure only, no memory, no weights read."""
-    import json
+    from hsdp.models.description import class_for_folder
 
-    import diffusers
-
-    config = json.loads((folder / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
+    cls = class_for_folder(folder)
     with torch.device("meta"):
-        return cls.from_config(config)
+        return cls.from_config(cls.load_config(folder))
 
 
 def cache_problems(name: str | None, fields: dict[str, Any] | None, info, parallel=None) -> list[str]:

@@ -1,7 +1,7 @@
 """What a model folder is, read from its JSON files, safetensors headers and the library classes they name, so
 bad input fails before any rank starts.
 
-A diffusers pipeline folder has ``model_index.json`` naming the pipeline class and its components; a Hugging Face
+A diffusers pipeline folder has an index (:mod:`hsdp.models.description`, read there) naming the pipeline class and its components; a Hugging Face
 causal LM folder has ``config.json`` whose ``architectures`` end in ``ForCausalLM``. For a pipeline, everything
 the engine needs comes from diffusers' own metadata: the arguments its ``__call__`` accepts (and so whether it
 makes video, takes an input image, runs true CFG), which components are denoisers (diffusers models that are not
@@ -14,7 +14,6 @@ pipeline's own ``__call__`` signature.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -24,18 +23,11 @@ from typing import Literal
 
 from hsdp.families import family_for
 from hsdp.generation_defaults import DEFAULTS_FILE
-from hsdp.pipeline_sizes import pipeline_compression, skeleton_pipeline
+from hsdp.models.description import TEXT_ENCODER_SHARD_FRACTION, ModelDescription, describe
 from hsdp.vae_parallel import split_refusal
 
 __all__ = ["ModelInfo", "inspect_model", "TEXT_ENCODER_SHARD_FRACTION", "AUDIO_LENGTH_PARAMS"]
 
-"""Optional generation defaults next to ``model_index.json`` (height, width, steps, ...)."""
-
-TEXT_ENCODER_SHARD_FRACTION = 0.3
-"""A non-denoiser component with a shard plan (T5, UMT5, Qwen2.5-VL, Llama text encoders) is sharded when its
-weights are at least this fraction of the largest denoiser's: T5-XXL beside FLUX (39%), UMT5-XXL beside Wan 14B
-(40%) and Qwen2.5-VL beside Qwen-Image (35%) are; CLIP-L (5%) and CLIP-G beside SDXL's UNet (27%) load whole,
-where sharding saves little memory and costs a collective per block."""
 
 _DEFAULT_KEYS = (
     "height",
@@ -133,52 +125,12 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path}: unreadable or invalid JSON ({exc})") from exc
 
 
-def _component_class(folder: Path, name: str, spec: list) -> type | None:
-    """The class a ``model_index.json`` entry names, when it is a torch module of diffusers or transformers."""
-    import torch
-
-    library, class_name = spec[0], spec[1]
-    if library not in ("diffusers", "transformers"):
-        return None
-    cls = getattr(importlib.import_module(library), class_name, None)
-    if cls is None:
-        raise ValueError(
-            f"{folder / 'model_index.json'}: component {name!r} names {library}.{class_name}, which this "
-            f"{library} does not have; upgrade {library} or fix the folder"
-        )
-    return cls if isinstance(cls, type) and issubclass(cls, torch.nn.Module) else None
-
-
-def _is_autoencoder(cls: type) -> bool:
-    from diffusers.models.autoencoders.vae import AutoencoderMixin
-
-    return issubclass(cls, AutoencoderMixin)
-
-
 def _vae_options(cls: type) -> frozenset[str]:
     """diffusers' ``enable_tiling`` / ``enable_slicing`` work where ``__init__`` sets ``use_tiling`` /
     ``use_slicing`` (the mixin's own test, made on the class instead of an instance)."""
     source = inspect.getsource(cls.__init__)
     tiling = "self.use_tiling" in source and callable(getattr(cls, "tiled_decode", None))
     return frozenset(name for name, ok in (("tiling", tiling), ("slicing", "self.use_slicing" in source)) if ok)
-
-
-def _is_denoiser(cls: type) -> bool:
-    from diffusers import ModelMixin
-
-    return issubclass(cls, ModelMixin) and not _is_autoencoder(cls)
-
-
-def _has_shard_plan(cls: type) -> bool:
-    return bool(getattr(cls, "_hsdp_shard_conditions", None) or getattr(cls, "_no_split_modules", None))
-
-
-def _configs(folder: Path, components) -> dict[str, dict]:
-    return {
-        name: _read_json(folder / name / "config.json")
-        for name in components
-        if (folder / name / "config.json").exists()
-    }
 
 
 def _output_kind(pipeline_cls: type, call_params: frozenset[str]) -> tuple[str, bool]:
@@ -208,52 +160,9 @@ def _output_kind(pipeline_cls: type, call_params: frozenset[str]) -> tuple[str, 
     return ("video" if "num_frames" in call_params else "image"), False
 
 
-def _stored_bytes(folder: Path) -> int:
-    from hsdp.loading import CheckpointError, read_checkpoint_index
-
-    try:
-        index = read_checkpoint_index(folder)
-    except CheckpointError:
-        return 0  # reported by the loader, with the file, if the component is ever loaded
-    return sum(_numel(e.shape) * e.dtype.itemsize for e in index.tensors.values())
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _compression(vae: dict) -> tuple[int, int]:
-    """(spatial, temporal) compression of a VAE from its config: Wan-style ``temperal_downsample``, explicit
-    ratios (HunyuanVideo, LTX), or one halving per extra ``block_out_channels`` level (AutoencoderKL)."""
-    if "temperal_downsample" in vae:
-        downsample = vae["temperal_downsample"]
-        return 2 ** len(downsample), 2 ** sum(bool(d) for d in downsample)
-    if vae.get("spatial_compression_ratio"):
-        return int(vae["spatial_compression_ratio"]), int(vae.get("temporal_compression_ratio") or 1)
-    blocks = vae.get("block_out_channels")
-    return (2 ** (len(blocks) - 1) if blocks else 8), 1
-
-
-def _sizes(folder: Path, pipeline_cls: type, vae: dict) -> tuple[int, int]:
-    """(spatial, temporal) compression as the pipeline states it (:mod:`hsdp.pipeline_sizes`, the trainer's rule),
-    from the config where the pipeline cannot be set up without its other components."""
-    spatial, temporal = _compression(vae)
-    skeleton = skeleton_pipeline(folder, pipeline_cls)
-    asked = pipeline_compression(skeleton) if skeleton is not None else (None, None)
-    return asked[0] or spatial, asked[1] or temporal
-
-
-def _spatial_patch(denoiser: dict) -> int:
-    patch = denoiser.get("patch_size") or 1
-    return int(patch[-1] if isinstance(patch, (list, tuple)) else patch)
-
-
 def _config_gated(pipeline_cls: type, source: str, index: dict) -> dict[str, str]:
     """The ``__call__`` arguments the pipeline's own input check refuses with this folder's config (a value
-    ``model_index.json`` leaves unset, or its ``__init__`` default when absent): argument -> config key."""
+    the pipeline's index leaves unset, or its ``__init__`` default when absent): argument -> config key."""
     init = inspect.signature(pipeline_cls.__init__).parameters
     gated = {}
     for key, argument in _CONFIG_GATE.findall(source):
@@ -263,32 +172,15 @@ def _config_gated(pipeline_cls: type, source: str, index: dict) -> dict[str, str
     return gated
 
 
-def _diffusion_info(folder: Path) -> ModelInfo:
-    import diffusers
-
-    index = _read_json(folder / "model_index.json")
-    class_name = index.get("_class_name", "")
-    pipeline_cls = getattr(diffusers, class_name, None)
-    if not (isinstance(pipeline_cls, type) and issubclass(pipeline_cls, diffusers.DiffusionPipeline)):
-        raise ValueError(
-            f"{folder / 'model_index.json'}: pipeline class {class_name!r} is not in diffusers "
-            f"{diffusers.__version__}; upgrade diffusers or fix _class_name"
-        )
-    specs = {k: v for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0]}
-    classes = {name: _component_class(folder, name, spec) for name, spec in specs.items()}
-    modules = {name: cls for name, cls in classes.items() if cls is not None}
-    denoisers = tuple(name for name, cls in modules.items() if _is_denoiser(cls))
+def _diffusion_info(model: ModelDescription) -> ModelInfo:
+    folder, class_name, index = model.path, model.class_name, model.index
+    pipeline_cls = model.pipeline_class()
+    specs = model.components
+    modules = model.modules()
+    denoisers = model.denoisers()
     if not denoisers:
         raise ValueError(f"{folder} holds a {class_name} with no denoiser (transformer or UNet) to shard")
-    sizes = {name: _stored_bytes(folder / name) for name in modules}
-    largest = max(sizes[name] for name in denoisers)
-    # Every denoiser is sharded: one without a plan of its own shards by its repeated blocks
-    # (hsdp.shard_rules); other components only with a plan and when large.
-    shardable = tuple(
-        name
-        for name, cls in modules.items()
-        if name in denoisers or (_has_shard_plan(cls) and sizes[name] >= TEXT_ENCODER_SHARD_FRACTION * largest)
-    )
+    autoencoders = model.autoencoders()
     try:
         source = inspect.getsource(pipeline_cls)
     except (OSError, TypeError):
@@ -301,9 +193,7 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         for n, p in signature.items()
         if n != "self" and p.default is inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD
     )
-    denoiser_config = _read_json(folder / denoisers[0] / "config.json")
-    vae = _read_json(folder / "vae" / "config.json") if (folder / "vae" / "config.json").exists() else {}
-    spatial, temporal = _sizes(folder, pipeline_cls, vae)
+    sizes_rule = model.size_rule(denoisers[0])
     family = family_for(class_name)
     defaults = {k: signature[k].default for k in _DEFAULT_KEYS if k in signature}
     if (folder / DEFAULTS_FILE).exists():
@@ -318,47 +208,39 @@ def _diffusion_info(folder: Path) -> ModelInfo:
         output=output,
         audio_track=audio_track,
         audio_length_param=next((n for n in AUDIO_LENGTH_PARAMS if n in call_params), None),
-        max_audio_seconds=family.max_audio_seconds(_configs(folder, modules)) if family.max_audio_seconds else None,
+        max_audio_seconds=family.max_audio_seconds({n: model.config(n) for n in modules if specs[n].has_config})
+        if family.max_audio_seconds
+        else None,
         call_params=call_params,
         config_gated=gated,
         required_params=required,
         single_inputs=frozenset(_SINGLE_INPUT.findall(source)) & call_params,
         components=tuple(specs),
         denoisers=denoisers,
-        shardable=shardable,
-        autoencoders=tuple(name for name, cls in modules.items() if _is_autoencoder(cls)),
-        vae_options={name: _vae_options(cls) for name, cls in modules.items() if _is_autoencoder(cls)},
-        vae_unsplittable={name: why for name, cls in modules.items() if _is_autoencoder(cls)
-                          and "tiling" in _vae_options(cls) and (why := split_refusal(cls))},  # fmt: skip
+        shardable=model.shardable(),
+        autoencoders=autoencoders,
+        vae_options={name: _vae_options(modules[name]) for name in autoencoders},
+        vae_unsplittable={name: why for name in autoencoders
+                          if "tiling" in _vae_options(modules[name]) and (why := split_refusal(modules[name]))},  # fmt: skip
         separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
         cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
         ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),
-        num_heads=denoiser_config.get("num_attention_heads"),
-        spatial_multiple=spatial * _spatial_patch(denoiser_config) * family.latent_packing,
-        temporal_factor=temporal,
+        num_heads=model.config(denoisers[0]).get("num_attention_heads"),
+        spatial_multiple=sizes_rule.spatial_multiple,
+        temporal_factor=sizes_rule.temporal or 1,
     )
 
 
 def inspect_model(folder: Path) -> ModelInfo:
-    """Classify a local model folder; raises ``ValueError`` naming the folder and what it lacks."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(
-            f"model path {folder} is a file; pass a diffusers pipeline folder or a Hugging Face model folder"
-        )
-    if (folder / "model_index.json").exists():
-        return _diffusion_info(folder)
-    if (folder / "config.json").exists():
-        config = _read_json(folder / "config.json")
-        architectures = config.get("architectures") or []
-        if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
-            return ModelInfo(path=folder, kind="causal_lm", class_name=architectures[0])
-        raise ValueError(
-            f"{folder / 'config.json'} names architectures {architectures}, none of which is a causal LM "
-            "(…ForCausalLM); hsdp generate serves causal LMs and diffusers pipelines"
-        )
+    """Classify a local model folder (:func:`hsdp.models.description.describe`); raises ``ValueError`` naming the
+    folder and what it lacks."""
+    model = describe(folder)
+    if model.kind == "pipeline":
+        return _diffusion_info(model)
+    if model.kind == "causal_lm":
+        return ModelInfo(path=model.path, kind="causal_lm", class_name=model.class_name)
+    architectures = [model.class_name] if model.class_name else []
     raise ValueError(
-        f"{folder} is not a model folder: no model_index.json (diffusers pipeline) and no config.json "
-        "(Hugging Face model). Pass a pipeline folder such as a FLUX.1 or Wan2.x -Diffusers download, or a "
-        "built-in name"
+        f"{model.path / 'config.json'} names architectures {architectures}, none of which is a causal LM "
+        "(…ForCausalLM); hsdp generate serves causal LMs and diffusers pipelines"
     )

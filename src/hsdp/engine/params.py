@@ -16,6 +16,7 @@ from typing import Any
 from hsdp.config import ParallelConfig
 from hsdp.engine.images import load_image
 from hsdp.engine.model_info import ModelInfo
+from hsdp.models.description import INDEX_FILE
 
 __all__ = [
     "SamplingParams",
@@ -221,7 +222,7 @@ def _not_taken(info: ModelInfo, name: str, name_of: Naming) -> str:
     if key is None:
         return f"{name}: {info.class_name} takes no {name} (drop {name_of(name)})"
     return (
-        f"{name}: this {info.class_name} takes no {name}: its model_index.json leaves {key} unset, which "
+        f"{name}: this {info.class_name} takes no {name}: its pipeline config ({INDEX_FILE}) leaves {key} unset, which "
         f"{name} needs (drop {name_of(name)})"
     )
 

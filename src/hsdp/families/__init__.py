@@ -1,7 +1,7 @@
 """Per-family knowledge of diffusers pipelines that their own metadata does not carry, one small file each.
 
 Almost everything the engine needs is read from the pipeline folder and from diffusers itself: the components
-(``model_index.json``), which of them to shard (their classes and sizes), the arguments a pipeline takes (its
+(:mod:`hsdp.models.description`), which of them to shard (their classes and sizes), the arguments a pipeline takes (its
 ``__call__`` signature), whether guidance runs separate conditional and unconditional passes (its
 ``cache_context("uncond")`` label), Ulysses support (the transformer's ``_cp_plan``) and the VAE's compression
 (its config). What remains are facts a pipeline computes in code that must be known before it runs, such as FLUX

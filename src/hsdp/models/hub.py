@@ -3,7 +3,7 @@
 Everything a user already set for diffusers and transformers applies: ``HF_HOME`` / ``HF_HUB_CACHE`` (the same cache
 folder, so a model ``from_pretrained`` downloaded is not fetched again), ``HF_TOKEN`` (or ``hf auth login``),
 ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE=1`` (the cached snapshot, no network). Only the files the pipeline loads are
-fetched: for a diffusers pipeline, ``model_index.json`` and the folders of the components it names (their configs,
+fetched: for a diffusers pipeline, its index (:data:`hsdp.models.description.INDEX_FILE`) and the folders of the components it names (their configs,
 tokenizer files and ``*.safetensors`` weights without a variant infix); for a transformers model, the top-level
 configs, tokenizer files and safetensors. A repository's other formats (``.bin``, ``.ckpt``, ``.onnx``, fp16
 variants, single-file ``*.safetensors`` at a pipeline's root, ``original/``) are never downloaded; a folder with no
@@ -27,6 +27,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+from hsdp.models.description import INDEX_FILE, is_pipeline, pipeline_index
 from hsdp.models.tiny import default_cache_dir
 
 __all__ = ["HubError", "download_model", "is_hub_name", "pipeline_files", "plan_snapshot"]
@@ -135,7 +136,7 @@ def _cached_folder(repo_id: str, revision: str | None) -> Path | None:
     """The cached snapshot folder of ``revision`` (as far as any of its configs is cached), or None."""
     from huggingface_hub import try_to_load_from_cache
 
-    for probe in ("model_index.json", "config.json"):
+    for probe in (INDEX_FILE, "config.json"):
         found = try_to_load_from_cache(repo_id, probe, revision=revision)
         if isinstance(found, str):
             return Path(found).parent
@@ -149,8 +150,7 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
     if snapshot is None:  # huggingface_hub's own error for a snapshot not cached, with our message
         return _snapshot(repo_id, revision, None, local_only=True, progress=False)
     files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
-    index_file = snapshot / "model_index.json"
-    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    index = pipeline_index(snapshot) if is_pipeline(snapshot) else None
     chosen = pipeline_files(files, index)
     folders = [k for k, v in index.items() if _is_component(v)] if index else [""]
     missing = [k or "." for k in folders if not _has_weights_if_a_model([f for f in chosen if _parent(f) == k])]
@@ -237,10 +237,10 @@ def _repo_files(repo_id: str, revision: str | None) -> tuple[str, list[str]]:
 def _model_index(repo_id: str, revision: str | None, files: list[str]) -> dict | None:
     from huggingface_hub import hf_hub_download
 
-    if "model_index.json" not in files:
+    if INDEX_FILE not in files:
         return None
     with _hub_errors(repo_id, revision):
-        return json.loads(Path(hf_hub_download(repo_id, "model_index.json", revision=revision)).read_text())
+        return pipeline_index(Path(hf_hub_download(repo_id, INDEX_FILE, revision=revision)).parent)
 
 
 def _snapshot(repo_id: str, revision: str | None, allow: list[str] | None, *, local_only: bool, progress: bool) -> Path:

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from hsdp.models.description import INDEX_FILE, is_pipeline, pipeline_index
 from hsdp.models.tiny import default_cache_dir
 
 __all__ = ["SINGLE_FILE_FLAGS", "SingleFileError", "with_single_files"]
@@ -71,13 +72,13 @@ def _flag(component: str) -> str:
 
 
 def _model_index(base: Path, files: Mapping[str, object]) -> dict:
-    if not (base / "model_index.json").is_file():
+    if not is_pipeline(base):
         flags = ", ".join(_flag(c) for c in files)
         raise ValueError(
-            f"{flags} replace(s) a component of a diffusers pipeline; {base} has no model_index.json: pass --model "
+            f"{flags} replace(s) a component of a diffusers pipeline; {base} has no {INDEX_FILE}: pass --model "
             "a pipeline folder or hub name that gives the rest of the pipeline"
         )
-    return json.loads((base / "model_index.json").read_text())
+    return pipeline_index(base)
 
 
 def _check(base: Path, index: dict, component: str, file: Path) -> None:

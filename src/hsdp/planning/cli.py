@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from hsdp.cli import add_revision_argument, add_single_file_arguments, resolve_model_argument
 from hsdp.config import DTYPES, ShardingStrategy
+from hsdp.models.description import describe, is_pipeline
 from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.plot import check_plot_path, terminal_chart, write_plot
 from hsdp.planning.profile import PlanError, format_ms, format_size, parse_size, profile_model
@@ -299,20 +300,17 @@ def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
 
 def _engine_sharded(model: str) -> tuple[str, ...] | None:
     """The components of a pipeline that ``hsdp generate`` shards, by the engine's own rule
-    (:func:`hsdp.engine.model_info.inspect_model`); None for a folder that is one model."""
+    (:meth:`hsdp.models.description.ModelDescription.shardable`); None for a folder that is one model."""
     from hsdp.models.builtin import resolve_model
 
     try:
         folder = resolve_model(model)
     except FileNotFoundError as exc:
         raise PlanError(str(exc)) from exc
-    if not (folder / "model_index.json").exists():
+    if not is_pipeline(folder):
         return None
-    # Imported here: the engine imports the planner (--device-memory), so the planner reads it lazily.
-    from hsdp.engine.model_info import inspect_model
-
     try:
-        return inspect_model(folder).shardable
+        return describe(folder).shardable()
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
 

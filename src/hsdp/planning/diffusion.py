@@ -19,7 +19,6 @@ inputs and one block's activations recomputed during the backward, beside the gr
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hsdp.config import DTYPES
+from hsdp.models.description import describe
 from hsdp.planning.estimate import Workload
 from hsdp.planning.profile import ModelProfile, PlanError, build_meta_model, profile_module
 from hsdp.planning.trace import memory_tracker, trace_training_step
@@ -43,10 +43,6 @@ class DiffusionTraining:
     work: Workload
     latent_shape: tuple[int, ...]
     """One sample's latents as the VAE gives them (``[C, F, H, W]`` or ``[C, H, W]``)."""
-
-
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _denoiser_inputs(pipe, model_dir: Path, batch: int, size: tuple[int, int], frames: int, latent) -> tuple:
@@ -117,7 +113,7 @@ def _latent_shape(
         if value % spec.spatial_multiple:
             raise PlanError(f"{flag}={value} must be a multiple of {spec.spatial_multiple} for this pipeline")
     scale = spec.spatial_multiple // _patch(config)[-1] // packing
-    vae = _read(model_dir / "vae" / "config.json")
+    vae = describe(model_dir).config("vae")
     channels = vae.get("z_dim") or vae.get("latent_channels") or config.get("in_channels") or 4
     if not spec.video:
         if frames != 1:
@@ -170,7 +166,6 @@ def diffusion_training(
     A pipeline ``hsdp train`` refuses (conditioned on images or masks, latents packed as no family packs them, a
     LoRA target matching nothing) is refused with the trainer's own reason (:func:`check_trainable`), before the
     item size is asked for."""
-    import diffusers
 
     from hsdp import lora
     from hsdp.distributed import local_device
@@ -182,7 +177,6 @@ def diffusion_training(
     from hsdp.train.diffusion.trainer import DEFAULT_LORA_TARGETS, check_trainable, trained_components
 
     folder = resolve_model(model)
-    index = _read(folder / "model_index.json")
     cfg = TrainConfig(model=model, data="", lora_r=lora_r, lora_target_modules=lora_targets,
                       train_component=component)  # fmt: skip
     try:
@@ -197,9 +191,10 @@ def diffusion_training(
         )
     if height is None or width is None:
         raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
-    cls = getattr(diffusers, index.get("_class_name", ""), None)
-    if cls is None:
-        raise PlanError(f"{folder}: diffusers has no pipeline class {index.get('_class_name')!r}")
+    try:
+        cls = describe(folder).pipeline_class()
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
     packing = family_for(cls.__name__).latent_packing
     # As the trainer loads it: LoRA keeps the stored dtype (adapters fp32), full fine-tuning fp32 masters.
     denoiser, config = build_meta_model(folder / component, dtype if lora_r else torch.float32)
@@ -208,7 +203,7 @@ def diffusion_training(
     profile = profile_module(denoiser, component, config)
 
     pipe = meta_pipeline(folder)
-    spec = media_spec(pipe, folder, component)
+    spec = media_spec(folder, component)
     latent = _latent_shape(spec, folder, config, packing, height, width, frames)
     compute = DTYPES[param_dtype] if param_dtype else torch.float32
     kwargs, to_latents = _denoiser_inputs(pipe, folder, batch, (height, width), frames, latent)

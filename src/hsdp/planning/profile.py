@@ -256,9 +256,9 @@ def model_kind(cls: type[nn.Module]) -> str:
     """
     # A class of either library means that library is imported: neither is imported here for a model of neither.
     if "diffusers" in sys.modules:
-        from hsdp.engine.model_info import _is_denoiser
+        from hsdp.models.description import is_denoiser_class
 
-        if _is_denoiser(cls) and getattr(cls, "_cp_plan", None):
+        if is_denoiser_class(cls) and getattr(cls, "_cp_plan", None):
             return "diffusion"
     if "transformers" in sys.modules:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -392,21 +392,16 @@ def component_folders(name_or_path: str) -> list[tuple[str, Path]]:
         folder = resolve_model(name_or_path)
     except FileNotFoundError as exc:
         raise PlanError(str(exc)) from exc
-    index_file = folder / "model_index.json"
-    if not index_file.exists():
+    from hsdp.models.description import describe, is_pipeline
+
+    if not is_pipeline(folder):
         return [(folder.name, folder)]
     try:
-        index = json.loads(index_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read {index_file}: {exc}") from exc
-    # Schedulers and tokenizers have no config.json; components set to null (Wan's transformer_2) are skipped.
-    found = [
-        (key, folder / key)
-        for key, value in index.items()
-        if isinstance(value, list)
-        and value[0] in ("diffusers", "transformers")
-        and (folder / key / "config.json").exists()
-    ]
+        components = describe(folder).components
+    except ValueError as exc:
+        raise PlanError(f"cannot read {folder}: {exc}") from exc
+    # Schedulers and tokenizers have no config.json; components set to null (Wan's transformer_2) are absent.
+    found = [(name, c.folder) for name, c in components.items() if c.in_library and c.has_config]
     if not found:
         raise PlanError(f"{folder} is a pipeline folder, but none of its components has a model config.json")
     return found

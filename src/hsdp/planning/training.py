@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hsdp.models.description import is_pipeline
 from hsdp.planning.estimate import Estimate, Hardware, Workload
 from hsdp.planning.profile import (
     ModelProfile,
@@ -63,7 +64,7 @@ class PlannedLayout:
 def _profiles(cfg: TrainConfig, rows_per_rank: int) -> tuple[list[ModelProfile], Workload]:
     from hsdp.models.builtin import resolve_model
 
-    if (resolve_model(cfg.model) / "model_index.json").is_file():
+    if is_pipeline(resolve_model(cfg.model)):
         from hsdp.planning.diffusion import diffusion_training
 
         found = diffusion_training(

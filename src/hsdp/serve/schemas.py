@@ -290,7 +290,7 @@ class VideoRequest(DiffusionFields):
 
     def frames(self, temporal_factor: int, fps: int) -> int | None:
         """``num_frames``, or the frames of ``seconds`` at ``fps`` rounded down to ``temporal_factor * k + 1``
-        (the VAE's temporal compression, :mod:`hsdp.pipeline_sizes`)."""
+        (the VAE's temporal compression, :meth:`hsdp.models.description.ModelDescription.size_rule`)."""
         if self.num_frames is not None or self.seconds is None:
             return self.num_frames
         frames = self.seconds * fps

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsdp.config import DTYPES, ParallelConfig
+from hsdp.models.description import INDEX_FILE, class_for_folder, is_pipeline
 from hsdp.suggest import did_you_mean
 from hsdp.train.report import report_problems
 from hsdp.train.schedule import schedule_problems
@@ -605,8 +606,8 @@ def _shown(value: Any) -> str:
 
 
 def _is_diffusers_folder(model_dir: Path) -> bool:
-    """A diffusers pipeline (``model_index.json``) or component (``config.json`` with ``_diffusers_version``)."""
-    if (model_dir / "model_index.json").is_file():
+    """A diffusers pipeline or component (``config.json`` with ``_diffusers_version``)."""
+    if is_pipeline(model_dir):
         return True
     try:
         return "_diffusers_version" in json.loads((model_dir / "config.json").read_text())
@@ -622,7 +623,7 @@ def check_export_formats(cfg: TrainConfig, denoiser_dir: Path, lora=None) -> Non
 
     if not (cfg.export and cfg.use_lora):
         return
-    model_class = json.loads((denoiser_dir / "config.json").read_text()).get("_class_name", "")
+    model_class = class_for_folder(denoiser_dir).__name__
     for fmt in cfg.export_formats(diffusers=True):
         problem = format_problem(fmt, model_class, denoiser_dir, lora)
         if problem:
@@ -699,7 +700,7 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise TrainConfigError(
             f"--data {cfg.data} is a folder (a media folder of images or videos with captions?), and --model "
             f"{cfg.model} is a causal LM, which trains on one .txt, .jsonl, .json or .parquet file: this is a media "
-            "folder; pass --model with a diffusers pipeline (a folder with model_index.json, or tiny-wan, tiny-flux, "
+            f"folder; pass --model with a diffusers pipeline (a folder with {INDEX_FILE}, or tiny-wan, tiny-flux, "
             "tiny-sdxl) to fine-tune it on the folder"
         )
     if not Path(cfg.data).is_file():

@@ -22,7 +22,7 @@ __all__ = ["run_training", "train_on_rank"]
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:
-    """The LM trainer, or the diffusion one for a diffusers pipeline folder (``model_index.json``)."""
+    """The LM trainer, or the diffusion one for a diffusers pipeline folder."""
     from hsdp.models.builtin import resolve_model
     from hsdp.train.diffusion.trainer import DiffusionTrainer, is_pipeline
 

@@ -10,8 +10,8 @@ pipeline on meta (no weights read) for what is read before ranks start.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +20,7 @@ import torch
 
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.distributed import local_device
-from hsdp.families import family_for
-from hsdp.pipeline_sizes import pipeline_compression
+from hsdp.models.description import describe
 from hsdp.train.diffusion.media import MediaDataset, MediaSpec
 from hsdp.train.diffusion.pipeline_call import DENOISERS, PromptLayout, encode_captions, vae_latents
 
@@ -29,9 +28,10 @@ logger = logging.getLogger("hsdp")
 
 __all__ = [
     "DENOISERS",
-    "index_of",
     "meta_pipeline",
     "frozen_sharded",
+    "call_modules",
+    "load_call_modules",
     "frozen_layout",
     "frozen_pipeline",
     "media_spec",
@@ -40,19 +40,12 @@ __all__ = [
 ]
 
 
-def index_of(model_dir: Path) -> dict:
-    """The pipeline's ``model_index.json``."""
-    return json.loads((Path(model_dir) / "model_index.json").read_text())
-
-
 def _pipeline_without(model_dir: Path, **components):
     """The pipeline of ``model_dir`` on the CPU with its denoisers left out (they are trained, not encoded) and
     ``components`` in place of loading those."""
-    import diffusers
-
-    cls = getattr(diffusers, index_of(model_dir)["_class_name"])
-    absent = {name: None for name in DENOISERS if name in index_of(model_dir)}
-    return cls.from_pretrained(model_dir, **absent, **components, torch_dtype=torch.float32)
+    model = describe(model_dir)
+    absent = {name: None for name in DENOISERS if name in model.index}
+    return model.pipeline_class().from_pretrained(model_dir, **absent, **components, torch_dtype=torch.float32)
 
 
 def meta_pipeline(model_dir: Path):
@@ -61,38 +54,53 @@ def meta_pipeline(model_dir: Path):
     configs: HunyuanVideo 1.5 sizes its image embeddings by the transformer's). What its sizes are read from before
     ranks start (loading the encoders would hold a Wan 14B's UMT5 whole in the launching process), and what ``hsdp
     plan`` traces captions through."""
-    import importlib
-
-    import diffusers
-
-    from hsdp.loading import build_empty_model, model_class_for
+    from hsdp.loading import build_component
     from hsdp.planning.profile import build_meta_model
 
-    index = index_of(model_dir)
-    cls = getattr(diffusers, index["_class_name"])
+    model = describe(model_dir)
+    cls = model.pipeline_class()
     init = inspect.signature(cls.__init__).parameters
     parts = {n: None for n, p in init.items() if n != "self" and p.default is inspect.Parameter.empty}
     for name in encoder_components(model_dir):
-        folder = model_dir / name
-        if (folder / "config.json").is_file():
-            parts[name] = build_empty_model(model_class_for(folder), folder, None)
-        else:  # no weights to leave out: tokenizers, processors, a guider (HunyuanVideo 1.5) load as saved
-            library, class_name = index[name][:2]
-            parts[name] = getattr(importlib.import_module(library), class_name).from_pretrained(folder)
+        # On meta where there are weights; tokenizers, processors, a guider (HunyuanVideo 1.5) load as saved.
+        parts[name] = build_component(model, name)
     for name in DENOISERS:
-        if (model_dir / name / "config.json").is_file():
+        if name in model.components and model.components[name].has_config:
             parts[name] = build_meta_model(model_dir / name, torch.float32)[0]
     return cls(**{k: v for k, v in parts.items() if k in init})
 
 
-def frozen_sharded(model_dir: Path) -> list[str]:
-    """The frozen components inference shards: every component :func:`hsdp.engine.model_info.inspect_model` marks
-    shardable (a shard plan, and weights at least ``TEXT_ENCODER_SHARD_FRACTION`` of the largest denoiser's) that
-    is not a denoiser. The rule compares sizes, so it holds for any scale of the same pipeline."""
-    from hsdp.engine.model_info import inspect_model
+def call_modules(model_dir: Path) -> list[str]:
+    """Components with weights that the pipeline's ``__call__`` runs itself, not through ``encode_prompt`` (which
+    the denoiser's call replays from cached encodings) nor as a denoiser: LTX-2's ``connectors``, which turn the
+    text encoder's hidden states into the transformer's video and audio conditioning on every call."""
+    model = describe(model_dir)
+    try:
+        source = inspect.getsource(model.pipeline_class().__call__)
+    except (OSError, TypeError):
+        return []
+    called = set(re.findall(r"self\.(\w+)\(", source))
+    return [n for n, c in model.components.items() if n in called and n not in DENOISERS and c.has_config]
 
-    info = inspect_model(model_dir)
-    return [name for name in info.shardable if name not in info.denoisers]
+
+def load_call_modules(meta_pipe, model_dir: Path, device: torch.device) -> None:
+    """Put the :func:`call_modules` of ``model_dir`` into ``meta_pipe`` (built by :func:`meta_pipeline`) with their
+    weights, frozen, in fp32 on ``device`` (as the frozen encoders compute): the denoiser's call runs them."""
+    from hsdp.loading import build_component
+
+    model = describe(model_dir)
+    for name in call_modules(model_dir):
+        module = build_component(model, name, torch.float32, empty=False).to(device).requires_grad_(False)
+        meta_pipe.register_modules(**{name: module.eval()})
+
+
+def frozen_sharded(model_dir: Path) -> list[str]:
+    """The frozen components inference shards (:meth:`hsdp.models.description.ModelDescription.shardable`: a shard
+    plan, and weights at least a fraction of the largest denoiser's) that are not denoisers. The rule compares
+    sizes, so it holds for any scale of the same pipeline."""
+    model = describe(model_dir)
+    denoisers = model.denoisers()
+    return [name for name in model.shardable() if name not in denoisers]
 
 
 def frozen_layout(parallel: ParallelConfig) -> ParallelConfig:
@@ -143,15 +151,11 @@ def _device_of(*modules) -> torch.device:
     return torch.device("cpu")
 
 
-def media_spec(pipe, model_dir: Path, component: str) -> MediaSpec:
-    """Sizes the pipeline takes, from its own attributes (:func:`hsdp.pipeline_sizes.pipeline_compression`, the
-    rule the engine and server use too) and the denoiser's ``patch_size``."""
-    config = json.loads((model_dir / component / "config.json").read_text())
-    patch = config.get("patch_size") or config.get("all_patch_size") or 1  # Z-Image names it all_patch_size
-    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
-    spatial, temporal = pipeline_compression(pipe)
-    family = family_for(type(pipe).__name__)
-    return MediaSpec((spatial or 8) * int(patch) * family.latent_packing, temporal, video=temporal is not None)
+def media_spec(model_dir: Path, component: str) -> MediaSpec:
+    """Sizes the pipeline takes: its own size rule with ``component``'s patch
+    (:meth:`hsdp.models.description.ModelDescription.size_rule`, the rule the engine and server check too)."""
+    rule = describe(model_dir).size_rule(component)
+    return MediaSpec(rule.spatial_multiple, rule.temporal, video=rule.temporal is not None)
 
 
 def encode_items(
@@ -174,8 +178,8 @@ def encoder_components(model_dir: Path) -> list[str]:
     """The frozen components cached encodings come from: every component but the denoisers and the scheduler."""
     return [
         name
-        for name, entry in index_of(model_dir).items()
-        if isinstance(entry, list) and entry[0] is not None and name not in (*DENOISERS, "scheduler")
+        for name in describe(model_dir).components
+        if name not in (*DENOISERS, "scheduler")
     ]
 
 

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hsdp.models.description import describe
+
 __all__ = [
     "DenoiserBatch",
     "PromptLayout",
@@ -107,6 +109,9 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
     cfg = "true_cfg_scale" if "true_cfg_scale" in params else "guidance_scale"
     if cfg in params:  # a pipeline guided by a guider component takes neither (:func:`_unguided`)
         args[cfg] = _no_guidance(type(pipe)) if cfg == "guidance_scale" else 1.0
+    for name in params:  # a second stream's own scale (LTX-2's audio_guidance_scale) turns guidance on too
+        if name.endswith("_guidance_scale") and name != cfg and cfg == "guidance_scale":
+            args[name] = args[cfg]
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
     return args
@@ -211,6 +216,22 @@ class _StandIn:
         return getattr(self._model, name)
 
 
+def _returns_like(model: torch.nn.Module, arguments: dict, made: torch.Tensor) -> tuple:
+    """What the denoiser returns (``return_dict=False``) on ``arguments``, with ``made`` as its first tensor: a
+    joint denoiser returns one tensor per stream (LTX-2: video, audio), which its pipeline unpacks; the others are
+    zeros of their shapes, read from a forward of the meta model. A model whose meta forward fails returns one
+    tensor, as most do."""
+    on_meta = replace_leaves(arguments, {p: t.to("meta") for p, t in tensor_leaves(arguments)})
+    try:
+        with torch.no_grad():
+            returned = model(**on_meta, return_dict=False)
+    except Exception:  # noqa: BLE001 - a forward that cannot run on meta: the one-tensor return
+        return (made,)
+    if not (isinstance(returned, tuple) and len(returned) > 1 and all(isinstance(t, torch.Tensor) for t in returned)):
+        return (made,)  # one return (a tensor, or Z-Image's list of per-row tensors)
+    return (made, *(torch.zeros(t.shape, dtype=made.dtype, device=made.device) for t in returned[1:]))
+
+
 @contextmanager
 def _unguided(pipe) -> Iterator[None]:
     """The pipeline's guider component (diffusers' ``BaseGuidance``, which HunyuanVideo 1.5 guides with instead of
@@ -231,9 +252,11 @@ def _no_guidance(pipeline_class: type) -> float:
     """The ``guidance_scale`` that turns classifier-free guidance off, asked of the pipeline's own
     ``do_classifier_free_guidance`` (``scale > 1`` for most, ``scale > 0`` for Z-Image); 1 where it has none."""
     rule = getattr(pipeline_class, "do_classifier_free_guidance", None)
+    params = inspect.signature(pipeline_class.__call__).parameters
+    names = ["guidance_scale", *(n for n in params if n.endswith("_guidance_scale"))]  # LTX-2 reads its audio one
     for scale in (1.0, 0.0):
         try:
-            if not isinstance(rule, property) or not rule.fget(SimpleNamespace(_guidance_scale=scale)):
+            if not isinstance(rule, property) or not rule.fget(SimpleNamespace(**{f"_{n}": scale for n in names})):
                 return scale
         except AttributeError:  # the rule reads more than the scale
             return 1.0
@@ -584,7 +607,7 @@ class DenoiserCalls:
         def forward(model, arguments):
             if output is None:
                 raise _Stop(arguments)
-            return (output(arguments),)
+            return _returns_like(model, arguments, output(arguments))
 
         scheduler = pipe.scheduler
         original_step, original_set = scheduler.step, scheduler.set_timesteps
@@ -679,7 +702,9 @@ def _bounding_shape(mask: torch.Tensor) -> tuple[int, ...]:
 @contextmanager
 def _initial_latents(pipeline_class: type, latents: torch.Tensor) -> Iterator[None]:
     """The pipeline's ``randn_tensor`` gives ``latents`` (VAE layout, its dimensions matched to the shape asked
-    for by size, equal sizes in order) where it draws the initial latents; other draws are left alone."""
+    for by size, equal sizes in order) where it draws the initial latents. Other draws come from a fixed seed, one
+    row repeated, so every recording pass, rank and micro-batch layout gives the denoiser the same values: LTX-2's audio latents, the joint
+    transformer's second stream, which a run on video media has no data for, are the pipeline's own initial noise."""
     modules = {sys.modules[c.__module__] for c in pipeline_class.__mro__ if hasattr(sys.modules[c.__module__], "randn_tensor")}
     originals = {m: m.randn_tensor for m in modules}
     original = next(iter(originals.values()))
@@ -689,7 +714,12 @@ def _initial_latents(pipeline_class: type, latents: torch.Tensor) -> Iterator[No
         asked.append(tuple(int(s) for s in shape))
         order = _dims_order(tuple(latents.shape), asked[-1])
         if order is None:
-            return original(shape, *args, **kwargs)
+            bound = inspect.signature(original).bind(shape, *args, **kwargs).arguments
+            device = bound.get("device") or "cpu"
+            bound["generator"] = torch.Generator(device=device).manual_seed(_OTHER_DRAWS_SEED)
+            # One draw for every row: a row's values do not depend on how many rows this rank's micro-batch has.
+            bound["shape"] = (1, *tuple(shape)[1:])
+            return original(**bound).expand(tuple(shape)).contiguous()
         asked.append(None)
         dtype = kwargs.get("dtype") or latents.dtype
         return latents.permute(order).to(dtype=dtype)
@@ -711,6 +741,10 @@ def _initial_latents(pipeline_class: type, latents: torch.Tensor) -> Iterator[No
             module.randn_tensor = fn
 
 
+_OTHER_DRAWS_SEED = 0
+"""The seed of :func:`_initial_latents`' draws other than the latents."""
+
+
 def _dims_order(have: tuple[int, ...], want: tuple[int, ...]) -> tuple[int, ...] | None:
     """The permutation of ``have``'s dimensions giving ``want`` (equal sizes kept in order), else None."""
     if len(have) != len(want) or sorted(have) != sorted(want):
@@ -727,16 +761,12 @@ def _dims_order(have: tuple[int, ...], want: tuple[int, ...]) -> tuple[int, ...]
 def runnable_pipeline(pipe, model_dir: Path, device: torch.device):
     """``pipe`` (encoders and VAE on meta: :func:`hsdp.train.diffusion.frozen.meta_pipeline`) with the scheduler
     from its config, executing on ``device`` (``_execution_device`` would otherwise be the meta modules')."""
-    import json
-
-    import diffusers
-
     cls = type(pipe)
     recording = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: device),
                                              "device": property(lambda self: device)})  # fmt: skip
     pipe.__class__ = recording
-    entry = json.loads((model_dir / "model_index.json").read_text()).get("scheduler")
-    if isinstance(entry, list) and entry[1] is not None:
-        pipe.register_modules(scheduler=getattr(diffusers, entry[1]).from_pretrained(model_dir / "scheduler"))
+    scheduler = describe(model_dir).components.get("scheduler")
+    if scheduler is not None:
+        pipe.register_modules(scheduler=scheduler.cls().from_pretrained(scheduler.folder))
     pipe.set_progress_bar_config(disable=True)
     return pipe

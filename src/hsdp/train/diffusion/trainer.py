@@ -1,6 +1,6 @@
 """Fine-tune a diffusers pipeline's denoiser with the shared training loop (:class:`hsdp.train.trainer.Trainer`).
 
-The denoiser (``transformer``, ``transformer_2`` or ``unet``, as ``model_index.json`` names it) loads sharded with
+The denoiser (``transformer``, ``transformer_2`` or ``unet``, as the pipeline names it) loads sharded with
 the same plan rules and ``load_pretrained`` as inference, with peft LoRA adapters injected before sharding when
 ``--lora-r`` is set. The frozen VAE and text encoders load once, encode every item's latents and caption
 encodings (every tensor the pipeline's ``encode_prompt`` returns that the denoiser takes: embeddings, pooled
@@ -50,6 +50,8 @@ from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead
 from hsdp.families import family_for
 from hsdp.lora_formats import save_lora
+from hsdp.models import description
+from hsdp.models.description import describe
 from hsdp.train.config import (
     Preflight,
     TrainConfig,
@@ -67,7 +69,7 @@ from hsdp.train.diffusion.frozen import (
     encoder_components,
     frozen_pipeline,
     frozen_sharded,
-    index_of,
+    load_call_modules,
     media_spec,
     meta_pipeline,
 )
@@ -118,17 +120,17 @@ denoiser takes an encoded input besides the caption, which the trainer has no da
 
 
 def is_pipeline(model_dir: Path) -> bool:
-    return (Path(model_dir) / "model_index.json").is_file()
+    return description.is_pipeline(model_dir)
 
 
 def pipeline_denoisers(cfg: TrainConfig, model_dir: Path) -> list[str]:
-    """The denoisers of the pipeline in ``model_dir`` (``model_index.json``'s, in diffusers' order)."""
-    index = index_of(model_dir)
-    present = [n for n in DENOISERS if isinstance(index.get(n), list) and index[n][0] is not None]
+    """The denoisers of the pipeline in ``model_dir`` (those its index names, in diffusers' order)."""
+    model = describe(model_dir)
+    present = [n for n in DENOISERS if n in model.components]
     if not present:
         raise TrainConfigError(
-            f"--model {cfg.model}: {index.get('_class_name')} has no trainable denoiser "
-            f"(none of {', '.join(DENOISERS)} in model_index.json)"
+            f"--model {cfg.model}: {model.class_name} has no trainable denoiser "
+            f"(none of {', '.join(DENOISERS)} among its components)"
         )
     return present
 
@@ -143,7 +145,7 @@ def trained_components(cfg: TrainConfig, model_dir: Path) -> list[str]:
     unknown = [n for n in named if n not in present]
     if unknown or len(set(named)) != len(named) or not named:
         raise TrainConfigError(
-            f"--train-component {cfg.train_component}: {index_of(model_dir).get('_class_name')} has "
+            f"--train-component {cfg.train_component}: {describe(model_dir).class_name} has "
             f"{', '.join(present)}; name one, several comma-separated (each once), or all"
         )
     return [n for n in present if n in named]
@@ -159,7 +161,7 @@ def timestep_ranges(model_dir: Path, components: list[str]) -> dict[str, tuple[f
     """The fraction of the timesteps each denoiser of ``components`` denoises: all of them, except under the
     pipeline's ``boundary_ratio`` (Wan 2.2's two experts), where ``transformer`` takes ``t >= boundary`` (high
     noise) and ``transformer_2`` the rest, as the pipeline's ``__call__`` switches."""
-    boundary = index_of(model_dir).get("boundary_ratio")
+    boundary = describe(model_dir).index.get("boundary_ratio")
     if boundary is None:
         return dict.fromkeys(components, (0.0, 1.0))
     return {c: (boundary, 1.0) if c == "transformer" else (0.0, boundary) for c in components}
@@ -217,7 +219,7 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
     from hsdp.lora import adapter_config, check_targets
 
     components = trained_components(cfg, model_dir)
-    pipeline_class = index_of(model_dir).get("_class_name", "")
+    pipeline_class = describe(model_dir).class_name
     cls = getattr(diffusers, pipeline_class, None)
     if cls is None:
         raise TrainConfigError(f"--model {cfg.model}: diffusers has no pipeline class {pipeline_class!r}")
@@ -260,7 +262,7 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
     pipe = meta_pipeline(model_dir)
-    spec = media_spec(pipe, model_dir, component)
+    spec = media_spec(model_dir, component)
     try:
         dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
     except DatasetError as exc:
@@ -289,12 +291,11 @@ def _check_bucket_sizes(cfg: TrainConfig, pipe, dataset: MediaDataset) -> None:
 
 def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) -> None:
     """``--ulysses-degree`` needs the denoiser's ``_cp_plan`` (where diffusers splits and gathers the sequence)."""
-    import diffusers
-
     if cfg.parallel.ulysses_degree <= 1:
         return
-    name = json.loads((model_dir / component / "config.json").read_text()).get("_class_name", "")
-    if not has_cp_plan(getattr(diffusers, name, None)):
+    cls = describe(model_dir).components[component].cls()
+    name = cls.__name__
+    if not has_cp_plan(cls):
         raise TrainConfigError(
             f"--ulysses-degree={cfg.parallel.ulysses_degree}: {component} ({name}) has no _cp_plan, so diffusers "
             "cannot split its sequence; train it with --hsdp-shard-size instead"
@@ -302,10 +303,10 @@ def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) 
 
 
 def _call_configs(model_dir: Path) -> str:
-    """A digest of the configs the pipeline's ``__call__`` reads besides the encoders' (``model_index.json``, the
+    """A digest of the configs the pipeline's ``__call__`` reads besides the encoders' (the pipeline's index, the
     denoisers' ``config.json``), which the cached :class:`PromptLayout` was recorded with."""
     digest = hashlib.sha256()
-    for path in [model_dir / "model_index.json", *(model_dir / n / "config.json" for n in DENOISERS)]:
+    for path in [model_dir / description.INDEX_FILE, *(model_dir / n / "config.json" for n in DENOISERS)]:
         digest.update(path.read_bytes() if path.is_file() else b"-")
     return digest.hexdigest()[:12]
 
@@ -340,7 +341,6 @@ class DiffusionTrainer(Trainer):
     unit = "samples"
 
     def _preflight(self) -> Preflight:
-        import diffusers
 
         from hsdp.models.builtin import resolve_model
 
@@ -351,7 +351,7 @@ class DiffusionTrainer(Trainer):
         self.components = trained_components(self.cfg, model_dir)
         self.component = self.components[0]
         checks = diffusion_preflight(self.cfg, model_dir)
-        self.pipeline_class = getattr(diffusers, index_of(model_dir)["_class_name"])
+        self.pipeline_class = describe(model_dir).pipeline_class()
         return checks
 
     def _model_config(self) -> dict:
@@ -436,7 +436,7 @@ class DiffusionTrainer(Trainer):
         }
         self.objective: Objective = self.objectives[self.component]
         meta = meta_pipeline(self.model_dir)  # configs only: the sizes the VAE and denoiser take
-        spec = media_spec(meta, self.model_dir, self.component)
+        spec = media_spec(self.model_dir, self.component)
         try:
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
         except DatasetError as exc:
@@ -460,6 +460,7 @@ class DiffusionTrainer(Trainer):
         self.layout = stored["pipeline"]["layout"]
         prompts = tuple(cfg.validation_prompts)
         self.validation = validation.ValidationPrompts(prompts, stored["validation"], calls) if calls else None
+        load_call_modules(meta, self.model_dir, self.device)  # LTX-2's connectors run in the denoiser's call
         self.calls = DenoiserCalls(meta, self.model_dir, self.layout, self.device)
         eval_data = evaluation.encoded(held_out, encoded[1]) if held_out is not None else None
         items = encoded[0]
