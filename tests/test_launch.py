@@ -46,7 +46,7 @@ def test_the_forkserver_preloads_the_model_modules_the_ranks_build_with(monkeypa
     (about 1.9 s of CPU) instead of each rank on its own."""
     monkeypatch.delitem(sys.modules, "transformers.modeling_utils", raising=False)
     preload = preload_modules(["transformers"])
-    assert preload[:2] == ["hsdp.launch", "transformers.modeling_utils"]
+    assert preload[:3] == ["hsdp.forkserver_signals", "hsdp.launch", "transformers.modeling_utils"]
     assert "transformers.modeling_utils" not in preload_modules()  # not for a group that builds no LM
 
 

@@ -115,14 +115,15 @@ line, where Linux allows 128 KiB per argument (a caller with everything imported
 
 
 def preload_modules(packages: Iterable[str] = ()) -> list[str]:
-    """What the forkserver imports before it forks ranks: the launcher (torch, torch.distributed), the
+    """What the forkserver imports before it forks ranks: :mod:`hsdp.forkserver_signals` (first: its signals), the
+    launcher (torch, torch.distributed), the
     :data:`RANK_MODULES` of ``packages`` (what the ranks will build models with), then the caller's modules of
     :data:`PRELOAD_PACKAGES` in the order the caller imported them -- what the job needs and what imported cleanly
     here (an LM job's caller never imports diffusers, so neither does its forkserver), up to
     :data:`PRELOAD_LIST_CHARS`. Imports only: none of these modules initializes a device at import (one that is
     not installed is passed over by the forkserver)."""
     wanted = set(PRELOAD_PACKAGES)
-    names = ["hsdp.launch", *(m for p in packages for m in RANK_MODULES.get(p, ()) if m not in sys.modules)]
+    names = ["hsdp.forkserver_signals", "hsdp.launch", *(m for p in packages for m in RANK_MODULES.get(p, ()) if m not in sys.modules)]
     chars = len(repr(names))
     for name in list(sys.modules):
         if name.partition(".")[0] in wanted:
@@ -238,27 +239,10 @@ def start_forkserver(packages: Iterable[str] = ()) -> None:
         return
     _start_context("forkserver", packages)
     try:
-        with _caller_signals_ignored():
+        with _caller_signals_deferred():  # the forkserver ignores them itself (hsdp.forkserver_signals)
             mp.forkserver.ensure_running()
     except OSError as exc:  # a forkserver of this process that died and was reaped: groups then spawn
         logger.debug("the forkserver did not start early (%s); a later group starts its ranks without it", exc)
-
-
-@contextlib.contextmanager
-def _caller_signals_ignored():
-    """:data:`_CALLER_SIGNALS` ignored for the block, so that a process started in it (the forkserver) starts
-    ignoring them: a group's signal must not kill the forkserver of a caller that goes on (a server finishing its
-    batch); it ends with its caller all the same. Each rank sets its own (:class:`WorkerGroup`'s
-    ``shield_sigterm``). Main thread only (elsewhere the forkserver takes the caller's)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _CALLER_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -266,8 +250,8 @@ def _caller_signals_deferred():
     """:data:`_CALLER_SIGNALS` held for the block and delivered after it: a rank forked in it inherits the holding
     handler, so that a signal to the whole process group does not end it before it sets its own dispositions, and
     the caller still receives its Ctrl-C or SIGTERM (ignored instead, a SIGTERM in a fork's window was lost and the
-    run went on; issue 37). Not for a process that ``exec``s (the forkserver): a Python handler does not survive
-    that, :func:`_caller_signals_ignored` does. Main thread only."""
+    run went on; issue 37). A process that ``exec``s (the forkserver) starts with their defaults instead, and
+    sets its own (:mod:`hsdp.forkserver_signals`). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -379,7 +363,7 @@ class WorkerGroup:
         self._procs: list[mp.Process] = []
         method = ctx.get_start_method()
         if method == "forkserver":
-            with _caller_signals_ignored():  # inherited: the forkserver ignores SIGINT only once it has preloaded
+            with _caller_signals_deferred():  # the forkserver ignores them itself (hsdp.forkserver_signals)
                 mp.forkserver.ensure_running()
         forked = method == "fork"
         for rank in range(self.world_size):

@@ -195,6 +195,7 @@ def _worker_main(
     # whole group); otherwise its default, whatever handler a rank forked from the caller (a user's script, a
     # service) or the forkserver left: a rank is stopped as a spawned one is, not by the caller's shutdown code.
     signal.signal(signal.SIGTERM, signal.SIG_IGN if shield_sigterm else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a caller's block is inherited
     # Never outlive the caller. Under a forkserver the parent is the forkserver, not the caller: watch its pid.
     watch_process(caller_pid, "the caller")
     _quiet_progress_bars()
