@@ -135,18 +135,25 @@ def _worker_group(item: pytest.Item) -> str:
 
 
 DURATIONS = Path(__file__).with_name("durations.json")
-DEFAULT_TEST_S = 2.0
-"""Seconds assumed for a test of a group that tests/durations.json does not know (a new file)."""
+DEFAULT_TEST_S = {"unit": 0.5, "multirank": 6.0, "gpu": 0.5, "compose": 20.0, "docs": 40.0}
+"""Seconds assumed per test, by tier, for a group that tests/durations.json does not know (a new file)."""
+
+
+def _guess_seconds(item: pytest.Item) -> float:
+    return max(DEFAULT_TEST_S[tier] if item.get_closest_marker(tier) else 0.0 for tier in TIERS)
 
 
 def _group_seconds(groups: dict[str, list[pytest.Item]]) -> dict[str, float]:
     """Each group's expected worker time: tests/durations.json (written from a run's junit XML by
-    ``python scripts/durations.py``), else :data:`DEFAULT_TEST_S` per test."""
+    ``python scripts/durations.py``), else a guess from its tests' tiers (:data:`DEFAULT_TEST_S`)."""
     try:
         known = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         known = {}
-    return {name: float(known.get(name, DEFAULT_TEST_S * len(members))) for name, members in groups.items()}
+    return {
+        name: float(known[name]) if name in known else sum(map(_guess_seconds, members))
+        for name, members in groups.items()
+    }
 
 
 def _longest_groups_first(items: list[pytest.Item]) -> None:
