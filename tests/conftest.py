@@ -16,9 +16,11 @@ its code, the fixtures it uses or the test helpers they call name something that
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -132,12 +134,52 @@ def _worker_group(item: pytest.Item) -> str:
     return item.nodeid if item.get_closest_marker("docs") else item.nodeid.split("::")[0]
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_TEST_S = {"unit": 0.5, "multirank": 6.0, "gpu": 0.5, "compose": 20.0, "docs": 40.0}
+"""Seconds assumed per test, by tier, for a group that tests/durations.json does not know (a new file)."""
+
+
+def _guess_seconds(item: pytest.Item) -> float:
+    return max(DEFAULT_TEST_S[tier] if item.get_closest_marker(tier) else 0.0 for tier in TIERS)
+
+
+def _group_seconds(groups: dict[str, list[pytest.Item]]) -> dict[str, float]:
+    """Each group's expected worker time: tests/durations.json (written from a run's junit XML by
+    ``python scripts/durations.py``), else a guess from its tests' tiers (:data:`DEFAULT_TEST_S`)."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    return {
+        name: float(known[name]) if name in known else sum(map(_guess_seconds, members))
+        for name, members in groups.items()
+    }
+
+
+def _longest_groups_first(items: list[pytest.Item]) -> None:
+    """Order the groups longest first, each group's tests in their own order. pytest-xdist hands out groups in
+    collection order (scripts/test.sh), so each worker takes the longest group left when it is free: a 140 s doc
+    no longer starts last, with one worker idle while the other runs it alone."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_worker_group(item), []).append(item)
+    seconds = _group_seconds(groups)
+    items[:] = [item for name in sorted(groups, key=lambda g: -seconds[g]) for item in groups[name]]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist would sort the groups by number of tests (single-test groups, the docs, last); keep ours.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
         item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    _longest_groups_first(items)
 
 
 # Signals the tests send to the commands they start (Ctrl-C's SIGINT, a scheduler's SIGTERM) reach them only if the

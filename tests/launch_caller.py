@@ -106,3 +106,23 @@ def fork_main() -> None:
         views = group.run(forked_view, timeout_s=60)
         caller_ends = _open_files([c.fileno() for c in group._conns])
     print(json.dumps({"views": views, "caller_pipe_ends": caller_ends}), flush=True)
+
+
+def tqdm_main() -> None:
+    """A caller that showed a progress bar (a disabled one, as the planner's recorded pipeline call in ``hsdp
+    train``), which leaves tqdm's monitor thread running, still forks its ranks. Prints one JSON line."""
+    import threading
+
+    from tqdm import tqdm
+
+    from hsdp.launch import WorkerGroup
+
+    with tqdm(total=2, disable=True) as bar:
+        bar.update(2)
+    monitor_before = any(t.name == "tqdm_monitor" for t in threading.enumerate())
+    with WorkerGroup(1) as group:
+        ppid = group.run(os.getppid)[0]
+    with tqdm(total=1, disable=True):  # a bar after the ranks started: tqdm starts its monitor again
+        monitor_after = any(t.name == "tqdm_monitor" for t in threading.enumerate())
+    print(json.dumps({"caller": os.getpid(), "rank_ppid": ppid, "monitor_before": monitor_before,
+                      "monitor_after": monitor_after}), flush=True)  # fmt: skip

@@ -220,3 +220,28 @@ def test_a_single_threaded_caller_forks_its_ranks_and_a_threaded_one_does_not():
         assert len(forked["caller_pipe_ends"]) == 2 and not set(view["open"]) & set(forked["caller_pipe_ends"])
     assert "a-server-thread" in threaded["problem"]
     assert spawned["ppid"] != first["caller"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ranks fork from the caller on Linux only")
+def test_a_caller_that_showed_a_progress_bar_still_forks_its_ranks():
+    """tqdm's monitor thread, started by the first progress bar (even a disabled one: the planner's recorded
+    pipeline call in every ``hsdp train``) and running until the process exits, made the ranks start from the
+    forkserver, importing torch and diffusers again (main 2a202a7: 'ranks start by forkserver (this process runs
+    other Python threads (tqdm_monitor))'). It is stopped before the ranks fork; the next bar starts it again."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("an accelerator build of torch never forks its ranks")
+    env = {k: v for k, v in os.environ.items() if k != "HSDP_START_METHOD"}
+    out = subprocess.run(
+        [sys.executable, "-c", "from tests.launch_caller import tqdm_main; tqdm_main()"],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["monitor_before"] and seen["monitor_after"], seen
+    assert seen["rank_ppid"] == seen["caller"], seen  # forked by the caller, not by the forkserver

@@ -187,6 +187,21 @@ def fork_problem(rank_threads: int = 1) -> str | None:
     return None
 
 
+def _stop_progress_monitors() -> None:
+    """Stop tqdm's monitor thread, which the first progress bar of this process starts and which then runs until
+    the process exits (a disabled bar starts it too: the planner's recorded pipeline call in ``hsdp train``). It
+    only redraws stalled bars every 10 s, and the next bar starts it again; left running, it alone made every
+    ``hsdp train`` start its ranks by the forkserver, importing torch and diffusers again (:func:`fork_problem`)."""
+    tqdm_monitor = sys.modules.get("tqdm._monitor")
+    if tqdm_monitor is None:
+        return
+    for thread in threading.enumerate():
+        if isinstance(thread, tqdm_monitor.TMonitor) and thread is not threading.current_thread():
+            thread.exit()  # wakes it and joins it
+            if getattr(thread.tqdm_cls, "monitor", None) is thread:
+                thread.tqdm_cls.monitor = None
+
+
 def _rank_threads(env: dict[str, str]) -> int:
     value = env.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() else os.cpu_count() or 1
@@ -202,6 +217,7 @@ def _start_method(env: dict[str, str], packages: Iterable[str] = ()) -> str:
     default = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     method = chosen
     if method is None:
+        _stop_progress_monitors()
         problem = fork_problem(_rank_threads(env))
         if problem is None:
             with phase("imports (the modules the ranks build with, once for all)"):

@@ -17,6 +17,7 @@ where it runs, beside the sharded gradients of the blocks after it, and a UNet's
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import deepcopy
 from functools import partial
 
 import torch
@@ -39,7 +40,17 @@ def memory_tracker(on_update: Callable | None = None):
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
         def _update_peak_stats(self, peak_state):
-            super()._update_peak_stats(peak_state)
+            # torch's keeps each module's own peak too, walking every tracked module after every operation (most
+            # of a planner trace's time); hsdp reads only the global peak (get_tracker_snapshot("peak")) and the
+            # current snapshot, kept here as torch keeps them.
+            peak, peak_snap = getattr(self, "_peak_mem", None), getattr(self, "_peak_mem_snap", None)
+            if peak is None or peak_snap is None:  # another torch's internals: its own update
+                super()._update_peak_stats(peak_state)
+            else:
+                for dev, dev_snap in self._curr_mem_snap.items():
+                    if peak.get(dev, 0) < dev_snap["Total"]:
+                        peak[dev] = dev_snap["Total"]
+                        peak_snap[dev] = deepcopy(dev_snap)
             if on_update is not None:
                 on_update(self)
 
