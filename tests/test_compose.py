@@ -7,9 +7,12 @@ step cache enabled from the diffusers config class with the fields asked for (:f
 :data:`HSDP_CACHE_DEFAULTS` names the one field hsdp adds). A refused pair is a case too: refused before loading, by the Engine,
 ``hsdp generate`` and ``hsdp serve`` alike, with a message naming both flags.
 
-Tolerances: exact where the math is one process's (every layout, cache and adapter at the slots' rank); 1e-5 on
-pixels in [0, 1] for requests batched beside another (CPU GEMM kernels round differently for another batch size,
-docs/serving.md); 1e-3 with ``--compile`` (inductor fuses and reorders float ops; tests/test_engine_compile.py).
+Tolerances (:data:`TOLERANCES`, derived in docs/compose.md): exact where the math is one process's (every layout,
+cache, adapter at the slots' rank, ``--offload-layers``, ``--attention-backend``); 1e-5 on pixels in [0, 1] for
+requests batched beside another (CPU GEMM kernels round differently for another batch size, docs/serving.md) and
+for ``--vae-parallel`` (docs/performance.md); 1e-3 with ``--compile`` (inductor fuses and reorders float ops;
+tests/test_engine_compile.py); their sum when a case has several. ``--weight-dtype int8`` is exact against the same
+weights quantized and dequantized in one process, and within PSNR 40 dB of plain diffusers' own weights.
 Outputs arrive as floats (``generate``), PNG (images: 8 bits, so a pixel within the tolerance may round to the
 next level: 1 level) or mp4 (chat and videos: the encoder is deterministic, so exact cases compare bytes; otherwise
 the decoded videos may differ by as much as the reference's own decoded video moves when its frames move by the
