@@ -45,7 +45,9 @@ AXES: dict[str, dict[str, str]] = {
         "one": "`--lora x=DIR`, request `model: x`",
         "rotation": "`--lora x=DIR --lora y=DIR`, requests for x then y",
         "scale": '`lora: {"name": "x", "scale": 0.5}` (`adapter_scale=0.5`)',
-        "runtime": "`POST /v1/load_lora_adapter` (`Engine.add_adapter`), then `model: late`",
+        "runtime": "`POST /v1/load_lora_adapter` of a ComfyUI LoRA file (`Engine.add_adapter`), then `model: late`",
+        "composed": '`lora: [{"name": "x"}, {"name": "kohya", "local_path": "kohya.safetensors", "scale": 0.5}]`: '
+        "a peft adapter and a kohya (musubi-tuner) LoRA file in one request (`adapter=[x, kohya]`)",
     },
     "compile": {"off": "no `--compile`", "on": "`--compile` (regional torch.compile)"},
     "route": {
@@ -54,6 +56,14 @@ AXES: dict[str, dict[str, str]] = {
         "chat": "`POST /v1/chat/completions`",
         "videos": "`POST /v1/videos`, polled, `GET .../content`",
     },
+    "vae": {
+        "whole": "no `--vae-parallel`: rank 0 decodes whole",
+        "parallel": "`--vae-parallel`: the whole decode's rows split over the ranks that share a request (64 x 64, "
+        "so each of 2 ranks decodes 4 of the 8 latent rows)",
+    },
+    "offload": {"off": "no `--offload-layers`", "on": "`--offload-layers 1` (the blocks after the first from host memory)"},
+    "attention": {"default": "diffusers' default backend", "math": "`--attention-backend _native_math`"},
+    "weights": {"stored": "no `--weight-dtype`", "int8": "`--weight-dtype int8` (8-bit shards)"},
     "lifecycle": {
         "plain": "nothing happens",
         "killed": "a worker rank is SIGKILLed while the job runs",
@@ -76,6 +86,8 @@ class Rule:
     why: str
     says: tuple[str, ...] = field(default=())
     """``refused``: what the refusal's message must contain (both flags)."""
+    base: dict[str, str] = field(default_factory=dict)
+    """``refused``: the other axes' values of its case, where the plainest would meet another refusal."""
 
     def matches(self, row: dict[str, str]) -> bool:
         return all(axis in row and row[axis] in values for axis, values in self.when.items())
@@ -91,6 +103,37 @@ REFUSED = (
         "TaylorSeer hooks the attention layers inside each compiled block; its per-step state would recompile "
         "the block every step",
         says=("--compile with --cache taylorseer", "first-block or magcache"),
+    ),
+    Rule(
+        {"weights": ("int8",), "layout": ("one-process",)},
+        "refused",
+        "8-bit weights are stored as FSDP shards: one process has none",
+        says=("--weight-dtype int8", "--use-hsdp"),
+    ),
+    Rule(
+        {"weights": ("int8",), "adapter": tuple(v for v in AXES["adapter"] if v != "none")},
+        "refused",
+        "the 8-bit path would quantize the adapter slots' own Linear layers too",
+        says=("--lora with --weight-dtype int8", "merge"),
+        base={"layout": "hsdp2"},
+    ),
+    Rule(
+        {"vae": ("parallel",), "layout": ("one-process", "request-parallel2")},
+        "refused",
+        "no two ranks share a request to split its decode over",
+        says=("--vae-parallel",),
+    ),
+    Rule(
+        {"offload": ("on",), "layout": ("one-process",)},
+        "refused",
+        "--offload-layers streams sharded blocks: without --use-hsdp there are none",
+        says=("--offload-layers", "--use-hsdp"),
+    ),
+    Rule(
+        {"attention": ("math",), "layout": ("ulysses2",)},
+        "refused",
+        "diffusers' _native_math backend has no context-parallel support",
+        says=("--attention-backend _native_math", "--ulysses-degree"),
     ),
 )
 INAPPLICABLE = (
@@ -118,6 +161,15 @@ COST = (
         {"layout": ("torchrun-2-nodes",), "route": SERVER_ROUTES, "compile": ("on",)},
         "cost",
         "as above, for --compile",
+    ),
+    *(
+        Rule({"layout": ("torchrun-2-nodes",), "route": SERVER_ROUTES, axis: (value,)}, "cost", f"as above, for {flag}")
+        for axis, value, flag in (
+            ("vae", "parallel", "--vae-parallel"),
+            ("offload", "on", "--offload-layers"),
+            ("attention", "math", "--attention-backend"),
+            ("weights", "int8", "--weight-dtype"),
+        )
     ),
     Rule(
         {
@@ -170,10 +222,11 @@ def _pairwise() -> list[dict[str, str]]:
 
 
 def _refusal_cases() -> list[Case]:
-    """One case per refused pair: the pair, every other axis at its first (plainest) value."""
+    """One case per refusal rule: its first pair, every other axis at its first (plainest) value or the rule's
+    ``base``. The rule's other pairs meet the same check before loading (one message for the rule)."""
     plain = {axis: next(iter(values)) for axis, values in AXES.items()}
     return [
-        Case({**plain, **{axis: values[0] for axis, values in rule.when.items()}}, refused=rule)
+        Case({**plain, **rule.base, **{axis: values[0] for axis, values in rule.when.items()}}, refused=rule)
         for rule in REFUSED
     ]
 
@@ -203,6 +256,8 @@ def uncovered_pairs(case_list: list[Case]) -> list[dict[str, str]]:
         rule = _pair_rule(pair)
         if rule is not None and rule.kind == "inapplicable":
             continue
+        if rule is not None and any(case.refused is rule for case in case_list):
+            continue  # the rule's refusal case checks its message
         if not any(all(case.values[a] == v for a, v in pair.items()) for case in case_list):
             missing.append(pair)
     return missing

@@ -11,6 +11,7 @@ A killed worker still costs a new group, as in ``hsdp serve``.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -36,6 +37,15 @@ LAYOUTS = {
     "request-parallel2": ParallelConfig(use_hsdp=True, hsdp_shard_size=2, request_parallel=True),
     "torchrun-2-nodes": ParallelConfig(use_hsdp=True, hsdp_shard_size=2),
 }
+LAYOUT_FLAGS = {
+    "one-process": [],
+    "hsdp2": ["--use-hsdp", "--hsdp-shard-size", "2"],
+    "ulysses2": ["--use-hsdp", "--ulysses-degree", "2"],
+    "cfg2": ["--use-hsdp", "--cfg-parallel-size", "2"],
+    "request-parallel2": ["--use-hsdp", "--hsdp-shard-size", "2", "--request-parallel"],
+    "torchrun-2-nodes": ["--use-hsdp", "--hsdp-shard-size", "2"],
+}
+"""The layouts as ``hsdp generate`` / ``hsdp serve`` flags."""
 CACHE_CONFIGS = {
     "first-block": {"threshold": 0.2},
     "taylorseer": {
@@ -46,7 +56,44 @@ CACHE_CONFIGS = {
 }
 """Configs that skip within a 6-step run of the tiny model (tests/test_engine_cache.py)."""
 SIZE = 32
+SPLIT_SIZE = 64
+"""``--vae-parallel`` cases: 8 latent rows, 4 per rank (a latent under ``world x 4`` rows decodes whole)."""
 FPS = 16
+FILE_ADAPTERS = {"kohya": "kohya.safetensors", "late": "comfyui.safetensors"}
+"""Adapters added while running, by name prefix (a case's name is the prefix and its index): LoRA files of other
+tools under ``--lora-root`` (tests/lora_refs.py kohya_files): musubi-tuner's kohya keys, ComfyUI's."""
+
+
+def adapter_file(name: str) -> str | None:
+    """The file under ``--lora-root`` of an adapter added while running (:data:`FILE_ADAPTERS`), else None."""
+    return next((file for prefix, file in FILE_ADAPTERS.items() if name.startswith(prefix)), None)
+
+
+def host_options(values: dict[str, str]) -> dict:
+    """A case's server-wide settings (``vae``, ``offload``, ``attention``, ``weights`` axes) as ``Engine`` /
+    ``ServeSettings`` keyword arguments; the layout's config with ``--offload-layers``."""
+    config = LAYOUTS[values["layout"]]
+    if values.get("offload") == "on":
+        config = dataclasses.replace(config, offload_layers=1)
+    return {
+        "parallel_config": config,
+        "vae_parallel": True if values.get("vae") == "parallel" else None,
+        "attention_backend": "_native_math" if values.get("attention") == "math" else None,
+        "weight_dtype": "int8" if values.get("weights") == "int8" else None,
+    }
+
+
+def option_flags(values: dict[str, str]) -> list[str]:
+    """The same settings as command-line flags (beside the layout's)."""
+    options = host_options(values)
+    flags = ["--vae-parallel"] if options["vae_parallel"] else []
+    if options["parallel_config"].offload_layers is not None:
+        flags += ["--offload-layers", str(options["parallel_config"].offload_layers)]
+    if options["attention_backend"]:
+        flags += ["--attention-backend", options["attention_backend"]]
+    if options["weight_dtype"]:
+        flags += ["--weight-dtype", options["weight_dtype"]]
+    return flags
 BLOCKER_STEPS = 30
 """A video job ahead of a case's requests, so that they wait queued together (batched beside each other, or
 queued when the server stops)."""
@@ -56,24 +103,33 @@ queued when the server stops)."""
 class Request:
     prompt: str
     seed: int
-    adapter: str | None
-    scale: float
+    adapter: str | tuple[str, ...] | None
+    """A name, or names composed in one request (each with its scale in ``scale``)."""
+    scale: float | tuple[float, ...]
     steps: int
     frames: int
     cache: str | None
+    size: int = SIZE
 
     @property
     def fields(self) -> dict:
-        """The adapter as a request names it: ``model`` (vLLM) at scale 1, else vLLM-Omni's ``lora``."""
+        """The adapter as a request names it: ``model`` (vLLM) at scale 1, else vLLM-Omni's ``lora`` (a list
+        when composed; a LoRA file of :data:`FILE_ADAPTERS` by its ``local_path``, loaded on first use)."""
         if self.adapter is None:
             return {}
+        if isinstance(self.adapter, tuple):
+            entries = [
+                {"name": n, "scale": s, **({"local_path": adapter_file(n)} if adapter_file(n) else {})}
+                for n, s in zip(self.adapter, self.scale, strict=True)
+            ]
+            return {"lora": entries}
         if self.scale == 1.0:
             return {"model": self.adapter}
         return {"lora": {"name": self.adapter, "scale": self.scale}}
 
     @property
     def generation(self) -> dict:
-        return {"seed": self.seed, "size": f"{SIZE}x{SIZE}", "num_inference_steps": self.steps}
+        return {"seed": self.seed, "size": f"{self.size}x{self.size}", "num_inference_steps": self.steps}
 
 
 # -- HTTP routes --------------------------------------------------------------------------------------------
@@ -192,19 +248,22 @@ def assert_batched(client: httpx.Client, since: tuple[float, float], sizes: list
 class EngineHost:
     """Route ``generate``: an Engine on the session's warm group, adapters x and y, slots for one more."""
 
-    def __init__(self, model: Path, layout: str, compile: bool, root: Path, dist_run):
+    def __init__(self, model: Path, values: dict[str, str], root: Path, dist_run):
         from hsdp.engine import Engine
 
-        config = LAYOUTS[layout]
+        options = host_options(values)
+        config = options.pop("parallel_config")
         self.root = root
+        # 8-bit shards take no adapter slots (refused): an int8 engine serves the base only.
+        adapters = {} if options["weight_dtype"] else {"lora": {"x": root / "x", "y": root / "y"}, "max_loras": 2}
         self.engine = Engine(
             model,
             config,
             workers=dist_run.group(config.resolved().world_size),
-            lora={"x": root / "x", "y": root / "y"},
-            max_loras=2,
-            compile=compile,
+            compile=values["compile"] == "on",
             call_timeout_s=600,
+            **adapters,
+            **options,
         )
 
     def close(self) -> None:

@@ -12,30 +12,34 @@ from pathlib import Path
 
 import numpy as np
 
-from hsdp import ParallelConfig, destroy_distributed
+from hsdp import destroy_distributed
 from hsdp.distributed import rank
 from hsdp.engine import Engine, SamplingParams
+from tests.compose_hosts import host_options
 
 
 def run(spec: dict) -> dict[str, np.ndarray]:
-    """``spec``: ``model``, ``root`` (adapters x, y, late) and ``engines``: compile flag -> cases, each with its
-    ``key``, ``cache``, ``cache_config``, ``steps``, ``runtime`` (an adapter name to add from ``late``) and
-    ``calls`` (prompts, seed, adapter, scale)."""
+    """``spec``: ``model``, ``root`` (adapters x, y and the LoRA files) and ``engines``: a list of engines, each
+    its ``values`` (the case's axes that set up the engine: compile, vae, offload, attention, weights) and ``cases``,
+    each with its ``key``, ``cache``, ``cache_config``, ``steps``, ``size``, ``adapters`` (names to add at run time ->
+    a file under ``root``) and ``calls`` (prompts, seed, adapter, scale)."""
     root = Path(spec["root"])
     outputs = {}
-    config = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    for compiled, cases in spec["engines"].items():
-        lora = {"x": root / "x", "y": root / "y"}
-        with Engine(spec["model"], config, lora=lora, max_loras=2, compile=compiled == "on") as engine:
-            for case in cases:
-                if case["runtime"]:
-                    engine.add_adapter(case["runtime"], root / "late")
+    for engine_spec in spec["engines"]:
+        values = {"layout": "torchrun-2-nodes", **engine_spec["values"]}
+        options = host_options(values)
+        config = options.pop("parallel_config")
+        adapters = {} if options["weight_dtype"] else {"lora": {"x": root / "x", "y": root / "y"}, "max_loras": 2}
+        with Engine(spec["model"], config, compile=values["compile"] == "on", **adapters, **options) as engine:
+            for case in engine_spec["cases"]:
+                for name, file in case["adapters"].items():
+                    engine.add_adapter(name, root / file)
                 for i, call in enumerate(case["calls"]):
                     params = SamplingParams(
                         seed=call["seed"],
                         num_inference_steps=case["steps"],
-                        height=32,
-                        width=32,
+                        height=case["size"],
+                        width=case["size"],
                         num_frames=5,
                         cache=case["cache"],
                         cache_config=case["cache_config"],

@@ -130,26 +130,34 @@ def reference_lm(path: Path, names: list[str], new_tokens: int) -> dict:
     return dict(logits=logits, tokens=tokens[0, 8:].tolist())
 
 
-def reference_frames_fake_quantized(path: Path, shardable: list[str], prompt: str, seed: int, call: dict):
-    """Frames of the plain pipeline in this process, with the Linear weights the sharded run stores in 8 bits
-    fake-quantized: the same selection rule (:func:`hsdp.quantize.quantize_linear_weights`) on each component."""
-    from diffusers import DiffusionPipeline
-
+def fake_quantize_pipeline(pipe, shardable, shard_size: int = 2) -> None:
+    """The Linear weights of ``pipe``'s ``shardable`` components that ``--weight-dtype int8`` stores in 8 bits
+    replaced by their quantize-dequantize round trip (the same selection rule,
+    :func:`hsdp.quantize.quantize_linear_weights`), in place."""
     from hsdp.quantize import quantize_linear_weights
     from hsdp.shard_rules import resolve_plan
     from hsdp.sharding import _unshardable_params
-    from tests.engine_refs import one_thread
 
-    pipe = DiffusionPipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
     for name in shardable:
         component = getattr(pipe, name)
         for param in component.parameters():
             param.data = param.data.clone()
         skip = set(_unshardable_params(component, resolve_plan(component), training=False).values())
-        for qualified in quantize_linear_weights(component, "int8", shard_size=2, skip=skip):
+        for qualified in quantize_linear_weights(component, "int8", shard_size=shard_size, skip=skip):
             module = component.get_submodule(qualified.removesuffix(".weight"))
             module.weight = nn.Parameter(module.weight.dequantize(), requires_grad=False)
+
+
+def reference_frames_fake_quantized(path: Path, shardable: list[str], prompt: str, seed: int, call: dict):
+    """Frames of the plain pipeline in this process, with the Linear weights the sharded run stores in 8 bits
+    fake-quantized: the same selection rule (:func:`hsdp.quantize.quantize_linear_weights`) on each component."""
+    from diffusers import DiffusionPipeline
+
+    from tests.engine_refs import one_thread
+
+    pipe = DiffusionPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    fake_quantize_pipeline(pipe, shardable)
     with one_thread(), torch.no_grad():
         return pipe(
             prompt=prompt, generator=torch.Generator().manual_seed(seed), output_type="np", **call

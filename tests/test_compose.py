@@ -7,9 +7,12 @@ step cache enabled from the diffusers config class with the fields asked for (:f
 :data:`HSDP_CACHE_DEFAULTS` names the one field hsdp adds). A refused pair is a case too: refused before loading, by the Engine,
 ``hsdp generate`` and ``hsdp serve`` alike, with a message naming both flags.
 
-Tolerances: exact where the math is one process's (every layout, cache and adapter at the slots' rank); 1e-5 on
-pixels in [0, 1] for requests batched beside another (CPU GEMM kernels round differently for another batch size,
-docs/serving.md); 1e-3 with ``--compile`` (inductor fuses and reorders float ops; tests/test_engine_compile.py).
+Tolerances (:data:`TOLERANCES`, derived in docs/compose.md): exact where the math is one process's (every layout,
+cache, adapter at the slots' rank, ``--offload-layers``, ``--attention-backend``); 1e-5 on pixels in [0, 1] for
+requests batched beside another (CPU GEMM kernels round differently for another batch size, docs/serving.md) and
+for ``--vae-parallel`` (docs/performance.md); 1e-3 with ``--compile`` (inductor fuses and reorders float ops;
+tests/test_engine_compile.py); their sum when a case has several. ``--weight-dtype int8`` is exact against the same
+weights quantized and dequantized in one process, and within PSNR 40 dB of plain diffusers' own weights.
 Outputs arrive as floats (``generate``), PNG (images: 8 bits, so a pixel within the tolerance may round to the
 next level: 1 level) or mp4 (chat and videos: the encoder is deterministic, so exact cases compare bytes; otherwise
 the decoded videos may differ by as much as the reference's own decoded video moves when its frames move by the
@@ -33,7 +36,6 @@ import numpy as np
 import pytest
 import torch
 
-from hsdp import ParallelConfig
 from hsdp.cli import main as cli_main
 from hsdp.engine import Engine, SamplingParams
 from hsdp.engine.model_info import inspect_model
@@ -45,16 +47,20 @@ from tests.compose_hosts import (
     BLOCKER_STEPS,
     CACHE_CONFIGS,
     FPS,
-    LAYOUTS,
+    LAYOUT_FLAGS,
     ROUTES,
     SIZE,
+    SPLIT_SIZE,
     SYNC_ROUTES,
     EngineHost,
     NodesHost,
     Request,
     ServerHost,
+    adapter_file,
     assert_batched,
     batch_counts,
+    host_options,
+    option_flags,
     run_concurrently,
     submit_video,
     sync_answer,
@@ -63,7 +69,7 @@ from tests.compose_hosts import (
     wait_in_progress,
 )
 from tests.engine_refs import _fresh_copies, builtin, one_thread
-from tests.lora_refs import diffusers_folder, save_adapter
+from tests.lora_refs import WAN_BLOCK_LINEARS, diffusers_folder, kohya_files, save_adapter
 
 CASES = cases()
 PROMPTS = (("a red fox in the snow", 11), ("a cat playing piano", 12))
@@ -74,8 +80,13 @@ ADAPTERS = {
     "rotation": [("x", 1.0), ("y", 1.0)],
     "scale": [("x", 0.5)],
     "runtime": [("late", 1.0)],
+    "composed": [(("x", "kohya"), (1.0, 0.5))],
 }
-ANY_ADAPTER = ("one", "rotation", "scale", "runtime")
+"""Adapter axis value -> the requests' adapters (one request, or one per adapter in turn) and scales. ``late`` and
+``kohya`` are LoRA files added while running (:data:`tests.compose_hosts.FILE_ADAPTERS`), named per case."""
+ANY_ADAPTER = ("one", "rotation", "scale", "runtime", "composed")
+OPTION_AXES = ("compile", "vae", "offload", "attention", "weights")
+"""The axes that set up an engine or a server (beside the layout, and the cache on a server)."""
 KNOWN_SEAMS: tuple[tuple[dict, str], ...] = ()
 """Where a case meets a seam that another branch fixes (or that is reported): xfail(strict) until then."""
 
@@ -90,18 +101,26 @@ def host_key(case: Case) -> tuple:
     """What a case runs on: cases with the same key share one engine or server."""
     if case.refused:
         return ("refused",)
+    options = tuple(case.values[a] for a in OPTION_AXES)
     if case.layout == "torchrun-2-nodes":
-        return ("torchrun-generate",) if case.route == "generate" else ("nodes",)
+        return ("torchrun-generate",) if case.route == "generate" else ("nodes", *options)
     if case.route == "generate":
-        return ("engine", case.layout, case.compile)
-    return ("server", case.layout, case.compile, case.cache)
+        return ("engine", case.layout, *options)
+    return ("server", case.layout, *options, case.cache)
 
 
 ORDERED = sorted(CASES, key=lambda c: (host_key(c), list(AXES["lifecycle"]).index(c.lifecycle)))
 
 
-def runtime_name(case: Case) -> str:
-    return f"late{CASES.index(case)}"
+def case_name(case: Case, name: str) -> str:
+    """An adapter added while running is named per case (``late7``), so that each case adds its own."""
+    return f"{name}{CASES.index(case)}" if adapter_file(name) else name
+
+
+def added_adapters(case: Case) -> dict[str, str]:
+    """The case's adapters added while running: name -> its file under the root."""
+    names = [n for name, _ in ADAPTERS[case.adapter] for n in (name if isinstance(name, tuple) else (name,)) if n]
+    return {case_name(case, n): adapter_file(n) for n in names if adapter_file(n)}
 
 
 def requests(case: Case) -> list[list[Request]]:
@@ -109,12 +128,14 @@ def requests(case: Case) -> list[list[Request]]:
     steps = 12 if case.lifecycle == "killed" else 6  # a longer job to kill mid-way
     frames = 1 if case.route == "images" else 5
     cache = None if case.cache == "none" else case.cache
+    size = SPLIT_SIZE if case.vae == "parallel" else SIZE
     prompts = PROMPTS if case.batching == "beside" else PROMPTS[:1]
+
+    def named(name):
+        return tuple(case_name(case, n) for n in name) if isinstance(name, tuple) else name and case_name(case, name)
+
     return [
-        [
-            Request(prompt, seed, runtime_name(case) if name == "late" else name, scale, steps, frames, cache)
-            for prompt, seed in prompts
-        ]
+        [Request(prompt, seed, named(name), scale, steps, frames, cache, size) for prompt, seed in prompts]
         for name, scale in ADAPTERS[case.adapter]
     ]
 
@@ -127,14 +148,17 @@ def wan(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def root(wan, tmp_path_factory) -> Path:
-    """``--lora-root``: adapters x and y (served from the start) and late (loaded at run time), rank 4."""
+    """``--lora-root``: peft adapters x and y (served from the start), rank 4, and LoRA files of other tools added
+    while running: ``comfyui.safetensors`` and ``kohya.safetensors`` (one adapter of every block linear layer,
+    feed-forward included, in ComfyUI's and musubi-tuner's keys)."""
     from diffusers import WanTransformer3DModel
 
     folder = tmp_path_factory.mktemp("compose-lora")
     transformer = WanTransformer3DModel.from_pretrained(str(wan / "transformer"))
     targets = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
-    for seed, name in enumerate(("x", "y", "late"), start=3):
+    for seed, name in enumerate(("x", "y"), start=3):
         save_adapter(transformer, folder / name, targets, seed=seed)
+    kohya_files(save_adapter(transformer, folder / "k", WAN_BLOCK_LINEARS, seed=5), transformer, folder)
     return folder
 
 
@@ -195,30 +219,48 @@ def _diffusers_cache(name: str):
 
 
 def _plain_pipeline(wan: Path, root: Path, request: Request):
-    """diffusers' pipeline in this process, the request's adapter loaded by diffusers itself (``load_lora_weights``
-    of its diffusers-format file, peft underneath) at the request's scale (``set_adapters``)."""
+    """diffusers' pipeline in this process, the request's adapters loaded by diffusers itself (``load_lora_weights``
+    of a diffusers-format file, or of a kohya / ComfyUI file its converters read; peft underneath) at the request's
+    scales (``set_adapters``, which composes several)."""
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(wan)
     _fresh_copies(*(m for m in pipe.components.values() if isinstance(m, torch.nn.Module)))
     pipe.set_progress_bar_config(disable=True)
     if request.adapter is not None:
-        folder = root / ("late" if request.adapter.startswith("late") else request.adapter)
-        pipe.load_lora_weights(str(diffusers_folder(folder)), adapter_name="case")
-        pipe.set_adapters(["case"], adapter_weights=[request.scale])
+        names = request.adapter if isinstance(request.adapter, tuple) else (request.adapter,)
+        scales = request.scale if isinstance(request.scale, tuple) else (request.scale,)
+        for i, name in enumerate(names):
+            file = adapter_file(name)
+            pipe.load_lora_weights(str(root / file if file else diffusers_folder(root / name)), adapter_name=f"a{i}")
+        pipe.set_adapters([f"a{i}" for i in range(len(names))], adapter_weights=list(scales))
     return pipe
 
 
-def reference(wan: Path, root: Path, request: Request) -> np.ndarray:
+def reference(wan: Path, root: Path, request: Request, values: dict[str, str] | None = None) -> np.ndarray:
     """Frames of plain diffusers in this process for the request: the adapter by ``load_lora_weights``, the cache by
-    diffusers' config class with the fields asked for."""
+    diffusers' config class with the fields asked for, the attention backend by the denoisers'
+    ``set_attention_backend``; with ``weights: int8`` in ``values``, the weights that 8-bit shards store replaced by
+    their quantize-dequantize round trip (what the sharded run computes with; diffusers has no such option)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    values = values or {}
     pipe = _plain_pipeline(wan, root, request)
+    info = inspect_model(wan)
+    default_backend = _AttentionBackendRegistry._active_backend
+    if (backend := host_options({"layout": "one-process", **values})["attention_backend"]) is not None:
+        for name in info.denoisers:
+            getattr(pipe, name).set_attention_backend(backend)
+    if values.get("weights") == "int8":
+        from tests.quantize_fns import fake_quantize_pipeline
+
+        fake_quantize_pipeline(pipe, info.shardable)
     if request.cache is not None:
         pipe.transformer.enable_cache(_diffusers_cache(request.cache))
     call = {
-        **inspect_model(wan).defaults,
-        "height": SIZE,
-        "width": SIZE,
+        **info.defaults,
+        "height": request.size,
+        "width": request.size,
         "num_frames": request.frames,
         "num_inference_steps": request.steps,
     }
@@ -232,12 +274,32 @@ def reference(wan: Path, root: Path, request: Request) -> np.ndarray:
     finally:
         if request.cache is not None:
             pipe.transformer.disable_cache()
+        # diffusers' set_attention_backend also makes the backend its process-wide default: keep it to this
+        # pipeline, or the next case's reference runs it (1e-6 off, found by the int8 case after a math one).
+        _AttentionBackendRegistry.set_active_backend(default_backend)
+
+
+TOLERANCES = {
+    ("compile", "on"): 1e-3,
+    ("batching", "beside"): 1e-5,
+    ("vae", "parallel"): 1e-5,
+}
+"""Each setting whose output is not one process's bit for bit, and its bound on pixels in [0, 1] (derived in
+docs/compose.md, Tolerances). Every other value is exact."""
+INT8_PSNR_MIN_DB = 40.0
+"""``--weight-dtype int8`` against plain diffusers' full-precision weights (docs/compose.md, Tolerances): exact
+against the same weights quantized and dequantized in one process, and this close to the unquantized pipeline."""
 
 
 def tolerance(case: Case) -> float:
-    if case.compile == "on":
-        return 1e-3
-    return 1e-5 if case.batching == "beside" else 0.0
+    """The sum of the case's settings' bounds: each moves the output by at most its own bound whatever the others
+    do (each is a rounding of the same computation, a few ulps of the values it touches)."""
+    return sum(bound for (axis, value), bound in TOLERANCES.items() if case.values[axis] == value)
+
+
+def png_levels(tol: float) -> int:
+    """8-bit levels two pixels within ``tol`` of each other may round to: ``floor(255 tol) + 1`` (0 when exact)."""
+    return 0 if tol == 0 else int(255 * tol) + 1
 
 
 def _decode_mp4(data: bytes, folder: Path) -> np.ndarray:
@@ -248,34 +310,45 @@ def _decode_mp4(data: bytes, folder: Path) -> np.ndarray:
     return iio.imread(path, extension=".mp4").astype(np.int16)
 
 
-def compare(case: Case, got, expected: np.ndarray, folder: Path) -> float:
+def compare(case: Case, got, expected: np.ndarray, folder: Path) -> tuple[float, float]:
     """Assert ``got`` (floats, PNG or mp4 bytes) equals the one-process frames within the case's tolerance;
-    returns the largest difference seen (pixels in [0, 1], or 8-bit levels for encoded outputs)."""
+    returns the largest difference seen and its bound (pixels in [0, 1], or 8-bit levels for encoded outputs)."""
     tol = tolerance(case)
     if case.route == "generate":
         diff = float(np.abs(got - expected).max())
         assert got.shape == expected.shape and diff <= tol, f"max|diff| {diff:.3g} > {tol:g}"
-        return diff
+        return diff, tol
     if case.route == "images":
         want = encode_image(expected[0], ".png")
         if tol == 0:
             assert got == want, "PNG differs from one process"
-            return 0.0
-        from PIL import Image
-
-        a, b = (np.asarray(Image.open(io.BytesIO(x))).astype(np.int16) for x in (got, want))
-        diff = float(np.abs(a - b).max())
-        assert diff <= 1, f"PNG levels differ by {diff:g} > 1"
-        return diff
+            return 0.0, 0.0
+        diff = float(np.abs(_decode_png(got) - _decode_png(want)).max())
+        assert diff <= png_levels(tol), f"PNG levels differ by {diff:g} > {png_levels(tol)}"
+        return diff, png_levels(tol)
     want = save_frames(expected, folder / "ref.mp4", fps=FPS).read_bytes()
     if tol == 0:
         assert got == want, "mp4 differs from one process"
-        return 0.0
+        return 0.0, 0.0
     decoded_want = _decode_mp4(want, folder)
     diff = float(np.abs(_decode_mp4(got, folder) - decoded_want).max())
     bound = _codec_bound(expected, tol, decoded_want, folder)
     assert diff <= bound, f"decoded mp4 differs by {diff:g} levels > {bound:g} (frames moved by {tol:g})"
-    return diff
+    return diff, bound
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(data))).astype(np.int16)
+
+
+def int8_psnr(twin: np.ndarray, plain: np.ndarray) -> float:
+    """PSNR (dB) of int8 frames against plain diffusers' full-precision frames. ``twin``: plain diffusers' frames with
+    the weights quantized and dequantized, which the output equals within the case's bound (:func:`compare`): an mp4
+    of 32 x 32 frames would add its codec's own loss (decoded, 35 dB for frames 0.005 apart)."""
+    mse = float(np.mean((twin.astype(np.float64) - plain) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 def _codec_bound(expected: np.ndarray, tol: float, decoded: np.ndarray, folder: Path) -> float:
@@ -292,13 +365,13 @@ def _codec_bound(expected: np.ndarray, tol: float, decoded: np.ndarray, folder: 
 # -- running a case -----------------------------------------------------------------------------------------
 def _server_settings(wan: Path, root: Path, case: Case, folder: Path) -> ServeSettings:
     cache = None if case.cache == "none" else case.cache
+    # 8-bit shards take no adapter slots (refused): an int8 server serves the base only.
+    adapters = {"lora": (f"x={root / 'x'}", f"y={root / 'y'}"), "max_loras": 2, "lora_root": root}
     return ServeSettings(
         model=str(wan),
-        parallel_config=LAYOUTS[case.layout],
         output_dir=folder,
-        lora=(f"x={root / 'x'}", f"y={root / 'y'}"),
-        max_loras=2,
-        lora_root=root,
+        **({} if case.weights == "int8" else adapters),
+        **host_options(case.values),
         cache=cache,
         cache_config=CACHE_CONFIGS.get(cache) if cache else None,
         compile=case.compile == "on",
@@ -309,10 +382,12 @@ def _server_settings(wan: Path, root: Path, case: Case, folder: Path) -> ServeSe
     )
 
 
-def _nodes_args(root: Path, folder: Path) -> list[str]:
+def _nodes_args(case: Case, root: Path, folder: Path) -> list[str]:
+    adapters = ["--max-loras", "2", "--lora", f"x={root / 'x'}", "--lora", f"y={root / 'y'}", "--lora-root", str(root)]
     return [
-        *("--use-hsdp", "--hsdp-shard-size", "2", "--max-loras", "2", "--max-batch-size", "2"),
-        *("--lora", f"x={root / 'x'}", "--lora", f"y={root / 'y'}", "--lora-root", str(root)),
+        *("--use-hsdp", "--hsdp-shard-size", "2", "--max-batch-size", "2"),
+        *([] if case.weights == "int8" else adapters),
+        *option_flags(case.values),
         *("--output-dir", str(folder)),
     ]
 
@@ -325,9 +400,10 @@ def run_on_server(host, case: Case) -> list:
     """The case's outputs, in :func:`requests` order, through its route on ``host``."""
     host.wait_ready()  # an earlier case may have killed a worker
     client = host.client
-    if case.adapter == "runtime":
-        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": runtime_name(case), "lora_path": "late"})
-        assert loaded.status_code == 200, loaded.text
+    if case.adapter == "runtime":  # a composed request's file loads on first use (its lora.local_path)
+        for name, file in added_adapters(case).items():
+            loaded = client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": file})
+            assert loaded.status_code == 200, loaded.text
     groups = requests(case)
     flat = [r for group in groups for r in group]
     sizes = [len(group) for group in groups]
@@ -378,22 +454,23 @@ def run_on_server(host, case: Case) -> list:
 
 def run_on_engine(host: EngineHost, case: Case) -> list:
     engine = host.engine
-    if case.adapter == "runtime":
-        engine.add_adapter(runtime_name(case), host.root / "late")
+    for name, file in added_adapters(case).items():
+        engine.add_adapter(name, host.root / file)
     outputs = []
     for group in requests(case):
         first = group[0]
         params = SamplingParams(
             seed=first.seed,
             num_inference_steps=first.steps,
-            height=SIZE,
-            width=SIZE,
+            height=first.size,
+            width=first.size,
             num_frames=first.frames,
             cache=first.cache,
             cache_config=CACHE_CONFIGS.get(first.cache) if first.cache else None,
         )
+        adapter, scale = _engine_adapter(first)
         results = engine.generate(
-            [r.prompt for r in group], params, batch_size=len(group), adapter=first.adapter, adapter_scale=first.scale
+            [r.prompt for r in group], params, batch_size=len(group), adapter=adapter, adapter_scale=scale
         )
         if first.cache is not None:
             assert all(out.cache and out.cache["skipped"] > 0 for out in results), "the cache skipped nothing"
@@ -401,30 +478,42 @@ def run_on_engine(host: EngineHost, case: Case) -> list:
     return outputs
 
 
+def _engine_adapter(request: Request) -> tuple:
+    """``Engine.generate``'s ``adapter`` and ``adapter_scale`` for a request (lists when composed)."""
+    if isinstance(request.adapter, tuple):
+        return list(request.adapter), list(request.scale)
+    return request.adapter, request.scale
+
+
 class TorchrunGenerate:
-    """Every torchrun ``generate`` case in one launch of tests/compose_torchrun.py (an Engine per compile)."""
+    """Every torchrun ``generate`` case in one launch of tests/compose_torchrun.py (an Engine per set of
+    :data:`OPTION_AXES` values)."""
 
     def __init__(self, wan: Path, root: Path, folder: Path):
-        engines: dict[str, list] = {}
+        engines: dict[tuple, dict] = {}
         for case in ORDERED:
             if host_key(case) != ("torchrun-generate",):
                 continue
             calls = [
-                {"prompts": [r.prompt for r in g], "seed": g[0].seed, "adapter": g[0].adapter, "scale": g[0].scale}
+                dict(zip(("adapter", "scale"), _engine_adapter(g[0]), strict=True), prompts=[r.prompt for r in g],
+                     seed=g[0].seed)
                 for g in requests(case)
-            ]
+            ]  # fmt: skip
             first = requests(case)[0][0]
-            engines.setdefault(case.compile, []).append(
+            values = {a: case.values[a] for a in OPTION_AXES}
+            engine = engines.setdefault(tuple(values.values()), {"values": values, "cases": []})
+            engine["cases"].append(
                 {
                     "key": case.id,
                     "cache": first.cache,
                     "cache_config": CACHE_CONFIGS.get(first.cache) if first.cache else None,
                     "steps": first.steps,
-                    "runtime": runtime_name(case) if case.adapter == "runtime" else None,
+                    "size": first.size,
+                    "adapters": added_adapters(case),
                     "calls": calls,
                 }
             )
-        spec = {"root": str(root), "engines": engines}
+        spec = {"root": str(root), "engines": list(engines.values())}
         self.outputs = torchrun_generate(wan, spec, folder / "torchrun.npz", folder / "torchrun.log")
 
     def frames(self, case: Case) -> list:
@@ -436,22 +525,28 @@ def _host(hosts: Hosts, case: Case, wan: Path, root: Path, dist_run, folder: Pat
     key = host_key(case)
     name = "-".join(str(k) for k in key)
     if key[0] == "engine":
-        return hosts.get(key, lambda: EngineHost(wan, case.layout, case.compile == "on", root, dist_run))
+        return hosts.get(key, lambda: EngineHost(wan, case.values, root, dist_run))
     if key[0] == "server":
         return hosts.get(key, lambda: ServerHost(_server_settings(wan, root, case, folder / name), dist_run))
     if key[0] == "nodes":
-        return hosts.get(key, lambda: NodesHost(wan, _nodes_args(root, folder / name / "out"), folder / name))
+        return hosts.get(key, lambda: NodesHost(wan, _nodes_args(case, root, folder / name / "out"), folder / name))
     return hosts.get(key, lambda: TorchrunGenerate(wan, root, folder))
 
 
-def _refusal(case: Case, wan: Path, tmp_path: Path, capsys) -> str:
+def _refusal(case: Case, wan: Path, root: Path, tmp_path: Path, capsys) -> str:
     """The refused pair: Engine, hsdp generate and hsdp serve each refuse it before loading, naming both flags."""
     rule = case.refused
-    cache, fields = case.cache, CACHE_CONFIGS[case.cache]
+    options = host_options(case.values)
+    config = options.pop("parallel_config")
+    cache = None if case.cache == "none" else case.cache
+    fields = CACHE_CONFIGS.get(cache) if cache else None
+    adapters = {} if case.adapter == "none" else {"lora": {"x": root / "x"}}
     with pytest.raises(ValueError) as info:
-        Engine(wan, ParallelConfig(), compile=True, cache=cache, cache_config=fields)
+        Engine(wan, config, compile=case.compile == "on", cache=cache, cache_config=fields, **adapters, **options)
     messages = [str(info.value)]
-    flags = ["--compile", "--cache", cache, "--cache-config", json.dumps(fields)]
+    flags = [*LAYOUT_FLAGS[case.layout], *option_flags(case.values), *(["--compile"] if case.compile == "on" else [])]
+    flags += ["--cache", cache, "--cache-config", json.dumps(fields)] if cache else []
+    flags += ["--lora", f"x={root / 'x'}"] if adapters else []
     generate = ["generate", "--model", str(wan), *flags, "--prompt", "x", "--output", str(tmp_path / "x.mp4")]
     serve = ["serve", str(wan), *flags, "--output-dir", str(tmp_path / "serve")]
     for argv in (generate, serve):
@@ -478,7 +573,7 @@ def test_case_equals_one_process(case, hosts, wan, root, dist_run, tmp_path, tmp
     row = RESULTS[case.id] = {**case.values, "host": "/".join(map(str, host_key(case))), "verdict": "FAIL"}
     try:
         if case.refused:
-            row["detail"] = _refusal(case, wan, tmp_path, capsys)
+            row["detail"] = _refusal(case, wan, root, tmp_path, capsys)
             row["verdict"] = "refused (expected)"
             return
         host = _host(hosts, case, wan, root, dist_run, tmp_path_factory.getbasetemp() / "compose")
@@ -490,14 +585,26 @@ def test_case_equals_one_process(case, hosts, wan, root, dist_run, tmp_path, tmp
             outputs = run_on_server(host, case)
         flat = [r for group in requests(case) for r in group]
         assert len(outputs) == len(flat)
-        diffs = [compare(case, out, reference(wan, root, r), tmp_path) for out, r in zip(outputs, flat, strict=True)]
-        row["max_diff"] = max(diffs)
+        diffs = []
+        for out, r in zip(outputs, flat, strict=True):
+            expected = reference(wan, root, r, case.values)
+            diffs.append(compare(case, out, expected, tmp_path))
+            if case.weights == "int8":  # no diffusers twin: its derived bound against plain diffusers' weights
+                psnr = int8_psnr(expected, reference(wan, root, r))
+                row["psnr_db"] = min(psnr, row.get("psnr_db", float("inf")))
+                assert psnr >= INT8_PSNR_MIN_DB, f"int8 PSNR {psnr:.1f} dB against plain diffusers < {INT8_PSNR_MIN_DB}"
+        row["max_diff"], row["bound"] = max(d for d, _ in diffs), max(b for _, b in diffs)
         row["verdict"] = "pass"
     except BaseException as exc:
         row["detail"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
         if known_seam(case):
             row["verdict"] = f"xfail ({known_seam(case)})"
         raise
+
+
+def _measured(row: dict) -> str:
+    text = f"max diff {row.get('max_diff', 0):.2g} (bound {row.get('bound', 0):.2g})"
+    return text + (f", int8 PSNR {row['psnr_db']:.1f} dB (>= {INT8_PSNR_MIN_DB:g})" if "psnr_db" in row else "")
 
 
 def _report(config: pytest.Config, base: Path) -> None:
@@ -513,7 +620,7 @@ def _report(config: pytest.Config, base: Path) -> None:
     for case in ORDERED:
         row = RESULTS.get(case.id)
         verdict = "not run" if row is None else row["verdict"]
-        detail = "" if row is None else row.get("detail", f"max diff {row.get('max_diff', 0):.2g}")
+        detail = "" if row is None else row.get("detail", _measured(row))
         lines.append(" | ".join(case.values[a].ljust(widths[a]) for a in axes) + f" | {verdict}: {detail}")
     reporter = config.pluginmanager.getplugin("terminalreporter")
     text = "\n".join(lines)
