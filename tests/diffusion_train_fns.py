@@ -108,7 +108,7 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
     optimizers = {c: torch.optim.AdamW([p for p in e.parameters() if p.requires_grad], lr=cfg.lr,
                                        weight_decay=cfg.weight_decay) for c, e in experts.items()}  # fmt: skip
     boundary = index.get("boundary_ratio")
-    data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, components[0]), resolution=cfg.resolution,
+    data = MediaDataset.from_source(cfg.data, media_spec(model_dir, components[0]), resolution=cfg.resolution,
                                     frames=cfg.frames)  # fmt: skip
     forward = FORWARDS[index["_class_name"]]
     losses = []
@@ -267,7 +267,7 @@ def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
         sharded = frozen_sharded(model_dir)
         pipe = frozen_pipeline(model_dir, cfg.effective_parallel())
         modules = {name: getattr(pipe, name) for name in sharded}
-        data = MediaDataset.from_source(cfg.data, media_spec(pipe, model_dir, "transformer"), resolution=cfg.resolution)
+        data = MediaDataset.from_source(cfg.data, media_spec(model_dir, "transformer"), resolution=cfg.resolution)
         first = data.buckets[0]
         layout = prompt_layout(pipe, model_dir, (first.height, first.width), first.frames)
         items = encode_items(pipe, model_dir, layout, data, range(len(data)))

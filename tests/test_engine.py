@@ -147,8 +147,8 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
         (["--true-cfg-scale", "4"], "true_cfg_scale: WanPipeline takes no true_cfg_scale"),
         (
             ["--guidance-scale-2", "3"],
-            "guidance_scale_2: this WanPipeline takes no guidance_scale_2: its model_index.json leaves "
-            "boundary_ratio unset",
+            "guidance_scale_2: this WanPipeline takes no guidance_scale_2: its pipeline config (model_index.json) "
+            "leaves boundary_ratio unset",
         ),
         (["--batch-size", "0"], "--batch-size 0: must be an integer >= 1"),
         (
@@ -180,7 +180,7 @@ class _FailingGroup:
     world_size = 2
     broken = False
 
-    def run(self, fn, *args, timeout_s=None):
+    def run(self, fn, *args, timeout_s=None, on_event=None):
         from hsdp.engine import worker
         from hsdp.launch import WorkerError
 

@@ -48,7 +48,7 @@ def reference_eval(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> float:
     folder = resolve_model(cfg.model)
     pipe = diffusers.WanPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.transformer.load_state_dict(state)
-    data = MediaDataset.from_source(cfg.eval_data, media_spec(pipe, folder, "transformer"),
+    data = MediaDataset.from_source(cfg.eval_data, media_spec(folder, "transformer"),
                                     resolution=cfg.resolution, frames=cfg.frames)  # fmt: skip
     vae = pipe.vae
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
