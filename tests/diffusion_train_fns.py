@@ -254,14 +254,14 @@ def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
     the losses of training ``cfg`` with them."""
     from torch.distributed.tensor import DTensor
 
-    import hsdp.engine.model_info as model_info
+    import hsdp.models.description as description
     from hsdp.models.builtin import resolve_model
     from hsdp.train.diffusion.frozen import encode_items, frozen_pipeline, frozen_sharded, media_spec
     from hsdp.train.diffusion.media import MediaDataset
     from hsdp.train.diffusion.pipeline_call import prompt_layout
 
-    saved = model_info.TEXT_ENCODER_SHARD_FRACTION
-    model_info.TEXT_ENCODER_SHARD_FRACTION = fraction
+    saved = description.TEXT_ENCODER_SHARD_FRACTION
+    description.TEXT_ENCODER_SHARD_FRACTION = fraction
     try:
         model_dir = resolve_model(cfg.model)
         sharded = frozen_sharded(model_dir)
@@ -274,7 +274,7 @@ def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:
         del pipe
         losses = train_diffusion([cfg])[0]["losses"]
     finally:
-        model_info.TEXT_ENCODER_SHARD_FRACTION = saved
+        description.TEXT_ENCODER_SHARD_FRACTION = saved
     return {
         "sharded": sharded,
         "dtensor": {n: all(isinstance(p, DTensor) for p in m.parameters()) for n, m in modules.items()},
