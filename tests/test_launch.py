@@ -245,3 +245,16 @@ def test_a_caller_that_showed_a_progress_bar_still_forks_its_ranks():
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen["monitor_before"] and seen["monitor_after"], seen
     assert seen["rank_ppid"] == seen["caller"], seen  # forked by the caller, not by the forkserver
+
+
+def test_a_caller_with_an_open_group_starts_the_next_without_fork():
+    """A fork copies an open group's rendezvous store without its server thread, and a rank that freed that copy
+    aborted (the combination tier, several engines up in one process): while a group is open, the next starts its
+    ranks another way; once it is closed, forking is safe again."""
+    from hsdp.launch import WorkerGroup
+    from hsdp.launch.group import _OPEN_GROUPS, fork_problem
+
+    before = len(_OPEN_GROUPS)  # (this process may hold the suite's shared groups)
+    with WorkerGroup(1) as group:
+        assert group in _OPEN_GROUPS and "open worker group" in (fork_problem() or "")
+    assert group not in _OPEN_GROUPS and len(_OPEN_GROUPS) == before

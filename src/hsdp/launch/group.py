@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -173,18 +174,27 @@ def fork_problem(rank_threads: int = 1) -> str | None:
     * a driver that the caller may have initialized (``torch.cuda.is_available`` runs CUDA's ``cuInit``) cannot be
       used in a forked child, so only a CPU-only torch build forks (torch's own multiprocessing refuses ``fork``
       for CUDA too);
+    * another open :class:`WorkerGroup` of this process holds a rendezvous store whose server thread a fork copies
+      as state without its thread: a rank that frees its copy aborts (seen in the combination tier, which keeps
+      several engines up in one process);
     * macOS's system libraries are not fork-safe: Linux only."""
     if sys.platform != "linux" or "fork" not in mp.get_all_start_methods():
         return f"{sys.platform} is not Linux"
     accelerator = _accelerator_built()
     if accelerator:
         return f"torch is built for {accelerator}, which a forked rank cannot use once the caller has touched it"
+    if _OPEN_GROUPS:
+        return f"this process holds {len(_OPEN_GROUPS)} open worker group(s), whose stores a fork cannot copy"
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.current_thread())
         return f"this process runs other Python threads ({names})"
     if rank_threads > 1 and _native_threads() > 1:
         return f"the ranks run {rank_threads} threads and this process has native threads (an OpenMP pool?)"
     return None
+
+
+_OPEN_GROUPS: weakref.WeakSet = weakref.WeakSet()
+"""The :class:`WorkerGroup` s of this process whose rendezvous store is up (:func:`fork_problem`)."""
 
 
 def _stop_progress_monitors() -> None:
@@ -414,6 +424,7 @@ class WorkerGroup:
         # The caller owns the rendezvous store: binding port 0 picks a free port atomically. Made after the forks,
         # so that no rank holds a copy of its listening socket (nor of its server thread's state).
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
+        _OPEN_GROUPS.add(self)
         for conn in self._conns:
             conn.send(self._store.port)
 
@@ -433,6 +444,7 @@ class WorkerGroup:
         for conn in getattr(self, "_conns", []):
             conn.close()
         self._store = None
+        _OPEN_GROUPS.discard(self)
 
     @property
     def pids(self) -> list[int]:
@@ -603,6 +615,7 @@ class WorkerGroup:
         for conn in self._conns:
             conn.close()
         self._store = None  # the rendezvous store holds a listening socket until it is freed
+        _OPEN_GROUPS.discard(self)
 
     def __enter__(self) -> WorkerGroup:
         return self
