@@ -1,10 +1,11 @@
-"""deploy/slurm/*.sbatch under a real SLURM (Debian's slurm-wlm): slurmctld and one slurmd on this machine, started
-and stopped here. train.sbatch on tiny-llama and on a tiny-wan LoRA at once: mid-run each batch shell gets the
-signal that ``--signal=B:USR1@180`` sends ahead of the time limit; the script sends SIGTERM to every process of the
-job's steps, hsdp train saves at its next step boundary and stops, the script requeues the job, which runs again,
-names the checkpoint it resumed from, and its loss curve equals an uninterrupted run's. Meanwhile generate.sbatch
-runs hsdp generate at HSDP 2 from SLURM's environment alone, its output equal to one process's. serve.sbatch
-answers and drains on scancel (issue 37)."""
+"""deploy/slurm/*.sbatch under a real SLURM (Debian's slurm-wlm): slurmctld and two slurmd on this machine (nodes
+node1 and node2 on localhost), started and stopped here. train.sbatch on tiny-llama and on a tiny-wan LoRA at once,
+each over both nodes (one torchrun agent and one rank per node: world 2 through the multi-node rendezvous): mid-run
+each batch shell gets the signal that ``--signal=B:USR1@180`` sends ahead of the time limit; the script sends
+SIGTERM to every process of the job's steps, hsdp train saves at its next step boundary and stops, the script
+requeues the job, which runs again, names the checkpoint it resumed from, and its loss curve equals an uninterrupted
+run's. Meanwhile generate.sbatch runs hsdp generate at HSDP 2 (one node, two ranks) from SLURM's environment
+alone, its output equal to one process's. serve.sbatch over both nodes answers and drains on scancel (issue 37)."""
 
 from __future__ import annotations
 
@@ -36,32 +37,46 @@ if os.geteuid() != 0:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+NODES = ("node1", "node2")
 
 
 def _conf(root: Path) -> Path:
-    """One node (this host) and one partition; no munge (auth/none: the daemons and clients are all local)."""
+    """Two nodes on this host (slurmd -N node1 and -N node2, each on its own port: Debian's slurm-wlm is built with
+    multiple-slurmd support; %n in the slurmd paths is the node's name) and one partition; no munge (auth/none: the
+    daemons and clients are all local)."""
     host = socket.gethostname()
-    for folder in ("state", "spool", "log"):
+    for folder in ("state", "log", *(f"spool/{name}" for name in NODES)):
         (root / folder).mkdir(parents=True, exist_ok=True)
+    ctld, *ports = _free_ports(1 + len(NODES))
+    nodes = "".join(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={os.cpu_count()} "
+                    "RealMemory=1000 State=UNKNOWN\n" for name, port in zip(NODES, ports, strict=True))  # fmt: skip
     conf = root / "slurm.conf"
     conf.write_text(
         f"""ClusterName=hsdptest
 SlurmctldHost={host}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={ctld}
 AuthType=auth/none
 CredType=cred/none
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/%n.log
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -71,8 +86,7 @@ ReturnToService=2
 KillWait=60
 JobRequeue=1
 SchedulerParameters=sched_interval=1
-NodeName={host} CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
     )
     return conf
@@ -94,15 +108,17 @@ def _until(what: str, check, timeout_s: float = 120.0):
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """slurmctld and slurmd in the foreground (-D), ended at the module's end with every job they ran."""
+    """slurmctld and a slurmd per node in the foreground (-D), ended at the module's end with every job they ran."""
     root = tmp_path_factory.mktemp("slurm")
     env = {**os.environ, "SLURM_CONF": str(_conf(root))}
     daemons = [
         subprocess.Popen(["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
-        subprocess.Popen(["slurmd", "-D"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
+        *(subprocess.Popen(["slurmd", "-D", "-N", name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+          for name in NODES),
     ]
     try:
-        _until("the node idle", lambda: "idle" in _slurm(env, "sinfo", "-h", "-o", "%t"), 60)
+        states = partial(_slurm, env, "sinfo", "-h", "-N", "-o", "%t")
+        _until("the nodes idle", lambda: states().split() == ["idle"] * len(NODES), 60)
         yield {"env": env, "root": root}
     finally:
         with contextlib.suppress(subprocess.SubprocessError):
@@ -117,15 +133,16 @@ def slurm(tmp_path_factory):
                 daemon.kill()
 
 
-def _env(slurm) -> dict:
-    return {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
+def _env(slurm, per_node: int = 2) -> dict:
+    """What a job needs here: this Python, ``per_node`` ranks per node (no GPUs for SLURM to count) and src/."""
+    return {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": str(per_node), "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
 
 
-def _submit(env: dict, folder: Path, script: str, *args: str) -> str:
-    # --oversubscribe: the jobs share this machine's cores (the node has as many CPUs as the host, often 2)
-    submitted = _slurm(env, "sbatch", "--parsable", "--oversubscribe", "--chdir", str(folder), "--output",
-                       str(folder / "job.log"), str(ROOT / "deploy" / "slurm" / script), *args)  # fmt: skip
+def _submit(env: dict, folder: Path, script: str, *args: str, nodes: int = 1) -> str:
+    # --oversubscribe: the jobs share this machine's cores (each node has as many CPUs as the host, often 2)
+    submitted = _slurm(env, "sbatch", "--parsable", "--oversubscribe", "--nodes", str(nodes), "--chdir", str(folder),
+                       "--output", str(folder / "job.log"), str(ROOT / "deploy" / "slurm" / script), *args)  # fmt: skip
     return submitted.strip().split(";")[0]
 
 
@@ -160,8 +177,8 @@ def _training_runs(tmp_path: Path) -> dict[str, list[str]]:
 
 
 def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate_runs_as_one_process(slurm, tmp_path):
-    """train.sbatch on tiny-llama and on a tiny-wan LoRA (issue 37 item 1), side by side: after two steps each batch
-    shell gets what --signal=B:USR1@180 sends, each run stops at a step boundary with one checkpoint and nothing
+    """train.sbatch on tiny-llama and on a tiny-wan LoRA (issue 37 item 1), side by side, each a 2-node job of one
+    rank per node: after two steps each batch shell gets what --signal=B:USR1@180 sends, each run stops at a step boundary with one checkpoint and nothing
     temporary, the script requeues, and the requeued run says which checkpoint it resumed from and continues with
     the losses of an uninterrupted run (which runs meanwhile, outside SLURM). Meanwhile generate.sbatch runs
     hsdp generate at HSDP 2 from SLURM's environment alone; its output equals one process's."""
@@ -178,8 +195,10 @@ def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate
     for name, args in runs.items():
         folder = tmp_path / name
         folder.mkdir()
-        jobs[name] = _submit(env, folder, "train.sbatch", *args, "--steps", "100000", "--output-dir",
-                             str(folder / "run"), "--summary-json", str(folder / "summary.json"))  # fmt: skip
+        # Two nodes of one rank each: one torchrun agent per node, joined at node1's rendezvous (world 2)
+        jobs[name] = _submit(_env(slurm, per_node=1), folder, "train.sbatch", *args, "--steps", "100000",
+                             "--output-dir", str(folder / "run"), "--summary-json", str(folder / "summary.json"),
+                             nodes=2)  # fmt: skip
     first, stopped_at, references, second = {}, {}, {}, {}
     try:
         for name, job in jobs.items():
@@ -221,7 +240,8 @@ def test_requeued_training_jobs_resume_their_checkpoints_and_curves_and_generate
     for name, reference in references.items():
         folder = tmp_path / name
         _, err = reference.communicate()
-        assert second[name][0]["step"] == stopped_at[name] + 1 and "restart 1" in (folder / "job.log").read_text()
+        log = (folder / "job.log").read_text()
+        assert second[name][0]["step"] == stopped_at[name] + 1 and "(restart 1) on 2 node(s) x 1 rank(s)" in log
         end = second[name][-1]["step"]
         whole = [s["loss"] for s in _steps(folder / "whole.json")][:end]
         assert len(whole) == end, err[-3000:]
@@ -251,8 +271,8 @@ def _stopped_and_requeued(env: dict, folder: Path, job: str) -> tuple[int, list[
     _until("the requeue", lambda: f"requeueing job {job}" in log.read_text())
     steps = _steps(folder / "summary.json")
     assert [s["step"] for s in steps] == list(range(1, step + 1))
-    kept = sorted(p.name for p in (folder / "run").iterdir() if p.name != "report.html")  # the run page stays
-    assert kept == [f"step-{step:08d}"]  # nothing temporary
+    # The run page and one checkpoint: nothing temporary
+    assert sorted(p.name for p in (folder / "run").iterdir()) == ["report.html", f"step-{step:08d}"]
     # A requeued job waits (BeginTime) before it may run again; lift that wait here.
     _until("the job pending", lambda: "PENDING" in _slurm(env, "scontrol", "show", "job", job))
     _slurm(env, "scontrol", "update", f"jobid={job}", "StartTime=now")
@@ -271,22 +291,21 @@ def _answers(url: str) -> bool:
 
 
 def test_server_job_answers_and_scancel_stops_it_gracefully(slurm, tmp_path):
-    """deploy/slurm/serve.sbatch on tiny-llama at HSDP 2 (one node, two ranks): rank 0's log names where it serves,
-    a completion is answered, and scancel (SIGTERM to every process of the job) ends it through the server's own
-    shutdown, not a kill."""
+    """deploy/slurm/serve.sbatch on tiny-llama at HSDP 2 over two nodes of one rank each: rank 0's log names where
+    it serves, a completion is answered, and scancel (SIGTERM to every process of the job) ends it through the
+    server's own shutdown, not a kill."""
     import urllib.request
 
-    env = {**slurm["env"], "HSDP_PYTHON": sys.executable, "HSDP_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = _env(slurm, per_node=1)
     port, log = _free_port(), tmp_path / "serve.log"
-    submitted = _slurm(env, "sbatch", "--parsable", "--chdir", str(tmp_path), "--output", str(log),
+    submitted = _slurm(env, "sbatch", "--parsable", "--nodes", "2", "--chdir", str(tmp_path), "--output", str(log),
                        str(ROOT / "deploy" / "slurm" / "serve.sbatch"), "tiny-llama", "--use-hsdp", "--hsdp-shard-size",
                        "2", "--host", "127.0.0.1", "--port", str(port), "--output-dir", str(tmp_path / "out"))  # fmt: skip
     job = submitted.strip().split(";")[0]
     try:
         # The log names the address as uvicorn starts; /health answers once it listens and the engine is ready.
         _until("the server", lambda: _answers(f"http://127.0.0.1:{port}/health"), 180)
-        assert f"on http://127.0.0.1:{port}" in log.read_text()
+        assert "on 2 node(s) x 1 rank(s)" in log.read_text() and f"on http://127.0.0.1:{port}" in log.read_text()
         body = json.dumps({"model": "tiny-llama", "prompt": "hello", "max_tokens": 4, "seed": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"Content-Type": "application/json"})  # fmt: skip
