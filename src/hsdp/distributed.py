@@ -77,6 +77,7 @@ def init_distributed(
     kwargs: dict = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)
+    forget_group_state()  # anything cached so far belongs to an older group (or the parent this rank forked from)
     dist.init_process_group(**kwargs)
     _tear_down_at_exit()
     logger.debug("rank %d/%d joined %s on %s", dist.get_rank(), dist.get_world_size(), backend, device)
@@ -154,7 +155,19 @@ def destroy_distributed() -> None:
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_group_state()
     _wait_for_idle_gloo_workers()
+
+
+def forget_group_state() -> None:
+    """Drop what DTensor cached for process groups that are gone. Its sharding propagation caches key on meshes,
+    and meshes compare equal by their ranks, not by their groups: a mesh of the next group of the same shape would
+    be answered with an output spec holding the old mesh, and with it the old rank's coordinate (after the
+    planner's fake rank 1, a real rank 0 filled its shards with rank 1's rows). Call after a default group is
+    destroyed and before one is created; ``torch.distributed.tensor.debug`` is where torch exposes the clearing."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def skip_collection_at_exit() -> None:

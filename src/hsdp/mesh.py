@@ -72,10 +72,13 @@ def build_meshes(config: ParallelConfig) -> ParallelMeshes:
 
 _MeshShape = tuple[int, int, int, int, int, int, bool]
 _Meshes = tuple[DeviceMesh | None, DeviceMesh | None, DeviceMesh | None]
-_BUILT: dict[_MeshShape, _Meshes] = {}
-"""Meshes already built in this process by shape: the process groups of a layout are created once and reused by
-every later model on that layout (a long-lived worker, a test session), never accumulated. Destroyed with the
-default group (:func:`hsdp.distributed.destroy_distributed`); entries whose groups are gone are rebuilt."""
+_BUILT: dict[_MeshShape, tuple[dist.ProcessGroup, _Meshes]] = {}
+"""Meshes already built in this process by shape, with the default group they were built under: the process groups
+of a layout are created once and reused by every later model on that layout (a long-lived worker, a test session),
+never accumulated. An entry is reused only under that same default group object. Group *names* do not tell: torch
+numbers groups from 0 again after the default group is destroyed, so a mesh of a destroyed group (the planner's
+fake one, copied into ranks forked after it) would resolve its names to the new groups and keep its old
+coordinate: a rank would fill its shards with another rank's rows."""
 
 
 def _mesh_shape(config: ParallelConfig) -> _MeshShape:
@@ -90,14 +93,10 @@ def _mesh_shape(config: ParallelConfig) -> _MeshShape:
     )
 
 
-def _alive(meshes: _Meshes) -> bool:
-    live = dist.distributed_c10d._world.pg_map  # torch keeps no public registry of live groups
-    return all(group in live for mesh in meshes if mesh is not None for group in mesh.get_all_groups())
-
-
 def _device_meshes(shape: _MeshShape) -> _Meshes:
-    if (built := _BUILT.get(shape)) is not None and _alive(built):
-        return built
+    world = dist.group.WORLD
+    if (built := _BUILT.get(shape)) is not None and built[0] is world:
+        return built[1]
     replicate, shard, cfg, ring, ulysses, tp_size, use_hsdp = shape
     kind = device_type()
     fsdp_shape, fsdp_names = (
@@ -115,5 +114,5 @@ def _device_meshes(shape: _MeshShape) -> _Meshes:
             compute = init_device_mesh(kind, (cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
         if use_hsdp:
             fsdp = init_device_mesh(kind, fsdp_shape, mesh_dim_names=fsdp_names)
-    _BUILT[shape] = (fsdp, compute, tp)
-    return _BUILT[shape]
+    _BUILT[shape] = (world, (fsdp, compute, tp))
+    return fsdp, compute, tp

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from hsdp.config import ParallelConfig
-from hsdp.distributed import local_device
+from hsdp.distributed import forget_group_state, local_device
 from hsdp.measure.comm import CommReport, measure_comm
 from hsdp.mesh import ParallelMeshes, build_meshes
 from hsdp.sharding import apply_hsdp_to_model
@@ -89,6 +89,7 @@ def _fake_world(config: ParallelConfig, rank: int) -> Iterator[ParallelMeshes]:
         yield build_meshes(config)  # outside FakeTensorMode: mesh creation fails inside it
     finally:
         dist.destroy_process_group()
+        forget_group_state()
 
 
 def _sharded(
