@@ -7,9 +7,6 @@ this machine cannot run are refused before any rank starts, naming the flag."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -20,6 +17,7 @@ from hsdp.models.builtin import resolve_model
 from hsdp.train import TrainConfig
 from tests.diffusion_train_fns import train_diffusion
 from tests.engine_refs import reference_pipeline
+from tests.forked_cli import run_hsdp
 
 WAN = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 4.0, "max_sequence_length": 32}
 PIXELS = 1e-5  # another softmax order: rounding only
@@ -52,10 +50,9 @@ def test_backends_this_machine_runs_pass():
 
 @pytest.mark.slow
 def test_generate_refuses_before_loading(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "hsdp.cli", "generate", "--model", "tiny-wan", "--prompt", "x", "--attention-backend",
-         "_native_cudnn", "--output", str(tmp_path / "x.mp4")],
-        capture_output=True, text=True, timeout=300,
+    done = run_hsdp(
+        ["generate", "--model", "tiny-wan", "--prompt", "x", "--attention-backend", "_native_cudnn",
+         "--output", tmp_path / "x.mp4"],
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "--attention-backend _native_cudnn: its kernels run on cuda devices" in done.stderr

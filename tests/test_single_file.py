@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from hsdp.models.builtin import resolve_model
 from hsdp.models.single_file import with_single_files
+from tests.forked_cli import run_hsdp
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED, PROMPT, STEPS = 5, "a red fox", 2
@@ -93,7 +92,7 @@ def test_generate_with_a_single_file_transformer_at_hsdp2_equals_from_single_fil
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "HSDP_CACHE": str(tmp_path / "cache")}
     argv = ["generate", "--model", str(base), "--transformer", str(comfy_file), "--prompt", PROMPT, "--seed", str(SEED),
             "--num-inference-steps", str(STEPS), "--use-hsdp", "--hsdp-shard-size", "2", "--output", str(tmp_path / "o.gif")]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "hsdp.cli", *argv], env=env, capture_output=True, text=True, timeout=600)
+    done = run_hsdp(argv, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     reference = _reference(base, comfy_file)
     defaults = {k: v for k, v in json.loads((base / "hsdp_defaults.json").read_text()).items() if k != "num_inference_steps"}

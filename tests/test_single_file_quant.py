@@ -12,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from hsdp.models.builtin import resolve_model
 from hsdp.models.single_file import SingleFileError, with_single_files
+from tests.forked_cli import run_hsdp
 from tests.test_single_file import _to_original
 
 gguf = pytest.importorskip("gguf")
@@ -161,7 +160,7 @@ def test_generate_gguf_and_fp8_scaled_experts_at_hsdp2_equal_diffusers(wan22, qu
     argv = ["generate", "--model", str(wan22), "--transformer", str(gguf_file), "--transformer-2", str(fp8_file),
             "--prompt", PROMPT, "--seed", str(SEED), "--num-inference-steps", str(STEPS), "--use-hsdp",
             "--hsdp-shard-size", "2", "--output", str(tmp_path / "o.gif"), "--log-level", "info"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "hsdp.cli", *argv], env=env, capture_output=True, text=True, timeout=600)
+    done = run_hsdp(argv, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     # Both experts keep their Linear weights in the stored bytes (the time embedders, kept fp32 by diffusers, aside).
     kept = [int(n) for n in re.findall(r"(\d+) Linear weights kept in their stored bytes", done.stderr)]

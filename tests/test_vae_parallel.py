@@ -226,14 +226,9 @@ def test_default_and_refusals():
 
 @pytest.mark.slow
 def test_generate_refuses_before_loading(tmp_path):
-    import subprocess
-    import sys
+    from tests.forked_cli import run_hsdp
 
-    done = subprocess.run(
-        [sys.executable, "-m", "hsdp.cli", "generate", "--model", "tiny-wan", "--prompt", "x", "--vae-parallel",
-         "--output", str(tmp_path / "x.mp4")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_hsdp(["generate", "--model", "tiny-wan", "--prompt", "x", "--vae-parallel", "--output", tmp_path / "x.mp4"])
     assert done.returncode == 2, done.stderr
     assert "--vae-parallel splits the VAE's decode over the ranks that share a request" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()

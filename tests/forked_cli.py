@@ -1,0 +1,121 @@
+"""``hsdp`` commands for tests, run as their own process without paying the imports again.
+
+``subprocess.run([sys.executable, "-m", "hsdp.cli", ...])`` spends 4-5 s per command importing torch, diffusers
+and transformers before the command's first line: most of the time of a test that checks a refusal or runs a
+tiny model. :func:`run_hsdp` runs the command in a child of hsdp's own forkserver (the one a pytest worker's
+engines start ranks from, :func:`hsdp.launch.start_forkserver`), which has those modules imported: the command
+still runs in a process of its own (its exit code, its stdout and stderr, its working folder and environment, its
+signal dispositions and atexit handlers as a fresh ``python`` has them, ranks it starts by fork from it), only
+without the imports. Where the platform has no forkserver, or ``HSDP_TEST_SUBPROCESS=1``, it is a subprocess.
+
+Tests of the start-up itself (what a fresh interpreter imports, a signal while it does) keep ``subprocess``; so do
+tests of environment variables that a library reads when it is imported (huggingface_hub's ``HF_HOME`` and
+``HF_HUB_OFFLINE``): the child has the forkserver's modules, imported under the forkserver's environment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+_FORKED = "forkserver" in mp.get_all_start_methods() and os.environ.get("HSDP_TEST_SUBPROCESS") != "1"
+
+
+def run_hsdp(
+    args: Sequence[str],
+    *,
+    timeout: float = 300,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
+    """``hsdp ARGS`` as ``subprocess.run(..., capture_output=True, text=True)`` returns it (raises
+    :class:`subprocess.TimeoutExpired` after ``timeout`` seconds, the command killed)."""
+    argv = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd or os.getcwd())
+    if not _FORKED:
+        return subprocess.run(
+            [sys.executable, "-m", "hsdp.cli", *argv],
+            capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=check,
+        )  # fmt: skip
+    from hsdp.launch import start_forkserver
+
+    start_forkserver(("diffusers", "transformers"))
+    with tempfile.TemporaryDirectory(prefix="hsdp-cli-") as folder:
+        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        out.touch()
+        err.touch()
+        process = mp.get_context("forkserver").Process(
+            target=_command, args=(argv, env, cwd, str(out), str(err)), name="hsdp-cli", daemon=False
+        )
+        process.start()
+        process.join(timeout)
+        if process.exitcode is None:
+            _kill_group(process.pid)
+            process.join()
+            raise subprocess.TimeoutExpired(["hsdp", *argv], timeout, out.read_text(), err.read_text())
+        # A signal's death reads -N, as subprocess reports it.
+        done = subprocess.CompletedProcess(["hsdp", *argv], process.exitcode, out.read_text(), err.read_text())
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _kill_group(pid: int) -> None:
+    """The command and the ranks it started (its own process group, as a shell gives a command)."""
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            target()
+
+
+def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: become the fresh process ``hsdp ARGV`` would be, run it, exit with its code."""
+    os.setpgid(0, 0)  # its own process group, so a timeout kills its ranks too
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    streams = ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY))
+    for fd, path, flags in streams:
+        opened = os.open(path, flags, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    # A fresh interpreter's dispositions (the forkserver ignores SIGINT and SIGTERM: hsdp.forkserver_signals).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    atexit._clear()  # the forkserver's own; the command registers its own
+    sys.argv = ["hsdp", *argv]
+    code = 1
+    try:
+        from hsdp.cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - what an uncaught exception prints and exits with
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
