@@ -181,12 +181,19 @@ def _unrecognized(extras: list[str], known: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {hint}?" if hint else "")
 
 
-def add_revision_argument(parser: argparse.ArgumentParser) -> None:
-    """``--revision`` of a Hugging Face Hub name (the model argument as ``org/name``)."""
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--revision`` of a Hugging Face Hub name (the model argument as ``org/name``) and ``--variant``."""
     parser.add_argument(
         "--revision",
         default=None,
         help="with a Hugging Face Hub name (org/name): the branch, tag or commit to load (default: main)",
+    )
+    parser.add_argument(
+        "--variant",
+        default=None,
+        help="load the weights of this variant where a component has them (fp16: diffusion_pytorch_model.fp16"
+        ".safetensors), as from_pretrained(variant=...) does; a hub download fetches only those (default: the "
+        "default weights)",
     )
 
 
@@ -210,10 +217,17 @@ def resolve_model_argument(args: argparse.Namespace, *, headers_only: bool = Fal
     (downloaded once per node; ``headers_only``: configs and safetensors headers only, for planning), kept as
     given in ``args.model_name``. A path or a built-in name is left as it is (resolved where it is used). With
     single-file checkpoints (``--transformer FILE``...), the model becomes the pipeline folder with those converted
-    (:func:`hsdp.models.single_file.with_single_files`)."""
+    (:func:`hsdp.models.single_file.with_single_files`); with ``--variant``, a folder whose weights are that
+    variant's (:func:`hsdp.models.variant.with_variant`)."""
     args.model_name = args.model
     files = {k.removeprefix("single_file_"): v for k, v in vars(args).items() if k.startswith("single_file_") and v}
+    variant = getattr(args, "variant", None)
     _resolve_name(args, headers_only=headers_only and not files)
+    if variant:
+        from hsdp.models.builtin import resolve_model
+        from hsdp.models.variant import with_variant
+
+        args.model = str(with_variant(resolve_model(args.model), variant))
     if files:
         from hsdp.models.builtin import resolve_model
         from hsdp.models.single_file import with_single_files
@@ -233,7 +247,12 @@ def _resolve_name(args: argparse.Namespace, *, headers_only: bool) -> None:
         if revision:
             raise ValueError(f"--revision {revision} applies to a Hugging Face Hub name (org/name); {args.model} is not one")
         return
-    args.model = str(plan_snapshot(args.model, revision) if headers_only else resolve_model(args.model, revision=revision))
+    variant = getattr(args, "variant", None)
+    args.model = str(
+        plan_snapshot(args.model, revision, variant)
+        if headers_only
+        else resolve_model(args.model, revision=revision, variant=variant)
+    )
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

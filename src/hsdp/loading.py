@@ -412,8 +412,9 @@ def _to_empty_split(model: nn.Module, device: torch.device, host: set[int]) -> N
             fsdp_param.reset_sharded_param()
 
 
-def _local_folder(path: str | Path, revision: str | None, subfolder: str | None) -> Path:
-    """``path``, or a hub name's snapshot (:func:`hsdp.models.builtin.resolve_model`), then its ``subfolder``."""
+def _local_folder(path: str | Path, revision: str | None, subfolder: str | None, variant: str | None) -> Path:
+    """``path``, or a hub name's snapshot (:func:`hsdp.models.builtin.resolve_model`), then its ``subfolder``,
+    with ``variant``'s weights (:func:`hsdp.models.variant.with_variant`)."""
     from hsdp.models.hub import is_hub_name
 
     folder = Path(path)
@@ -421,8 +422,13 @@ def _local_folder(path: str | Path, revision: str | None, subfolder: str | None)
     if (not folder.exists() and is_hub_name(str(path))) or revision is not None:
         from hsdp.models.builtin import resolve_model
 
-        folder = resolve_model(path, revision=revision)
-    return folder / subfolder if subfolder else folder
+        folder = resolve_model(path, revision=revision, variant=variant)
+    folder = folder / subfolder if subfolder else folder
+    if variant:
+        from hsdp.models.variant import with_variant
+
+        folder = with_variant(folder, variant)
+    return folder
 
 
 def load_pretrained(
@@ -441,6 +447,7 @@ def load_pretrained(
     model_config: Mapping[str, Any] | None = None,
     revision: str | None = None,
     subfolder: str | None = None,
+    variant: str | None = None,
 ) -> nn.Module:
     """Load a Hugging Face model folder or a diffusers component folder, sharded as ``parallel_config`` says.
 
@@ -453,13 +460,13 @@ def load_pretrained(
     :func:`~hsdp.shard_rules.resolve_plan` would pick: a plan, or a function of the empty model that returns one
     (e.g. ``lambda m: resolve_plan(m).with_ignored(["lm_head"])``). ``path`` may be a Hugging Face Hub name
     (``org/name`` at ``revision``; ``subfolder``: a pipeline's component, e.g. ``transformer``): every rank resolves
-    it, one per node downloads (:mod:`hsdp.models.hub`). ``model_config`` sets fields over a diffusers model's
+    it, one per node downloads (:mod:`hsdp.models.hub`); ``variant`` (``fp16``) reads that variant's weights. ``model_config`` sets fields over a diffusers model's
     ``config.json`` (:func:`build_empty_model`). ``weight_dtype`` (``int8``, ``fp8``) stores the Linear weights in 8 bits,
     each rank quantizing its rows as it reads them (:mod:`hsdp.quantize`; needs ``use_hsdp``). Needs the process
     group to be initialised when the layout has more than one rank.
     """
     started = time.perf_counter()
-    folder = _local_folder(path, revision, subfolder)
+    folder = _local_folder(path, revision, subfolder, variant)
     config = (parallel_config or ParallelConfig()).resolved()
     cls = model_class or model_class_for(folder)
     if weight_dtype is not None and not config.use_hsdp:

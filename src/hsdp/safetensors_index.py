@@ -8,13 +8,36 @@ the other for it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["CheckpointError", "TensorEntry", "CheckpointIndex", "read_checkpoint_index"]
+__all__ = ["CheckpointError", "TensorEntry", "CheckpointIndex", "default_name", "read_checkpoint_index", "variant_of"]
+
+# Weight variants (``from_pretrained(variant="fp16")``): ``diffusion_pytorch_model.fp16.safetensors``, the shards
+# ``model.fp16-00001-of-00002.safetensors`` and their index ``model.safetensors.index.fp16.json``.
+VARIANT_WEIGHT = re.compile(r"^(?P<stem>[^.]+)\.(?P<variant>[A-Za-z0-9_]+)(?P<shard>-\d+-of-\d+)?\.(?P<ext>safetensors|bin)$")
+VARIANT_INDEX = re.compile(r"^(?P<stem>[^.]+)\.(?P<ext>safetensors|bin)\.index\.(?P<variant>[A-Za-z0-9_]+)\.json$")
+
+
+def variant_of(name: str) -> str | None:
+    """The variant a weight or weight-index file name belongs to (``fp16``), or None for default weights."""
+    match = VARIANT_WEIGHT.match(name) or VARIANT_INDEX.match(name)
+    return match["variant"] if match else None
+
+
+def default_name(name: str) -> str:
+    """The name ``name`` (a variant's file) has in the default weights: ``model.fp16-00001-of-00002.safetensors``
+    -> ``model-00001-of-00002.safetensors``, ``model.safetensors.index.fp16.json`` -> ``model.safetensors.index.json``."""
+    if match := VARIANT_WEIGHT.match(name):
+        return f"{match['stem']}{match['shard'] or ''}.{match['ext']}"
+    if match := VARIANT_INDEX.match(name):
+        return f"{match['stem']}.{match['ext']}.index.json"
+    return name
+
 
 _INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _SAFETENSORS_DTYPES = {
@@ -69,9 +92,12 @@ def _checkpoint_files(folder: Path) -> list[Path]:
             if missing:
                 raise CheckpointError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
             return files
-    files = sorted(folder.glob("*.safetensors"))
+    found = sorted(folder.glob("*.safetensors"))
+    files = [f for f in found if variant_of(f.name) is None]  # a variant beside the default weights is not read
     if not files:
-        raise CheckpointError(f"no *.safetensors checkpoint in {folder}")
+        variants = sorted({v for f in found if (v := variant_of(f.name))})
+        hint = f"; it holds the variant(s) {', '.join(variants)}: pass --variant {variants[0]}" if variants else ""
+        raise CheckpointError(f"no *.safetensors checkpoint in {folder}{hint}")
     return files
 
 

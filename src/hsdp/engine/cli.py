@@ -20,8 +20,8 @@ from pathlib import Path
 from hsdp.cli import (
     ALL_PARALLEL_GROUPS,
     add_parallel_arguments,
-    add_revision_argument,
     add_single_file_arguments,
+    add_source_arguments,
     parallel_config_from_args,
     resolve_model_argument,
 )
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=f"a local model folder, a Hugging Face Hub name (org/name) or a built-in name ({builtin_names()})",
     )
-    add_revision_argument(parser)
+    add_source_arguments(parser)
     add_single_file_arguments(parser)
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several requests")
     parser.add_argument("--negative-prompt", default=None, help="for the unconditional guidance branch")

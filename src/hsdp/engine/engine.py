@@ -52,6 +52,7 @@ from hsdp.engine.params import (
 from hsdp.launch import WorkerError, WorkerGroup, event_sink
 from hsdp.logging_utils import STARTUP, phase
 from hsdp.models.builtin import resolve_model
+from hsdp.models.variant import with_variant
 
 if TYPE_CHECKING:
     pass
@@ -139,10 +140,12 @@ class Engine:
         vae_slicing: bool = False,
         revision: str | None = None,
         shield_sigterm: bool = False,
+        variant: str | None = None,
     ):
         """``model``: a built-in name (``tiny-wan``, ``tiny-llama``), a diffusers pipeline folder, a Hugging
         Face causal-LM folder or a Hugging Face Hub name (``org/name``, at ``revision``; downloaded here, once
-        per node, before any rank starts: :mod:`hsdp.models.hub`). ``dtype`` converts the sharded components (default: as stored).
+        per node, before any rank starts: :mod:`hsdp.models.hub`); ``variant`` (``fp16``) loads that variant's
+        weights where a component has them (:mod:`hsdp.models.variant`). ``dtype`` converts the sharded components (default: as stored).
         ``forward_prefetch`` chains explicit all-gather prefetch through the blocks. ``progress`` shows a bar
         over denoising steps (rank 0). ``call_timeout_s`` bounds each ``generate`` call (None: no limit; a
         dead worker is still noticed at once). ``workers``: an existing group of ``world_size`` ranks to load
@@ -178,7 +181,8 @@ class Engine:
         from hsdp.engine.compile import compile_problems
 
         self.config = (parallel_config or ParallelConfig()).resolved()
-        self.info = inspect_model(resolve_model(model, revision=revision))
+        folder = resolve_model(model, revision=revision, variant=variant)
+        self.info = inspect_model(with_variant(folder, variant) if variant else folder)
         self.cache, self.cache_config, self.compiled = cache, cache_config, compile
         problems = layout_problems(self.info, self.config) + weight_dtype_problems(weight_dtype, self.config)
         problems += cache_problems(cache, cache_config, self.info, self.config)

@@ -48,18 +48,24 @@ def builtin_names() -> str:
 
 
 def resolve_model(
-    name_or_path: str | os.PathLike, cache_dir: Path | None = None, *, revision: str | None = None
+    name_or_path: str | os.PathLike,
+    cache_dir: Path | None = None,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
 ) -> Path:
     """A local folder for a model path, a built-in name (written on first use) or a Hugging Face Hub name
     (``org/name``: its snapshot in the Hugging Face cache, downloading only what the pipeline loads; ``revision``:
-    a branch, tag or commit, default ``main``; :mod:`hsdp.models.hub`)."""
+    a branch, tag or commit, default ``main``; :mod:`hsdp.models.hub`). ``variant`` (``fp16``): a hub download
+    fetches that variant's weights instead of the default ones where a component has them; the folder returned
+    still holds them under their variant names (:func:`hsdp.models.variant.with_variant` reads them)."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
     name = str(name_or_path)
     if name not in BUILTIN_MODELS:
         if is_hub_name(name):
-            return _hub_snapshot(name, revision)
+            return _hub_snapshot(name, revision, variant)
         raise FileNotFoundError(
             f"model {name!r} is neither an existing path nor a built-in model ({builtin_names()}) nor a Hugging "
             "Face Hub name (org/name); pass a local Hugging Face or diffusers folder, or a hub repository id"
@@ -79,14 +85,14 @@ def resolve_model(
     return folder
 
 
-_SNAPSHOTS: dict[tuple[str, str | None], Path] = {}
+_SNAPSHOTS: dict[tuple[str, str | None, str | None], Path] = {}
 """Hub names this process resolved: one lookup per process, whichever command asks again."""
 
 
-def _hub_snapshot(name: str, revision: str | None) -> Path:
-    key = (name, revision)
+def _hub_snapshot(name: str, revision: str | None, variant: str | None) -> Path:
+    key = (name, revision, variant)
     if key not in _SNAPSHOTS:
-        _SNAPSHOTS[key] = download_model(name, revision)
+        _SNAPSHOTS[key] = download_model(name, revision, variant=variant)
     return _SNAPSHOTS[key]
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from hsdp.cli import add_revision_argument
+from hsdp.cli import add_source_arguments
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a Hugging Face Hub name (org/name)")
-    add_revision_argument(parser)
+    add_source_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,5 +22,5 @@ def run(args: argparse.Namespace) -> int:
 
     if not is_hub_name(args.model):
         raise ValueError(f"{args.model!r} is not a Hugging Face Hub name (org/name); hsdp download fetches hub models")
-    print(download_model(args.model, args.revision))
+    print(download_model(args.model, args.revision, variant=args.variant))
     return 0

@@ -4,8 +4,9 @@ Everything a user already set for diffusers and transformers applies: ``HF_HOME`
 folder, so a model ``from_pretrained`` downloaded is not fetched again), ``HF_TOKEN`` (or ``hf auth login``),
 ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE=1`` (the cached snapshot, no network). Only the files the pipeline loads are
 fetched: for a diffusers pipeline, its index (:data:`hsdp.models.description.INDEX_FILE`) and the folders of the components it names (their configs,
-tokenizer files and ``*.safetensors`` weights without a variant infix); for a transformers model, the top-level
-configs, tokenizer files and safetensors. A repository's other formats (``.bin``, ``.ckpt``, ``.onnx``, fp16
+tokenizer files and ``*.safetensors`` weights without a variant infix, or with ``--variant`` that variant's where a
+component has it); for a transformers model, the top-level
+configs, tokenizer files and safetensors. A repository's other formats (``.bin``, ``.ckpt``, ``.onnx``, other
 variants, single-file ``*.safetensors`` at a pipeline's root, ``original/``) are never downloaded; a folder with no
 safetensors at all falls back to its ``.bin`` files, which diffusers and transformers load.
 
@@ -29,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from hsdp.models.description import INDEX_FILE, is_pipeline, pipeline_index
 from hsdp.models.tiny import default_cache_dir
+from hsdp.safetensors_index import variant_of
 
 __all__ = ["HubError", "download_model", "is_hub_name", "pipeline_files", "plan_snapshot"]
 
@@ -36,8 +38,6 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TEXT_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
 """Configs, tokenizers and vocabularies a component folder may hold (``.py``: a custom-code model's own modules)."""
 _WEIGHTS = (".safetensors", ".bin")
-_VARIANT = re.compile(r"\.[A-Za-z0-9_]+(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
-"""``diffusion_pytorch_model.fp16.safetensors`` and ``model.fp16-00001-of-00002.safetensors``: a variant's files."""
 DEFAULT_TIMEOUT_S = 3600.0
 
 
@@ -59,27 +59,30 @@ def is_hub_name(name: str) -> bool:
     return bool(_HUB_NAME.match(name)) and ".." not in name
 
 
-def download_model(repo_id: str, revision: str | None = None, *, progress: bool = True) -> Path:
+def download_model(
+    repo_id: str, revision: str | None = None, *, progress: bool = True, variant: str | None = None
+) -> Path:
     """The local snapshot folder of ``repo_id`` at ``revision``, downloading what the pipeline loads (once per
-    node: other processes wait on the lock). Raises :class:`HubError` with what to do."""
+    node: other processes wait on the lock; ``variant``: that variant's weights where a component has them,
+    :mod:`hsdp.models.variant`). Raises :class:`HubError` with what to do."""
     from filelock import FileLock, Timeout
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        return _cached_snapshot(repo_id, revision)
+        return _cached_snapshot(repo_id, revision, variant)
     timeout = float(os.environ.get("HSDP_DOWNLOAD_TIMEOUT", DEFAULT_TIMEOUT_S))
     lock_path = Path(constants.HF_HUB_CACHE) / ".locks" / "hsdp" / f"{repo_id.replace('/', '--')}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with FileLock(str(lock_path), timeout=timeout):
             commit, files = _repo_files(repo_id, revision)
-            return _snapshot(repo_id, revision, pipeline_files(files, _model_index(repo_id, commit, files)),
+            return _snapshot(repo_id, revision, pipeline_files(files, _model_index(repo_id, commit, files), variant),
                              local_only=False, progress=progress)
     except HubError as exc:
         if not exc.unreachable:
             raise
         try:  # as diffusers and transformers do without a network: the cached snapshot, if it is complete
-            return _cached_snapshot(repo_id, revision)
+            return _cached_snapshot(repo_id, revision, variant)
         except HubError:
             raise exc from None
     except Timeout:
@@ -90,7 +93,7 @@ def download_model(repo_id: str, revision: str | None = None, *, progress: bool 
         ) from None
 
 
-def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
+def plan_snapshot(repo_id: str, revision: str | None = None, variant: str | None = None) -> Path:
     """A folder with ``repo_id``'s configs and tokenizer files and, for each safetensors file the pipeline loads,
     a stand-in of the same size holding its header and no data (a sparse file: no disk used for the data), so a
     planner reads shapes and dtypes without the weights being downloaded. Offline: the cached snapshot."""
@@ -98,7 +101,7 @@ def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
 
     if constants.is_offline_mode():
         try:
-            return _cached_snapshot(repo_id, revision)
+            return _cached_snapshot(repo_id, revision, variant)
         except HubError:  # weights not cached: the header stand-ins an online plan left, if any
             snapshot = _cached_folder(repo_id, revision)
             stand_ins = snapshot and _headers_folder(repo_id, snapshot.name)
@@ -106,7 +109,7 @@ def plan_snapshot(repo_id: str, revision: str | None = None) -> Path:
                 return stand_ins
             raise
     commit, files = _repo_files(repo_id, revision)
-    chosen = pipeline_files(files, _model_index(repo_id, commit, files))
+    chosen = pipeline_files(files, _model_index(repo_id, commit, files), variant)
     weights = [f for f in chosen if f.endswith(".safetensors")]
     text = [f for f in chosen if f not in weights and not f.endswith(".bin")]
     snapshot = _snapshot(repo_id, revision, text, local_only=False, progress=False)
@@ -143,7 +146,7 @@ def _cached_folder(repo_id: str, revision: str | None) -> Path | None:
     return None
 
 
-def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
+def _cached_snapshot(repo_id: str, revision: str | None, variant: str | None = None) -> Path:
     """Offline: the cached snapshot, checked by ``huggingface_hub`` against the repository listing it cached for
     the files the pipeline loads (a component folder missing altogether is named here)."""
     snapshot = _cached_folder(repo_id, revision)
@@ -151,7 +154,7 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
         return _snapshot(repo_id, revision, None, local_only=True, progress=False)
     files = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
     index = pipeline_index(snapshot) if is_pipeline(snapshot) else None
-    chosen = pipeline_files(files, index)
+    chosen = pipeline_files(files, index, variant)
     folders = [k for k, v in index.items() if _is_component(v)] if index else [""]
     missing = [k or "." for k in folders if not _has_weights_if_a_model([f for f in chosen if _parent(f) == k])]
     if missing:
@@ -192,14 +195,15 @@ def _write_header_stand_in(path: Path, header: object) -> None:
     partial.rename(path)
 
 
-def pipeline_files(files: list[str], model_index: dict | None) -> list[str]:
-    """The files of a repository (``files``: its paths) that the pipeline or model loads."""
+def pipeline_files(files: list[str], model_index: dict | None, variant: str | None = None) -> list[str]:
+    """The files of a repository (``files``: its paths) that the pipeline or model loads (with ``variant``: that
+    variant's weights in each folder that has them)."""
     if model_index is None:
-        return _folder_files(files, "")
+        return _folder_files(files, "", variant)
     components = [k for k, v in model_index.items() if not k.startswith("_") and _is_component(v)]
     chosen = [f for f in _folder_files(files, "") if f.endswith(".json") and not _is_weight_index(f)]
     for component in components:
-        chosen += _folder_files(files, component)
+        chosen += _folder_files(files, component, variant)
     return chosen
 
 
@@ -207,13 +211,16 @@ def _is_component(value: object) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(v is not None for v in value)
 
 
-def _folder_files(files: list[str], folder: str) -> list[str]:
-    """The configs, tokenizer files and weights directly in ``folder`` ("" for the root)."""
+def _folder_files(files: list[str], folder: str, variant: str | None = None) -> list[str]:
+    """The configs, tokenizer files and weights directly in ``folder`` ("" for the root): ``variant``'s weights
+    where the folder has some, else the default ones."""
     here = [f for f in files if str(PurePosixPath(f).parent) == (folder or ".")]
     names = {f: PurePosixPath(f).name for f in here}
     text = [f for f in here if any(fnmatch.fnmatch(names[f], p) for p in _TEXT_FILES) and not _is_weight_index(names[f])]
     for suffix in _WEIGHTS:  # safetensors when there are any, else the .bin files
-        weights = [f for f in here if names[f].endswith((suffix, f"{suffix}.index.json")) and not _VARIANT.search(names[f])]
+        weights = [f for f in here if _is_weights(names[f], suffix) and variant_of(names[f]) is None]
+        if variant and any(variant_of(names[f]) == variant and names[f].endswith(suffix) for f in here):
+            weights = [f for f in here if _is_weights(names[f], suffix) and variant_of(names[f]) == variant]
         if folder == "" and suffix == ".safetensors":
             weights = [w for w in weights if names[w].startswith("model")]  # not a single-file checkpoint beside
         if any(w.endswith(suffix) for w in weights):
@@ -222,7 +229,14 @@ def _folder_files(files: list[str], folder: str) -> list[str]:
 
 
 def _is_weight_index(name: str) -> bool:
-    return name.endswith((".safetensors.index.json", ".bin.index.json"))
+    return name.endswith((".safetensors.index.json", ".bin.index.json")) or (
+        name.endswith(".json") and variant_of(name) is not None
+    )
+
+
+def _is_weights(name: str, suffix: str) -> bool:
+    """A weight file or weight index of ``suffix`` (``.safetensors``, ``.bin``), of any variant."""
+    return name.endswith(suffix) or (_is_weight_index(name) and f"{suffix}.index" in name)
 
 
 def _repo_files(repo_id: str, revision: str | None) -> tuple[str, list[str]]:

@@ -12,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from hsdp.cli import add_revision_argument, add_single_file_arguments, resolve_model_argument
+from hsdp.cli import add_single_file_arguments, add_source_arguments, resolve_model_argument
 from hsdp.config import DTYPES, ShardingStrategy
 from hsdp.models.description import describe, is_pipeline
 from hsdp.planning.estimate import Estimate, Hardware, Workload
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model folder (HF or diffusers pipeline / component), a built-in name, or a Hugging Face Hub name "
         "(org/name: only its configs and safetensors headers are fetched)",
     )
-    add_revision_argument(parser)
+    add_source_arguments(parser)
     add_single_file_arguments(parser)
     parser.add_argument("--devices", type=int, required=True, help="number of devices (ranks) to plan for")
     parser.add_argument(

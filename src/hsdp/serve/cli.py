@@ -20,8 +20,8 @@ from pathlib import Path
 from hsdp.cli import (
     ALL_PARALLEL_GROUPS,
     add_parallel_arguments,
-    add_revision_argument,
     add_single_file_arguments,
+    add_source_arguments,
     parallel_config_from_args,
     resolve_model_argument,
 )
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="built-in name (tiny-wan, tiny-llama), a diffusers / Hugging Face model folder, or a Hugging Face Hub "
         "name (org/name)",
     )
-    add_revision_argument(parser)
+    add_source_arguments(parser)
     add_single_file_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8091)

@@ -17,8 +17,8 @@ from pathlib import Path
 from hsdp.checkpoint import latest_checkpoint
 from hsdp.cli import (
     add_parallel_arguments,
-    add_revision_argument,
     add_single_file_arguments,
+    add_source_arguments,
     parallel_config_from_args,
     resolve_model_argument,
 )
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="tiny-llama",
         help="model folder, Hugging Face Hub name (org/name) or built-in name (default tiny-llama)",
     )
-    add_revision_argument(parser)
+    add_source_arguments(parser)
     add_single_file_arguments(parser)
     parser.add_argument(
         "--data",
