@@ -41,11 +41,24 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "model": model, "data": data}
 
 
-def test_unknown_strategy_exits_2_before_spawning(inputs):
-    out = _hsdp("--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp", "--hsdp-shard-size",
-                "2", "--strategy", "ZERO9")  # fmt: skip
-    assert out.returncode == 2
-    assert "ZERO9" in out.stderr and "FULL_SHARD" in out.stderr
+def _refused(capsys, *args: str) -> str:
+    """``hsdp train ARGS`` in this process (a refusal starts no rank: a subprocess would only add its imports):
+    asserts exit 2 and returns stderr."""
+    from hsdp.cli import main
+
+    try:
+        code = main(["train", *args])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
+def test_unknown_strategy_exits_2_before_spawning(inputs, capsys):
+    err = _refused(capsys, "--model", str(inputs["model"]), "--data", str(inputs["data"]), "--use-hsdp",
+                   "--hsdp-shard-size", "2", "--strategy", "ZERO9")  # fmt: skip
+    assert "ZERO9" in err and "FULL_SHARD" in err
 
 
 def test_train_two_ranks_checkpoint_and_export(inputs):
@@ -73,10 +86,10 @@ def test_train_two_ranks_checkpoint_and_export(inputs):
     assert (root / "export" / "config.json").exists() and list((root / "export").glob("*.safetensors"))
 
 
-def test_media_folder_with_the_default_lm_says_pass_model(inputs, media):
-    out = _hsdp("--data", str(media))
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "this is a media folder; pass --model" in " ".join(out.stderr.split())
+def test_media_folder_with_the_default_lm_says_pass_model(inputs, media, capsys):
+    err = _refused(capsys, "--data", str(media))
+    assert "Traceback" not in err
+    assert "this is a media folder; pass --model" in " ".join(err.split())
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["one-process", "hsdp2-process-group"])

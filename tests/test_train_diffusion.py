@@ -35,11 +35,26 @@ def _close(run: dict, ref: dict) -> None:
     assert_trained_like(run, ref, TOL)
 
 
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
+STRAIGHT = dict(lora_r=4, steps=4, parallel=HSDP2)
+"""The 4-step LoRA run at HSDP 2 that the parity, resume and stop-signal tests each compare with (:func:`straight`)."""
+
+
+@pytest.fixture(scope="module")
+def straight(dist_run, media) -> dict:
+    """:data:`STRAIGHT` trained once for the module: one process's equal, and the uninterrupted run that a resumed
+    or stopped run continues."""
+    return dist_run(2, train_diffusion, [_cfg(media, **STRAIGHT)])[0][0]
+
+
 @pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full"])
-def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r):
-    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    cfg = _cfg(media, lora_r=lora_r, lr=1e-3 if lora_r else 1e-4, parallel=layout)
-    run = dist_run(2, train_diffusion, [cfg])[0][0]
+def test_hsdp2_equals_diffusers_peft_one_process(dist_run, media, lora_r, request):
+    """LoRA (:data:`STRAIGHT`, 4 steps at lr 1e-3) and full fine-tuning (3 steps at lr 1e-4)."""
+    if lora_r:
+        cfg, run = _cfg(media, **STRAIGHT), request.getfixturevalue("straight")
+    else:
+        cfg = _cfg(media, lora_r=0, lr=1e-4, parallel=HSDP2)
+        run = dist_run(2, train_diffusion, [cfg])[0][0]
     ref = reference_run(cfg, resolve_model("tiny-wan"))
     _close(run, ref)
     assert run["losses"][0] != run["losses"][-1]  # it trained
@@ -117,28 +132,24 @@ def test_hybrid_2x2_lora_with_grad_accum_equals_one_process(dist_run, media):
     _close(run, reference_run(cfg, resolve_model("tiny-wan")))
 
 
-def test_resume_is_bit_exact(dist_run, media, tmp_path):
-    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    whole = _cfg(media, lora_r=4, steps=4, parallel=layout)
-    first = _cfg(media, lora_r=4, steps=2, parallel=layout, output_dir=str(tmp_path / "ck"))
+def test_resume_is_bit_exact(dist_run, media, tmp_path, straight):
+    first = _cfg(media, **STRAIGHT, output_dir=str(tmp_path / "ck")).replace(steps=2)
     second = first.replace(steps=4, resume="auto")
-    straight, _, resumed = dist_run(2, train_diffusion, [whole, first, second])[0]
+    _, resumed = dist_run(2, train_diffusion, [first, second])[0]
     assert resumed["losses"] == straight["losses"][2:]
     assert all(torch.equal(resumed["state"][k], straight["state"][k]) for k in straight["state"])
 
 
-def test_a_stop_signal_saves_and_resume_auto_continues_bit_exact(dist_run, media, tmp_path):
+def test_a_stop_signal_saves_and_resume_auto_continues_bit_exact(dist_run, media, tmp_path, straight):
     """SIGTERM to one rank of a LoRA run on a pipeline (issue 37 item 2): both ranks stop after the same step with its
     checkpoint (between --save-every steps), and --resume auto continues with the uninterrupted run's losses."""
     from tests.train_fns import train_signalled
 
-    layout = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    stopped = _cfg(media, lora_r=4, steps=4, parallel=layout, output_dir=str(tmp_path / "ck"), save_every=100)
+    stopped = _cfg(media, **STRAIGHT, output_dir=str(tmp_path / "ck"), save_every=100)
     ranks = dist_run(2, train_signalled, stopped, 0, 1)  # recorded after step 1, agreed in step 2
     assert [r["steps"] for r in ranks] == [[1, 2]] * 2 and ranks[0]["stopped_by"] == "SIGTERM"
     assert ranks[0]["checkpoint"] == str(tmp_path / "ck" / "step-00000002")
-    straight, resumed = dist_run(2, train_diffusion, [_cfg(media, lora_r=4, steps=4, parallel=layout),
-                                                      stopped.replace(resume="auto")])[0]  # fmt: skip
+    resumed = dist_run(2, train_diffusion, [stopped.replace(resume="auto")])[0][0]
     assert ranks[0]["losses"] + resumed["losses"] == straight["losses"]
 
 

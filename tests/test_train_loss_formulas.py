@@ -32,6 +32,8 @@ from tests.heldout_pipelines import BUILDERS, FORMULA_ONLY, build, write_square_
 pytestmark = pytest.mark.slow
 ROWS = 2
 OVERFIT_STEPS = 30
+OVERFIT_CHECK = 5
+"""How often :func:`test_family_overfits_one_sample` reads the fixed sample's loss (a forward: a third of a step)."""
 
 
 def _linear_names(folder: Path) -> tuple[str, ...]:
@@ -386,16 +388,21 @@ def test_denoiser_output_in_another_layout_in_training_refused(trainers):
 
 @pytest.mark.parametrize("family", OVERFIT)
 def test_family_overfits_one_sample(family, trainers):
-    """30 steps with the noise and timestep held fixed (u = 0.5 of the trained range) halve the sample's loss."""
+    """At most 30 steps with the noise and timestep held fixed (u = 0.5 of the trained range) halve the sample's
+    loss: read every :data:`OVERFIT_CHECK` steps, the run stops once it is halved (the claim is the same; most
+    families halve it well before step 30)."""
     trainer, _ = trainers(family)
     latents = trainer.data.latents[0][None]
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
     fixed = _micro_batch(trainer, latents, noise, torch.tensor([0.5]))
     trainer._micro_inputs = lambda number: fixed
     first = trainer.train_step().loss
-    for _ in range(OVERFIT_STEPS - 1):
+    for step in range(2, OVERFIT_STEPS + 1):
         trainer.train_step()
-    with torch.no_grad():
-        last = trainer._micro_loss(fixed).item()
-    assert last <= 0.5 * first, (first, last)
+        if step % OVERFIT_CHECK == 0 or step == OVERFIT_STEPS:
+            with torch.no_grad():
+                last = trainer._micro_loss(fixed).item()
+            if last <= 0.5 * first:
+                break
+    assert last <= 0.5 * first, (first, last, step)
 

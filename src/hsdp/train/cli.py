@@ -209,6 +209,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     diffusion.add_argument("--flow-shift", type=float, default=None, help="default: the scheduler's shift")
     diffusion.add_argument("--caption-dropout", type=float, default=0.0, help="train on the empty caption")
     diffusion.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="caption tokens the text encoder pads to (the pipeline's __call__ argument; default: the pipeline's)",
+    )
+    diffusion.add_argument(
         "--train-component",
         default=None,
         help="the denoiser(s) to train: transformer, transformer_2, unet, several comma-separated (Wan 2.2's two "
@@ -273,6 +279,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         timestep_sampling=args.timestep_sampling,
         flow_shift=args.flow_shift,
         caption_dropout=args.caption_dropout,
+        max_sequence_length=args.max_sequence_length,
         train_component=args.train_component,
         cache_latents=args.cache_latents,
     )

@@ -171,6 +171,9 @@ class TrainConfig:
     """Flow matching shift of the sampled sigmas (default: the pipeline scheduler's)."""
     caption_dropout: float = 0.0
     """Probability of training a row on the empty caption (for classifier-free guidance)."""
+    max_sequence_length: int | None = None
+    """Caption tokens the pipeline's ``encode_prompt`` pads to (its ``__call__`` argument of that name, as diffusers'
+    training scripts' ``--max_sequence_length``; default: the pipeline's own, e.g. 1024 for LTX-2)."""
     train_component: str | None = None
     """The denoiser to train (``transformer``, ``transformer_2`` or ``unet``; default: the pipeline's first)."""
     cache_latents: bool = False
@@ -232,6 +235,7 @@ class TrainConfig:
             "--timestep-sampling": self.timestep_sampling,
             "--flow-shift": self.flow_shift,
             "--caption-dropout": self.caption_dropout,
+            "--max-sequence-length": self.max_sequence_length,
             "--train-component": self.train_component,
             "layout": parallel.describe() if parallel.use_hsdp else "single process",
         }
@@ -334,6 +338,8 @@ class TrainConfig:
             out.append(f"--timestep-sampling={self.timestep_sampling!r}: use uniform, logit_normal or mode")
         if not 0 <= self.caption_dropout < 1:
             out.append(f"--caption-dropout={self.caption_dropout} must be in [0, 1)")
+        if self.max_sequence_length is not None and self.max_sequence_length < 1:
+            out.append(f"--max-sequence-length={self.max_sequence_length} must be >= 1")
         if self.flow_shift is not None and self.flow_shift <= 0:
             out.append(f"--flow-shift={self.flow_shift} must be > 0")
         if self.frames is not None and self.frames < 1:

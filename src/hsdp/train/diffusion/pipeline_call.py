@@ -55,6 +55,7 @@ __all__ = [
     "PaddingMask",
     "DenoiserCalls",
     "call_arguments",
+    "set_call_settings",
     "size_problem",
     "encode_captions",
     "prompt_layout",
@@ -93,6 +94,16 @@ class _Stop(Exception):
 
 # --- the pipeline's __call__ arguments ---------------------------------------------------------------------------
 
+_SETTINGS = "_hsdp_call_settings"
+
+
+def set_call_settings(pipe, **settings: Any) -> None:
+    """``__call__`` arguments a run sets for every pass of ``pipe`` (``max_sequence_length`` from
+    ``--max-sequence-length``); None leaves the pipeline's default. Kept on the pipeline, as every pass (the captions',
+    the denoiser call's, the size check's) must call it alike."""
+    pipe.__dict__[_SETTINGS] = {name: value for name, value in settings.items() if value is not None}
+
+
 
 def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int) -> dict:
     """``__call__``'s arguments for one denoising step of ``prompts`` at ``size`` x ``frames`` without classifier-free
@@ -114,6 +125,7 @@ def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int)
             args[name] = args[cfg]
     if pipe.config.get("boundary_ratio") is not None:  # Wan 2.2's second expert has its own scale
         args["guidance_scale_2"] = 1.0
+    args |= {name: value for name, value in pipe.__dict__.get(_SETTINGS, {}).items() if name in params}
     return args
 
 

@@ -91,6 +91,7 @@ from hsdp.train.diffusion.pipeline_call import (
     batch_prompts,
     encode_captions,
     prompt_layout,
+    set_call_settings,
     size_problem,
 )
 from hsdp.train.trainer import Trainer, TrainResult
@@ -262,6 +263,7 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
     diffusion_preflight(cfg, model_dir)
     component = trained_component(cfg, model_dir)
     pipe = meta_pipeline(model_dir)
+    _check_call_settings(cfg, pipe)
     spec = media_spec(model_dir, component)
     try:
         dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
@@ -272,6 +274,25 @@ def check_diffusion_run(cfg: TrainConfig) -> None:
         logger.info("%s", dataset.summary(cfg.data))
     if cfg.eval_data:
         evaluation.open_eval_media(cfg, spec)
+
+
+def _call_settings(cfg: TrainConfig) -> dict:
+    """The pipeline ``__call__`` arguments this run sets on every recording pass (:func:`set_call_settings`)."""
+    return {"max_sequence_length": cfg.max_sequence_length}
+
+
+def _check_call_settings(cfg: TrainConfig, pipe) -> None:
+    """Each set ``__call__`` argument is one the pipeline takes (a CLIP-only pipeline has no ``max_sequence_length``:
+    its encoders' length is fixed); then ``pipe`` calls with them."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    for name, value in _call_settings(cfg).items():
+        if value is not None and name not in params:
+            flag = "--" + name.replace("_", "-")
+            raise TrainConfigError(
+                f"{flag}={value}: {type(pipe).__name__}.__call__ takes no {name} (its text encoders' length is "
+                f"fixed); leave {flag} out"
+            )
+    set_call_settings(pipe, **_call_settings(cfg))
 
 
 def _check_bucket_sizes(cfg: TrainConfig, pipe, dataset: MediaDataset) -> None:
@@ -436,6 +457,7 @@ class DiffusionTrainer(Trainer):
         }
         self.objective: Objective = self.objectives[self.component]
         meta = meta_pipeline(self.model_dir)  # configs only: the sizes the VAE and denoiser take
+        set_call_settings(meta, **_call_settings(cfg))
         spec = media_spec(self.model_dir, self.component)
         try:
             dataset = MediaDataset.from_source(cfg.data, spec, resolution=cfg.resolution, frames=cfg.frames)
@@ -477,6 +499,7 @@ class DiffusionTrainer(Trainer):
         which is freed on return."""
         cfg = self.cfg
         pipe = frozen_pipeline(self.model_dir, self.parallel)
+        set_call_settings(pipe, **_call_settings(self.cfg))
         layout = prompt_layout(pipe, self.model_dir, size, frames)
         encode = functools.partial(encode_items, pipe, self.model_dir, layout)
         encoded = [
@@ -498,7 +521,11 @@ class DiffusionTrainer(Trainer):
     def _latent_cache(self) -> LatentCache:
         """``<output-dir>/latent-cache``, keyed by the encoders' fingerprint."""
         fingerprint = encoder_fingerprint(
-            self.model_dir, encoder_components(self.model_dir), pipeline=self.pipeline_class.__name__
+            self.model_dir,
+            encoder_components(self.model_dir),
+            pipeline=self.pipeline_class.__name__,
+            # set only when given: the caches of runs at the pipeline's default keep their key
+            **{k: v for k, v in _call_settings(self.cfg).items() if v is not None},
         )
         return LatentCache(Path(self.cfg.output_dir or ".") / "latent-cache", fingerprint)
 

@@ -50,7 +50,7 @@ class ValidationPrompts:
 def validation_calls(cfg, model_dir: Path) -> list[dict]:
     """Per validation prompt, the ``__call__`` arguments of ``hsdp generate --prompt P --seed S`` with the run's
     ``--validation-negative-prompt`` and ``--validation-cfg-scale``: ``prompt``, ``seed`` (every prompt ``--seed``),
-    ``output_type`` and what :func:`hsdp.engine.diffusion.call_kwargs` gives."""
+    ``output_type`` and what :func:`hsdp.engine.diffusion.call_kwargs` gives, ``--max-sequence-length`` over it."""
     from hsdp.config import ParallelConfig
     from hsdp.engine.diffusion import call_kwargs
     from hsdp.engine.model_info import inspect_model
@@ -66,8 +66,11 @@ def validation_calls(cfg, model_dir: Path) -> list[dict]:
         from hsdp.train.config import TrainConfigError
 
         raise TrainConfigError(str(exc)) from exc
+    # the prompts encoded as the training captions are (the trainer checked that __call__ takes it)
+    length = {"max_sequence_length": cfg.max_sequence_length} if cfg.max_sequence_length is not None else {}
     return [
-        {"prompt": r.prompt, "seed": r.seed, "output_type": "np", **call_kwargs(info, [r], params)} for r in requests
+        {"prompt": r.prompt, "seed": r.seed, "output_type": "np", **call_kwargs(info, [r], params), **length}
+        for r in requests
     ]
 
 
