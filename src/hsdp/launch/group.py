@@ -507,7 +507,10 @@ class WorkerGroup:
                 self._procs.append(proc)
             child_conn.close()
         if forked and _FORK_FORKSERVER:
-            _fork_forkserver([c.fileno() for c in self._conns])
+            try:
+                _fork_forkserver([c.fileno() for c in self._conns])
+            except OSError as exc:  # no process or socket to spare: start_forkserver starts one later
+                logger.debug("the forkserver was not forked (%s)", exc)
         # The caller owns the rendezvous store: binding port 0 picks a free port atomically. Made after the forks,
         # so that no rank holds a copy of its listening socket (nor of its server thread's state).
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)
