@@ -5,7 +5,7 @@ leads, the other ranks follow (:mod:`hsdp.engine.leader`).
 Outputs are compared with one process on the same input and seed (which the single-host server equals, see
 tests/test_serve.py): streamed and plain completions, and ``/v1/videos/sync``'s mp4 bytes (the frames written by the
 server's own writer), over 2 x 1 ranks (HSDP shard 2) and 2 x 2 (HSDP replicate 2 x shard 2). Killing the ranks of
-the node without rank 0: ``/health`` leaves "ready" within 2 s, torchrun (``--max-restarts``) restarts the group,
+the node without rank 0 (2 x 2): ``/health`` leaves "ready" within 2 s, torchrun (``--max-restarts``) restarts the group,
 and every accepted video job completes with the same bytes as before; a synchronous request running at the kill is
 answered 503 with ``Retry-After`` (rank 0's process is restarted too) and, sent again, equals one process. A
 request the pipeline refuses on every rank fails alone (500, or a failed job), and the same ranks serve the next
@@ -112,24 +112,18 @@ def _reference_mp4(wan: Path, tmp_path: Path) -> bytes:
     return save_frames(frames, tmp_path / "reference.mp4", fps=SMALL["fps"]).read_bytes()
 
 
-def test_video_over_two_nodes_of_two_ranks_equals_one_process(local_nodes, tmp_path):
-    """2 x 2: HSDP replicate 2 x shard 2 over 4 ranks, the shard axis within a node, the replicate axis across."""
+def test_video_over_two_nodes_of_two_ranks_equals_one_process_and_survives_a_dead_node(local_nodes, tmp_path):
+    """2 x 2: HSDP replicate 2 x shard 2 over 4 ranks, the shard axis within a node, the replicate axis across;
+    its mp4 equals one process's. Then the node without rank 0 dies (both its ranks): queued video jobs outlive
+    the restart and complete. A synchronous request running at the kill cannot wait for its re-run: torchrun
+    restarts rank 0's process (the HTTP server) with the others, and the client's connection with it. It is
+    answered at once, 503 with ``Retry-After`` (before: the connection dropped), and sent again after the restart
+    it gives the one-process image. So is one running when torchrun stops the job. (One group of nodes for both:
+    the 2 x 1 layout restarts in test_a_failing_request_fails_alone_over_two_nodes.)"""
     wan = builtin("tiny-wan", tmp_path / "cache")
     hsdp_2x2 = ("--use-hsdp", "--hsdp-replicate-size", "2", "--hsdp-shard-size", "2")
-    nodes = local_nodes(wan, nproc_per_node=2, args=hsdp_2x2)
+    nodes = local_nodes(wan, max_restarts=1, nproc_per_node=2, args=hsdp_2x2)
     assert sorted(nodes.ranks()) == [0, 1, 2, 3] and {n for n, _ in nodes.ranks().values()} == {0, 1}
-    with httpx.Client(base_url=nodes.url, timeout=120) as client:
-        synced = client.post("/v1/videos/sync", json={"prompt": "a red fox", "seed": 3, **SMALL})
-    assert synced.status_code == 200 and synced.content == _reference_mp4(wan, tmp_path)
-
-
-def test_video_over_two_nodes_survives_a_dead_node(local_nodes, tmp_path):
-    """Queued video jobs outlive the restart and complete. A synchronous request running at the kill cannot wait
-    for its re-run: torchrun restarts rank 0's process (the HTTP server) with the others, and the client's
-    connection with it. It is answered at once, 503 with ``Retry-After`` (before: the connection dropped), and
-    sent again after the restart it gives the one-process image. So is one running when torchrun stops the job."""
-    wan = builtin("tiny-wan", tmp_path / "cache")
-    nodes = local_nodes(wan, max_restarts=1)
     image = {"prompt": "a cat", "seed": 5, "size": "32x32", "num_inference_steps": 20}
     with httpx.Client(base_url=nodes.url, timeout=120) as client, ThreadPoolExecutor(1) as pool:
         synced = client.post("/v1/videos/sync", json={"prompt": "a red fox", "seed": 3, **SMALL})

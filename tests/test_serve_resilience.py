@@ -72,14 +72,19 @@ def _parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def _forkservers(parent: int) -> list[int]:
-    found = []
+def _forkservers(parent: int) -> dict[int, str]:
+    """The forkservers that ``parent`` started: pid -> how (``forked`` from it, or ``exec``: a fresh interpreter)."""
+    found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 command = f.read()
-            if b"multiprocessing.forkserver" in command and _parent(int(entry)) == parent:
-                found.append(int(entry))
+            with open(f"/proc/{entry}/comm") as f:
+                name = f.read().strip()
+            if _parent(int(entry)) == parent and name == "hsdp-forkserver":
+                found[int(entry)] = "forked"
+            elif _parent(int(entry)) == parent and b"multiprocessing.forkserver" in command:
+                found[int(entry)] = "exec"
         except OSError:
             continue
     return found
@@ -88,14 +93,16 @@ def _forkservers(parent: int) -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process parents from /proc")
 def test_the_first_ranks_fork_from_the_server_and_a_forkserver_waits_for_restarts(server, client):
     """Issue 34: the server's first ranks are forked from it (before it runs threads: they import nothing again),
-    and it starts one forkserver at once for later restarts, which start from a process with threads (the tests
-    below kill workers and check the restarts)."""
+    and so is one forkserver, with them, for later restarts, which start from a process with threads (the tests
+    below kill workers and check the restarts): it imports nothing either (before: a fresh interpreter that
+    imported torch and diffusers again while the server served, and a restart soon after the start waited for
+    it)."""
     import torch
 
     if torch.version.cuda or torch.version.hip:
         pytest.skip("an accelerator build of torch never forks its ranks")
     assert [_parent(pid) for pid in server.worker_pids()] == [server.proc.pid] * 2
-    assert len(_forkservers(server.proc.pid)) == 1
+    assert list(_forkservers(server.proc.pid).values()) == ["forked"]
 
 
 def test_kill_a_worker_under_load_loses_nothing(server, client, tmp_path):
@@ -104,8 +111,11 @@ def test_kill_a_worker_under_load_loses_nothing(server, client, tmp_path):
         for i in range(8)
     ]
     _wait(client, jobs[1]["id"], ("in_progress", "completed"))
+    forkservers = _forkservers(server.proc.pid)
     os.kill(server.worker_pids()[1], signal.SIGKILL)
     done = [_wait(client, job["id"]) for job in jobs]
+    if forkservers:  # the restarted ranks come from the forkserver the server started with
+        assert {_parent(pid) for pid in server.worker_pids()} == set(forkservers)
     assert [j["status"] for j in done] == ["completed"] * 8, done
     assert any(j["attempts"] == 2 for j in done) and all(j["attempts"] <= 2 for j in done)
     for i, job in enumerate(jobs):  # 0 lost, 0 duplicated, 0 wrong

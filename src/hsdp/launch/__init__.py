@@ -25,9 +25,10 @@ How ranks start (``HSDP_START_METHOD``: ``fork``, ``forkserver`` or ``spawn``; b
   0.3 s where the forkserver took 7 s of imports. The ranks build with the modules the caller has not imported
   yet (:data:`~hsdp.launch.group.RANK_MODULES`) imported in the caller just before the fork, once for all. The
   rendezvous store is made after the fork, so no rank holds its listening socket.
-* a **forkserver** otherwise (a server restarting its engine has uvicorn's and its engine's threads: it starts
-  the forkserver once its first engine is up, :func:`start_forkserver`, so a restart does not wait for its
-  imports; a CUDA
+* a **forkserver** otherwise (a server restarting its engine has uvicorn's and its engine's threads: where its
+  first ranks fork, it forks the forkserver with them, :func:`fork_forkserver_with_ranks`, which so imports
+  nothing; else it starts one once its first engine is up, :func:`start_forkserver`; either way a restart does not
+  wait for imports; a CUDA
   build's caller may have initialized CUDA, which a forked child cannot use): a helper process, started once per
   caller, imports torch and the libraries the caller has already imported (see :func:`preload_modules`), then
   forks each rank. It only imports, never touches a device, so forked ranks initialize CUDA and NCCL themselves
@@ -49,6 +50,7 @@ from hsdp.launch.group import (
     WorkerGroup,
     WorkerRaised,
     WorkerTimeout,
+    fork_forkserver_with_ranks,
     fork_problem,
     preload_modules,
     start_forkserver,
@@ -69,6 +71,7 @@ __all__ = [
     "error_report",
     "preload_modules",
     "fork_problem",
+    "fork_forkserver_with_ranks",
     "start_forkserver",
     "START_METHOD_ENV",
 ]

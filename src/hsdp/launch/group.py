@@ -11,6 +11,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerTimeout",
     "preload_modules",
+    "fork_forkserver_with_ranks",
     "fork_problem",
     "start_forkserver",
     "START_METHOD_ENV",
@@ -271,6 +273,89 @@ def start_forkserver(packages: Iterable[str] = ()) -> None:
         logger.debug("the forkserver did not start early (%s); a later group starts its ranks without it", exc)
 
 
+_FORK_FORKSERVER: list[bool] = []
+"""Set within :func:`fork_forkserver_with_ranks`: a group whose ranks fork forks the forkserver too."""
+
+
+@contextlib.contextmanager
+def fork_forkserver_with_ranks():
+    """Within the block, a group that forks its ranks from this process forks the forkserver too, for groups
+    that start later once this process runs other threads (a server's engine restart). Forked while nothing but the caller's
+    thread runs, the forkserver has every module the caller imported, as the ranks have: it imports nothing, where
+    one started by :func:`start_forkserver` imports torch and the model's library again (4.7 s of CPU for
+    tiny-llama, measured while the server started answering requests), and a restart soon after the start waited
+    for those imports (42 s on a loaded 2-core host). Where ranks do not fork (a CUDA build, ``HSDP_START_METHOD``),
+    :func:`start_forkserver` still starts one."""
+    _FORK_FORKSERVER[:] = [True]
+    try:
+        yield
+    finally:
+        _FORK_FORKSERVER.clear()
+
+
+def _forkserver_protocol_known() -> bool:
+    """The forkserver's entry point takes what :func:`_fork_forkserver` passes (Pythons 3.9-3.13; 3.14 adds an
+    authentication key, and its forkserver is then started by :func:`start_forkserver`)."""
+    import inspect
+
+    names = list(inspect.signature(mp.forkserver.main).parameters)
+    server = mp.forkserver._forkserver
+    return names == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"] and all(
+        hasattr(server, a) for a in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
+    )
+
+
+def _fork_forkserver(caller_fds: Iterable[int]) -> None:
+    """Fork multiprocessing's forkserver from this process (single-threaded, just after forking ranks) and make
+    it this process's forkserver, as :meth:`multiprocessing.forkserver.ForkServer.ensure_running` would after
+    starting a fresh interpreter; ``caller_fds``: this process's ends of the ranks' pipes, which the forkserver
+    closes (a rank reads EOF on its pipe only once every copy of the caller's end is closed)."""
+    from multiprocessing import connection, resource_tracker, util
+
+    server = mp.forkserver._forkserver
+    if server._forkserver_pid is not None or threading.current_thread() is not threading.main_thread():
+        return
+    if not _forkserver_protocol_known():
+        return
+    resource_tracker.ensure_running()  # before the fork: the forkserver and its ranks share the caller's tracker
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        with _caller_signals_deferred():  # held here, ignored there from its first line
+            pid = os.fork()
+            if pid == 0:
+                _forkserver_main(listener.fileno(), alive_r, alive_w, list(caller_fds))
+        os.close(alive_r)
+    with server._lock:
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    logger.debug("forkserver %d forked for later groups", pid)
+
+
+def _forkserver_main(listener_fd: int, alive_r: int, alive_w: int, caller_fds: list[int]) -> None:
+    """The forked forkserver: ignores the caller's signals (as :mod:`hsdp.forkserver_signals` makes an exec'd
+    one), closes the caller's descriptors it must not hold, then serves fork requests until the caller is gone.
+    Never returns."""
+    code = 1
+    try:
+        for sig in _CALLER_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        for fd in (alive_w, *caller_fds):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+            comm.write("hsdp-forkserver")  # what ps and top show (its command line is the caller's)
+        mp.forkserver.main(listener_fd, alive_r, [])
+        code = 0
+    except SystemExit:  # the caller and every rank are gone
+        code = 0
+    finally:
+        os._exit(code)
+
+
 @contextlib.contextmanager
 def _caller_signals_deferred():
     """:data:`_CALLER_SIGNALS` held for the block and delivered after it: a rank forked in it inherits the holding
@@ -421,6 +506,11 @@ class WorkerGroup:
                 self._conns.append(parent_conn)  # before a deferred signal is delivered: its stop stops this rank too
                 self._procs.append(proc)
             child_conn.close()
+        if forked and _FORK_FORKSERVER:
+            try:
+                _fork_forkserver([c.fileno() for c in self._conns])
+            except OSError as exc:  # no process or socket to spare: start_forkserver starts one later
+                logger.debug("the forkserver was not forked (%s)", exc)
         # The caller owns the rendezvous store: binding port 0 picks a free port atomically. Made after the forks,
         # so that no rank holds a copy of its listening socket (nor of its server thread's state).
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False)

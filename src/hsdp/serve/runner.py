@@ -127,15 +127,19 @@ class EngineRunner:
         store.on_cancel_running = self._cancel_running
 
     def start(self) -> None:
-        self._set_engine(self._make_engine())
+        from hsdp.launch import fork_forkserver_with_ranks, start_forkserver
+
+        # Restarts start ranks from a process with threads (these, uvicorn's): not forked from it but from a
+        # forkserver. Forked with the first ranks where those fork, it has their imports and imports nothing;
+        # else one is started now, and imports the libraries while the server serves rather than when a restart
+        # waits.
+        with fork_forkserver_with_ranks():
+            self._set_engine(self._make_engine())
         kind = getattr(self.engine, "kind", None)
         if getattr(self.engine, "pids", None) and kind in ("diffusion", "causal_lm"):
-            # Restarts start ranks from a process with threads (these, uvicorn's): not forked from it but from a
-            # forkserver, which imports the libraries while the server serves rather than when a restart waits.
             from hsdp.engine.model_info import MODEL_PACKAGES
-            from hsdp.launch import start_forkserver
 
-            start_forkserver([MODEL_PACKAGES[kind]])
+            start_forkserver([MODEL_PACKAGES[kind]])  # a no-op where one was forked
         self._thread = threading.Thread(target=self._loop, name="hsdp-engine", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch_steps, name="hsdp-watchdog", daemon=True)
