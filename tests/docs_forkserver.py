@@ -1,0 +1,442 @@
+"""The docs tier's fork server: each documented ``hsdp ...`` command and ``python`` snippet runs in a child forked
+from one process that has torch, diffusers, transformers and hsdp's command modules imported, instead of a fresh
+interpreter that imports them again (about 4.5 s of a 6 s ``hsdp generate --model tiny-wan``, paid ~100 times by
+the tier).
+
+How a command gets here: the tier puts a folder first on ``PATH`` holding two shims, ``hsdp`` and ``python``
+(:func:`write_shims`). A shim is a small stdlib-only script: it connects to this server's unix socket and sends its
+argv, working directory and environment with its standard input, output and error as descriptors (``SCM_RIGHTS``).
+The server either forks a child that becomes the command, or answers why it will not, and the shim then ``exec`` s
+the real program (``.venv/bin/hsdp`` / ``.venv/bin/python``): the plain path, a fresh interpreter.
+
+The child is the command's own process, as a fresh one would be, minus the imports: it takes the shim's three
+descriptors as 0, 1 and 2, its working directory and environment, Python's default signal handlers, its
+``sys.argv`` and ``sys.path[0]``; it runs the real console script (or the snippet) as ``__main__``; at the end it
+joins its threads, runs the ``atexit`` handlers and flushes, as the interpreter's exit does. The shim stays as the
+command's stand-in: it forwards the signals it gets (Ctrl-C, ``kill -TERM``, the tier stopping a ``background``
+server) to the child and exits with the child's exit code, or dies by the child's signal. A shim that disappears
+(killed) takes its child with it (SIGKILL). The child's own ranks still start by fork (it runs no other thread:
+:func:`hsdp.launch.fork_problem`).
+
+The plain path, with the reason recorded, where a fork would not be the same process:
+
+- the environment differs from the server's in a variable other than :data:`RUNTIME_ENV` (libraries read
+  ``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``, ``OMP_NUM_THREADS``... once, at import);
+- ``python`` with an option other than ``-c CODE`` or ``-`` (stdin), before a script;
+- :func:`hsdp.launch.fork_problem` names a reason in the server (a CUDA build of torch, a thread);
+- the server is not up (no socket).
+
+Every request is recorded, one line each in the record file: ``fork PROGRAM ARGV`` or ``plain (REASON) PROGRAM ARGV``,
+so the tier reports which path each block took. Run as ``python tests/docs_forkserver.py SOCKET RECORD``.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL = {"hsdp": ROOT / ".venv" / "bin" / "hsdp", "python": ROOT / ".venv" / "bin" / "python"}
+
+RUNTIME_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE"})
+"""Variables a command may set differently from the server's environment and still fork: bash's own, and hsdp's
+that are read when a command runs, not when a module is imported (``HSDP_API_KEY`` is the default of
+``hsdp serve --api-key``, read as the parser is built; ``HSDP_LOG_LEVEL`` by :func:`configure_logging`;
+``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`)."""
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "safetensors.torch",
+    "hsdp",
+    "hsdp.cli",
+    "hsdp.launch",
+    "hsdp.models.builtin",
+    "hsdp.engine",
+    "hsdp.loading",
+    "hsdp.planning",
+    "transformers.modeling_utils",
+    "diffusers.models.modeling_utils",
+    "diffusers.pipelines.pipeline_utils",
+    "peft",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "soundfile",
+    "gguf",
+)
+"""What the documented commands import (``hsdp.cli``'s command modules come with ``build_parser()``, below)."""
+
+PRELOAD_CLASSES = {
+    "diffusers": (
+        "WanPipeline",
+        "WanImageToVideoPipeline",
+        "WanTransformer3DModel",
+        "AutoencoderKLWan",
+        "FluxPipeline",
+        "FluxKontextPipeline",
+        "StableDiffusionXLPipeline",
+        "StableAudioPipeline",
+    ),
+    "transformers": ("LlamaForCausalLM", "GPT2LMHeadModel", "UMT5EncoderModel", "CLIPTextModel", "T5EncoderModel"),
+}
+"""The pipelines and models of the built-in models the docs run (diffusers and transformers import them lazily:
+importing a pipeline's module is the ~3 s "checks (the model's folder and pipeline class)" phase)."""
+
+SHIM = """#!{python} -IS
+# The docs tier's {name}: runs in a child of the docs fork server (tests/docs_forkserver.py), else exec's {real}.
+import sys
+sys.path.insert(0, {tests!r})
+from docs_forkserver import shim_main
+shim_main({name!r}, {socket!r}, {real!r})
+"""
+
+
+# --- the shim ------------------------------------------------------------------------------------------------------
+
+
+def write_shims(folder: Path, socket_path: Path) -> None:
+    """``hsdp`` and ``python`` in ``folder``, which the tier puts first on ``PATH``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, real in REAL.items():
+        shim = folder / name
+        shim.write_text(
+            SHIM.format(
+                python=sys.executable, name=name, real=str(real), tests=str(Path(__file__).parent), socket=str(socket_path)
+            )
+        )
+        shim.chmod(0o755)
+
+
+def _send(sock: socket.socket, message: dict, fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode()
+    payload = struct.pack("!I", len(data)) + data
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([payload], ancillary)
+
+
+def _receive_exactly(sock: socket.socket, size: int, fds: list[int]) -> bytes | None:
+    data = b""
+    while len(data) < size:
+        chunk, ancillary, _, _ = sock.recvmsg(size - len(data), socket.CMSG_SPACE(16 * 4))
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", raw[: len(raw) - len(raw) % 4]))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    fds: list[int] = []
+    head = _receive_exactly(sock, 4, fds)
+    if head is None:
+        return None, fds
+    body = _receive_exactly(sock, struct.unpack("!I", head)[0], fds)
+    return (json.loads(body) if body is not None else None), fds
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def shim_main(name: str, socket_path: str, real: str) -> None:
+    """Ask the server to run this command in a forked child, stand in for it, and exit as it exits; without the
+    server, or when it says no, become the real program."""
+    argv = [real, *sys.argv[1:]]
+    child: list[int] = []
+    pending: list[int] = []
+
+    def forward(signum, frame):  # before the child's pid is known, the signal waits for it
+        (os.kill(child[0], signum) if child else pending.append(signum))
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path)
+        _send(sock, {"program": name, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, (0, 1, 2))
+        answer, _ = _receive(sock)
+    except OSError:
+        answer = None
+    if not answer or "pid" not in answer:
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        os.execv(real, argv)
+    child.append(answer["pid"])
+    for signum in pending:
+        os.kill(child[0], signum)
+    done, _ = _receive(sock)
+    if done is None:  # the server went away: nothing to report but a failure
+        os._exit(1)
+    status = done["status"]
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+# --- the server -----------------------------------------------------------------------------------------------------
+
+
+def _python_target(argv: list[str]) -> tuple[str, str] | str:
+    """``("script", PATH)``, ``("code", CODE)`` or ``("stdin", "")`` for ``python ARGS``; else the reason to exec."""
+    if len(argv) < 2:
+        return "python without a script (interactive)"
+    first = argv[1]
+    if first == "-c" and len(argv) > 2:
+        return ("code", argv[2])
+    if first == "-":
+        return ("stdin", "")
+    if first.startswith("-"):
+        return f"python option {first}"
+    return ("script", first)
+
+
+class Server:
+    def __init__(self, socket_path: str, record: str):
+        self.env = dict(os.environ)
+        self.record = open(record, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_path)
+        self.listener.listen(64)
+        self.children: dict[int, socket.socket] = {}  # pid -> its shim's connection
+        self.wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)
+        os.set_blocking(self.wake_read, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_write)
+        self.wake_write = wake_write
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_read, selectors.EVENT_READ)
+
+    def preload(self) -> None:
+        import importlib
+
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a command that needs it imports it itself (and fails there)
+                print(f"docs fork server: {name} not preloaded: {exc}", file=sys.stderr)
+        for package, names in PRELOAD_CLASSES.items():
+            module = importlib.import_module(package)
+            for name in names:
+                try:
+                    getattr(module, name)
+                except Exception as exc:
+                    print(f"docs fork server: {package}.{name} not preloaded: {exc}", file=sys.stderr)
+        from hsdp.cli import build_parser
+
+        build_parser()  # imports every command's module
+
+    def serve(self) -> None:
+        parent = os.getppid()
+        while True:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.fileobj is self.listener:
+                    connection, _ = self.listener.accept()
+                    self._request(connection)
+                elif key.fileobj == self.wake_read:
+                    while True:
+                        try:
+                            if not os.read(self.wake_read, 512):
+                                break
+                        except BlockingIOError:
+                            break
+                else:  # a shim's connection readable: it went away (killed) before its child ended
+                    self._shim_gone(key.fileobj)
+            self._reap()
+            if os.getppid() != parent:  # the tier is gone
+                for pid in self.children:
+                    os.kill(pid, signal.SIGKILL)
+                return
+
+    def _request(self, connection: socket.socket) -> None:
+        request, fds = _receive(connection)
+        try:
+            if request is None or len(fds) != 3:
+                connection.close()
+                return
+            reason = self._refusal(request)
+            words = " ".join([request["program"], *request["argv"][1:]])[:300]
+            if reason:
+                self.record.write(f"plain ({reason}) {words}\n")
+                _send(connection, {"plain": reason})
+                connection.close()
+                return
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                self._become(request, fds, connection)  # never returns
+            self.record.write(f"fork {words}\n")
+            self.children[pid] = connection
+            self.selector.register(connection, selectors.EVENT_READ, pid)
+            _send(connection, {"pid": pid})
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _refusal(self, request: dict) -> str | None:
+        from hsdp.launch import fork_problem
+
+        env = request["env"]
+        changed = sorted(k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k) and k not in RUNTIME_ENV)
+        if changed:
+            return f"environment: {', '.join(changed)} read at import"
+        if request["program"] == "python":
+            target = _python_target(request["argv"])
+            if isinstance(target, str):
+                return target
+        problem = fork_problem()
+        return f"fork: {problem}" if problem else None
+
+    def _shim_gone(self, connection: socket.socket) -> None:
+        pid = self.selector.get_key(connection).data
+        try:
+            if connection.recv(1):
+                return  # a shim sends nothing after its request; ignore
+        except OSError:
+            pass
+        self.selector.unregister(connection)
+        connection.close()
+        if pid in self.children:
+            del self.children[pid]
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+    def _reap(self) -> None:
+        for pid in list(self.children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                connection = self.children.pop(pid)
+                self.selector.unregister(connection)
+                with contextlib.suppress(OSError):  # a shim killed meanwhile
+                    _send(connection, {"status": status})
+                connection.close()
+
+    def _become(self, request: dict, fds: list[int], connection: socket.socket) -> None:
+        """In the forked child: turn into the command's own process, run it, exit as the interpreter exits."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for signum, handler in (
+                (signal.SIGCHLD, signal.SIG_DFL),
+                (signal.SIGINT, signal.default_int_handler),
+                (signal.SIGTERM, signal.SIG_DFL),
+                (signal.SIGHUP, signal.SIG_DFL),
+                (signal.SIGQUIT, signal.SIG_DFL),
+                (signal.SIGUSR1, signal.SIG_DFL),
+                (signal.SIGUSR2, signal.SIG_DFL),
+                (signal.SIGPIPE, signal.SIG_IGN),
+            ):
+                signal.signal(signum, handler)
+            self.selector.close()
+            for sock in (self.listener, connection, *self.children.values()):
+                sock.close()
+            for fd in (self.wake_read, self.wake_write):
+                os.close(fd)
+            self.record.close()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            fds.clear()
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            code = _run(request)
+        except BaseException:  # noqa: BLE001 (a failure setting up the child is the command's failure)
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+
+def _run(request: dict) -> int:
+    """The command, as ``python`` would run it, and the interpreter's exit; its exit code."""
+    import atexit
+    import importlib
+    import runpy
+    import threading
+
+    sys.stdin = sys.__stdin__ = open(0, encoding=sys.stdin.encoding, errors=sys.stdin.errors, closefd=False)  # noqa: SIM115
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
+        numpy.random.seed()
+    importlib.invalidate_caches()
+    argv = request["argv"]
+    code = 0
+    try:
+        if request["program"] == "hsdp":
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        else:
+            kind, value = _python_target(argv)
+            if kind == "script":
+                sys.argv = argv[1:]
+                sys.path[0] = os.path.dirname(os.path.realpath(value))
+                runpy.run_path(value, run_name="__main__")
+            else:
+                sys.argv = ["-c", *argv[3:]] if kind == "code" else ["-", *argv[2:]]
+                sys.path[0] = ""
+                source = value if kind == "code" else sys.stdin.read()
+                _run_source(source, "<string>" if kind == "code" else "<stdin>")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        import traceback
+
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 (uncaught: the interpreter prints it and exits 1)
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # what Python's exit does, in its order: join threads, atexit, flush
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: Python's exit goes on too
+            stream.flush()
+    return code
+
+
+def _run_source(source: str, filename: str) -> None:
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    exec(compile(source, filename, "exec"), main.__dict__)
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+def main(socket_path: str, record: str) -> None:
+    server = Server(socket_path, record)
+    server.preload()
+    print(f"docs fork server: ready, {len(sys.modules)} modules imported", file=sys.stderr, flush=True)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
