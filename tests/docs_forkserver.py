@@ -41,10 +41,11 @@ import signal
 import socket
 import struct
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL = {"hsdp": ROOT / ".venv" / "bin" / "hsdp", "python": ROOT / ".venv" / "bin" / "python"}
+REAL = {name: ROOT / ".venv" / "bin" / name for name in ("hsdp", "python", "torchrun")}
 
 RUNTIME_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE"})
 """Variables a command may set differently from the server's environment and still fork: bash's own, and hsdp's
@@ -52,9 +53,25 @@ that are read when a command runs, not when a module is imported (``HSDP_API_KEY
 ``hsdp serve --api-key``, read as the parser is built; ``HSDP_LOG_LEVEL`` by :func:`configure_logging`;
 ``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`)."""
 
+TORCHRUN_ENV = frozenset(
+    {
+        *("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+        *("GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        *("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT"),
+        *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE"),
+    }
+)
+"""What torchrun's agent sets for each rank (``python -u SCRIPT``): read as the process group starts and by
+torch's elastic error handler, not at import. ``OMP_NUM_THREADS`` (1, which torchrun sets) is read by torch as it
+loads: a child whose value differs from the server's applies it with ``torch.set_num_threads``, as hsdp's own
+forked ranks do (:mod:`hsdp.launch.rank`)."""
+
+THREADS_ENV = "OMP_NUM_THREADS"
+
 PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch.distributed.run",
     "numpy",
     "safetensors.torch",
     "hsdp",
@@ -147,6 +164,9 @@ def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+INHERITED = (*FORWARDED, signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+"""Signals whose ignored disposition a command inherits from whoever started it (Python resets only SIGPIPE and
+SIGXFSZ, and SIGINT unless it came ignored)."""
 
 
 def shim_main(name: str, socket_path: str, real: str) -> None:
@@ -155,22 +175,29 @@ def shim_main(name: str, socket_path: str, real: str) -> None:
     argv = [real, *sys.argv[1:]]
     child: list[int] = []
     pending: list[int] = []
+    # What the command inherits as a fresh process would: a signal ignored by its starter (SIGINT for `cmd &` in a
+    # non-interactive shell) stays ignored, and the blocked ones stay blocked; the others are forwarded to it.
+    ignored = [s for s in INHERITED if signal.getsignal(s) == signal.SIG_IGN]
+    blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
     def forward(signum, frame):  # before the child's pid is known, the signal waits for it
         (os.kill(child[0], signum) if child else pending.append(signum))
 
     for signum in FORWARDED:
-        signal.signal(signum, forward)
+        if signum not in ignored:
+            signal.signal(signum, forward)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(socket_path)
-        _send(sock, {"program": name, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, (0, 1, 2))
+        request = {"program": name, "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "shim": sys.argv[0]}
+        request |= {"ignored": [int(s) for s in ignored], "blocked": [int(s) for s in blocked]}
+        _send(sock, request, (0, 1, 2))
         answer, _ = _receive(sock)
     except OSError:
         answer = None
     if not answer or "pid" not in answer:
         for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
         os.execv(real, argv)
     child.append(answer["pid"])
     for signum in pending:
@@ -190,18 +217,23 @@ def shim_main(name: str, socket_path: str, real: str) -> None:
 # --- the server -----------------------------------------------------------------------------------------------------
 
 
-def _python_target(argv: list[str]) -> tuple[str, str] | str:
-    """``("script", PATH)``, ``("code", CODE)`` or ``("stdin", "")`` for ``python ARGS``; else the reason to exec."""
-    if len(argv) < 2:
+def _python_target(argv: list[str]) -> tuple[str, str, list[str]] | str:
+    """``(KIND, VALUE, ARGS)`` for ``python ARGV``: ``("script", PATH, ...)``, ``("code", CODE, ...)``,
+    ``("module", NAME, ...)`` or ``("stdin", "", ...)``, ARGS what follows; else the reason to exec. ``-u`` (what
+    torchrun passes) is the server's ``PYTHONUNBUFFERED`` already (the tier sets it; :meth:`Server._refusal`)."""
+    rest = argv[1:]
+    while rest and rest[0] == "-u":
+        rest = rest[1:]
+    if not rest:
         return "python without a script (interactive)"
-    first = argv[1]
-    if first == "-c" and len(argv) > 2:
-        return ("code", argv[2])
+    first = rest[0]
+    if first in ("-c", "-m") and len(rest) > 1:
+        return ("code" if first == "-c" else "module", rest[1], rest[2:])
     if first == "-":
-        return ("stdin", "")
+        return ("stdin", "", rest[1:])
     if first.startswith("-"):
         return f"python option {first}"
-    return ("script", first)
+    return ("script", first, rest[1:])
 
 
 class Server:
@@ -270,7 +302,7 @@ class Server:
                 connection.close()
                 return
             reason = self._refusal(request)
-            words = " ".join([request["program"], *request["argv"][1:]])[:300]
+            words = " ".join([request["program"], *request["argv"][1:]])[:300].replace("\n", "\\n")  # one line
             if reason:
                 self.record.write(f"plain ({reason}) {words}\n")
                 _send(connection, {"plain": reason})
@@ -293,13 +325,18 @@ class Server:
         from hsdp.launch import fork_problem
 
         env = request["env"]
-        changed = sorted(k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k) and k not in RUNTIME_ENV)
+        runtime = RUNTIME_ENV | TORCHRUN_ENV
+        changed = sorted(k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k) and k not in runtime)
+        if changed == [THREADS_ENV] and env.get(THREADS_ENV, "").isdigit():
+            changed = []  # applied in the child (TORCHRUN_ENV)
         if changed:
             return f"environment: {', '.join(changed)} read at import"
         if request["program"] == "python":
             target = _python_target(request["argv"])
             if isinstance(target, str):
                 return target
+            if "-u" in request["argv"][1:2] and not self.env.get("PYTHONUNBUFFERED"):
+                return "python -u without PYTHONUNBUFFERED in the server"
         problem = fork_problem()
         return f"fork: {problem}" if problem else None
 
@@ -332,17 +369,11 @@ class Server:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for signum, handler in (
-                (signal.SIGCHLD, signal.SIG_DFL),
-                (signal.SIGINT, signal.default_int_handler),
-                (signal.SIGTERM, signal.SIG_DFL),
-                (signal.SIGHUP, signal.SIG_DFL),
-                (signal.SIGQUIT, signal.SIG_DFL),
-                (signal.SIGUSR1, signal.SIG_DFL),
-                (signal.SIGUSR2, signal.SIG_DFL),
-                (signal.SIGPIPE, signal.SIG_IGN),
-            ):
-                signal.signal(signum, handler)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for signum in INHERITED:  # as the command's starter left them, Python's SIGINT handler otherwise
+                default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                signal.signal(signum, signal.SIG_IGN if signum in request["ignored"] else default)
+            signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
             self.selector.close()
             for sock in (self.listener, connection, *self.children.values()):
                 sock.close()
@@ -356,7 +387,7 @@ class Server:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
-            code = _run(request)
+            code = _run(request, self.env)
         except BaseException:  # noqa: BLE001 (a failure setting up the child is the command's failure)
             import traceback
 
@@ -365,7 +396,7 @@ class Server:
             os._exit(code)
 
 
-def _run(request: dict) -> int:
+def _run(request: dict, server_env: dict[str, str]) -> int:
     """The command, as ``python`` would run it, and the interpreter's exit; its exit code."""
     import atexit
     import importlib
@@ -377,21 +408,33 @@ def _run(request: dict) -> int:
     if numpy is not None:  # a fresh process seeds numpy's global generator from the OS
         numpy.random.seed()
     importlib.invalidate_caches()
+    threads = os.environ.get(THREADS_ENV)
+    if threads != server_env.get(THREADS_ENV) and threads and threads.isdigit():
+        import torch
+
+        torch.set_num_threads(int(threads))
     argv = request["argv"]
     code = 0
     try:
-        if request["program"] == "hsdp":
+        if request["program"] in ("hsdp", "torchrun"):
             sys.argv = argv
             sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+            if request["program"] == "torchrun":  # its ranks (`python -u SCRIPT`) come back through the shim
+                sys.executable = os.path.join(os.path.dirname(request["shim"]), "python")
             runpy.run_path(argv[0], run_name="__main__")
         else:
-            kind, value = _python_target(argv)
+            kind, value, args = _python_target(argv)
             if kind == "script":
-                sys.argv = argv[1:]
+                sys.argv = [value, *args]
                 sys.path[0] = os.path.dirname(os.path.realpath(value))
                 runpy.run_path(value, run_name="__main__")
+            elif kind == "module":
+                sys.argv = [value, *args]  # runpy puts the module's file first, as `python -m` does
+                sys.path[0] = os.getcwd()
+                sys.modules.pop(value, None)  # run as __main__ from its source, not the server's imported copy
+                runpy.run_module(value, run_name="__main__", alter_sys=True)
             else:
-                sys.argv = ["-c", *argv[3:]] if kind == "code" else ["-", *argv[2:]]
+                sys.argv = ["-c" if kind == "code" else "-", *args]
                 sys.path[0] = ""
                 source = value if kind == "code" else sys.stdin.read()
                 _run_source(source, "<string>" if kind == "code" else "<stdin>")
@@ -432,9 +475,10 @@ def _exit_code(value) -> int:
 
 
 def main(socket_path: str, record: str) -> None:
+    started = time.monotonic()
     server = Server(socket_path, record)
     server.preload()
-    print(f"docs fork server: ready, {len(sys.modules)} modules imported", file=sys.stderr, flush=True)
+    print(f"docs fork server: ready in {time.monotonic() - started:.1f}s, {len(sys.modules)} modules imported", file=sys.stderr, flush=True)
     server.serve()
 
 

@@ -464,7 +464,7 @@ def _check_paths(block: Block, records: list[str]) -> None:
     assert sorted(got) == sorted(expected), f"{block.where}: commands took {records}, the inventory says {expected}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # the docs spread over the workers between other files' tests: one per worker
 def fork_server():
     if os.environ.get(FORK_ENV, "1") == "0":
         yield None
@@ -502,8 +502,8 @@ def block_paths(block: Block) -> list[str]:
     """How each ``hsdp`` / ``python`` / ``torchrun`` command of a run block starts, as the fork server decides
     (:mod:`tests.docs_forkserver`): ``fork`` (a child of the server, its imports done) or ``plain (why)`` (a fresh
     interpreter); what the tier prints after each block is what happened."""
-    if block.kind == "python":
-        return ["plain (torchrun: its ranks are fresh interpreters)" if "torchrun" in block.directives else "fork"]
+    if block.kind == "python":  # under torchrun: the agent, then each rank (`python -u snippet.py`)
+        return ["fork"] * (1 + int(block.directives["torchrun"] or 2) if "torchrun" in block.directives else 1)
     text = "\n".join(command for command, _ in block.commands()).replace("\\\n", " ")
     if "source .venv/bin/activate" in text:
         return ["plain (.venv/bin first on PATH)"]
@@ -512,16 +512,15 @@ def block_paths(block: Block) -> list[str]:
         for match in PROGRAM.finditer(line.strip()):
             assigned, folder, program, first = match.groups()
             names = set(re.findall(r"([A-Za-z_]\w*)=", assigned)) - RUNTIME_ENV
-            if program == "torchrun":
-                paths.append("plain (torchrun: its ranks are fresh interpreters)")
-            elif folder:
+            if folder:
                 paths.append(f"plain ({folder}{program}: not the shim)")
             elif names:
                 paths.append(f"plain (environment: {', '.join(sorted(names))} read at import)")
             elif program == "python" and first and first.strip().startswith("-") and first.strip() not in ("-c", "-"):
                 paths.append(f"plain (python option {first.strip()})")
             else:
-                paths.append("fork")
+                ranks = re.search(r"--nproc[-_]per[-_]node[ =](\d+)", line) if program == "torchrun" else None
+                paths += ["fork"] * (1 + (int(ranks.group(1)) if ranks else 0))  # torchrun: its ranks too
     return paths or ["no hsdp or python command"]
 
 
@@ -578,6 +577,7 @@ child=$(cat killed.txt)
 for _ in $(seq 600); do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
 kill -0 "$child" 2>/dev/null && echo "child $child outlived its shim" || echo "child gone"
 HF_HUB_OFFLINE=1 python -c 'print("fresh")'
+python -c 'import signal; print("background SIGINT ignored:", signal.getsignal(signal.SIGINT) == signal.SIG_IGN)' & wait $!
 hsdp generate --model tiny-llama --use-hsdp --hsdp-shard-size 2 --prompt Hi --max-new-tokens 1 --log-level debug
 """
     env = {**_environment(fork_server.shims), "HSDP_API_KEY": "k1"}
@@ -589,6 +589,7 @@ hsdp generate --model tiny-llama --use-hsdp --hsdp-shard-size 2 --prompt Hi --ma
     assert f"from stdin {tmp_path} k1\nexit 3\n" in done.stdout and "to stderr" in done.stderr, printed
     assert "atexit ran k2" in done.stdout and "term exit 7" in done.stdout and "child gone" in done.stdout, printed
     assert "fresh" in done.stdout and "process start (2 ranks by fork)" in done.stderr, printed
+    assert "background SIGINT ignored: True" in done.stdout, printed  # as bash starts `cmd &`
     records = fork_server.paths()
-    assert [r.split()[0] for r in records] == ["fork"] * 4 + ["plain", "fork"], records
+    assert [r.split()[0] for r in records] == ["fork"] * 4 + ["plain", "fork", "fork"], records
     assert "plain (environment: HF_HUB_OFFLINE read at import)" in records[4], records
