@@ -421,13 +421,13 @@ def _run(request: dict, server_env: dict[str, str]) -> int:
             sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
             if request["program"] == "torchrun":  # its ranks (`python -u SCRIPT`) come back through the shim
                 sys.executable = os.path.join(os.path.dirname(request["shim"]), "python")
-            runpy.run_path(argv[0], run_name="__main__")
+            _run_file(argv[0])
         else:
             kind, value, args = _python_target(argv)
             if kind == "script":
                 sys.argv = [value, *args]
                 sys.path[0] = os.path.dirname(os.path.realpath(value))
-                runpy.run_path(value, run_name="__main__")
+                _run_file(value)
             elif kind == "module":
                 sys.argv = [value, *args]  # runpy puts the module's file first, as `python -m` does
                 sys.path[0] = os.getcwd()
@@ -456,13 +456,24 @@ def _run(request: dict, server_env: dict[str, str]) -> int:
     return code
 
 
-def _run_source(source: str, filename: str) -> None:
+def _run_source(source: str | bytes, filename: str, **attributes) -> None:
+    """``source`` as the ``__main__`` module, which stays for the ``atexit`` handlers (as in a fresh process)."""
     import types
 
     main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = __builtins__
+    main.__dict__.update(__builtins__=__builtins__, **attributes)
     sys.modules["__main__"] = main
     exec(compile(source, filename, "exec"), main.__dict__)
+
+
+def _run_file(path: str) -> None:
+    """``python PATH``: ``sys.argv[0]`` as given, ``__file__`` (and the code's file name) absolute."""
+    import importlib.machinery
+
+    absolute = os.path.abspath(path)
+    loader = importlib.machinery.SourceFileLoader("__main__", absolute)
+    with open(absolute, "rb") as source:
+        _run_source(source.read(), absolute, __file__=absolute, __loader__=loader, __cached__=None, __spec__=None)
 
 
 def _exit_code(value) -> int:

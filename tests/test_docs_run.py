@@ -27,8 +27,17 @@ written. Files a command names as ``--output``, ``--export``, ``--export-merged`
 afterwards (for several outputs, the numbered ``NAME_0.EXT``), unless the block expects a failing exit. Ports given as ``--port N`` are replaced by free
 ports throughout the doc, so the tier does not collide with other servers on the machine.
 
-``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons) and the documented
-commands executed vs present.
+How a command starts: each ``hsdp``, ``python`` and ``torchrun`` a block runs is a child forked from the tier's fork
+server (:mod:`tests.docs_forkserver`, one per pytest worker), which has torch, diffusers, transformers and hsdp's
+commands imported: the command's own process, with its stdio, working directory, environment, exit code and
+signals, minus the ~4.5 s of imports a fresh interpreter pays (a torchrun's ranks come back through the server too).
+A command the server cannot run as a fresh process would run (a variable read at import such as
+``HF_HUB_OFFLINE``, ``.venv/bin/hsdp`` by its path, a CUDA build of torch) starts a fresh interpreter. After each
+block the test prints its seconds and the path each command took, and checks that against the inventory's
+(:func:`block_paths`). ``HSDP_DOCS_FORK=0`` runs every command in a fresh interpreter.
+
+``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons), how each run block's
+commands start, and the documented commands executed vs present.
 """
 
 from __future__ import annotations
@@ -495,7 +504,7 @@ def test_doc_runs(doc: str, tmp_path: Path, fork_server: ForkServer | None):
         runner.close()
 
 
-PROGRAM = re.compile(r"(?:^|[;&|(`]|\$\(|\bdo|\bthen)\s*((?:[A-Za-z_]\w*=\S*\s+)*)(\S*?)\b(hsdp|python|torchrun)(?=\s|$)(\s+\S+)?")
+PROGRAM = re.compile(r"(?:^|[;&|(`]|\$\(|\bdo|\bthen)\s*((?:[A-Za-z_]\w*=\S*\s+)*)((?:[\w.~-]*/)*)(hsdp|python|torchrun)(?=\s|$)(\s+\S+)?")
 
 
 def block_paths(block: Block) -> list[str]:
@@ -561,7 +570,14 @@ def test_fork_server_commands_behave_as_fresh_processes(fork_server: ForkServer 
     start by fork."""
     if fork_server is None:
         pytest.skip(f"{FORK_ENV}=0: no fork server")
+    env = {**_environment(fork_server.shims), "HSDP_API_KEY": "k1"}
+    fork_server.paths()
+    subprocess.run(["python", "-c", "pass"], env=env, check=True, timeout=600)
+    (first,) = fork_server.paths()
+    if first.startswith("plain (fork: "):
+        pytest.skip(f"the fork server cannot fork on this machine: {first}")
     script = r"""
+echo 'import sys; print("script", sys.argv[0], __file__)' > s.py && python s.py
 printf 'from stdin' | python -c 'import sys, os; print(sys.stdin.read(), os.getcwd(), os.environ["HSDP_API_KEY"]); print("to stderr", file=sys.stderr); sys.exit(3)' || echo "exit $?"
 HSDP_API_KEY=k2 python - <<'PY'
 import atexit, os
@@ -577,19 +593,19 @@ child=$(cat killed.txt)
 for _ in $(seq 600); do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
 kill -0 "$child" 2>/dev/null && echo "child $child outlived its shim" || echo "child gone"
 HF_HUB_OFFLINE=1 python -c 'print("fresh")'
+OMP_NUM_THREADS=1 python -c 'import torch; print("torch threads", torch.get_num_threads())'
 python -c 'import signal; print("background SIGINT ignored:", signal.getsignal(signal.SIGINT) == signal.SIG_IGN)' & wait $!
 hsdp generate --model tiny-llama --use-hsdp --hsdp-shard-size 2 --prompt Hi --max-new-tokens 1 --log-level debug
 """
-    env = {**_environment(fork_server.shims), "HSDP_API_KEY": "k1"}
     done = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed
-    assert f"from stdin {tmp_path} k1\nexit 3\n" in done.stdout and "to stderr" in done.stderr, printed
+    assert f"script s.py {tmp_path}/s.py\nfrom stdin {tmp_path} k1\nexit 3\n" in done.stdout and "to stderr" in done.stderr, printed
     assert "atexit ran k2" in done.stdout and "term exit 7" in done.stdout and "child gone" in done.stdout, printed
     assert "fresh" in done.stdout and "process start (2 ranks by fork)" in done.stderr, printed
-    assert "background SIGINT ignored: True" in done.stdout, printed  # as bash starts `cmd &`
+    assert "background SIGINT ignored: True" in done.stdout and "torch threads 1" in done.stdout, printed  # as bash starts `cmd &`
     records = fork_server.paths()
-    assert [r.split()[0] for r in records] == ["fork"] * 4 + ["plain", "fork", "fork"], records
-    assert "plain (environment: HF_HUB_OFFLINE read at import)" in records[4], records
+    assert [r.split()[0] for r in records] == ["fork"] * 5 + ["plain", "fork", "fork", "fork"], records
+    assert "plain (environment: HF_HUB_OFFLINE read at import)" in records[5], records
