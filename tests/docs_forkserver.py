@@ -3,27 +3,33 @@ from one process that has torch, diffusers, transformers and hsdp's command modu
 interpreter that imports them again (about 4.5 s of a 6 s ``hsdp generate --model tiny-wan``, paid ~100 times by
 the tier).
 
-How a command gets here: the tier puts a folder first on ``PATH`` holding two shims, ``hsdp`` and ``python``
-(:func:`write_shims`). A shim is a small stdlib-only script: it connects to this server's unix socket and sends its
-argv, working directory and environment with its standard input, output and error as descriptors (``SCM_RIGHTS``).
-The server either forks a child that becomes the command, or answers why it will not, and the shim then ``exec`` s
-the real program (``.venv/bin/hsdp`` / ``.venv/bin/python``): the plain path, a fresh interpreter.
+How a command gets here: the tier puts a folder first on ``PATH`` holding three shims, ``hsdp``, ``python`` and
+``torchrun`` (:func:`write_shims`). A shim is a small stdlib-only script: it connects to this server's unix socket and
+sends its argv, working directory, environment, ignored and blocked signals, with its standard input, output and
+error as descriptors (``SCM_RIGHTS``). The server either forks a child that becomes the command, or answers why it
+will not, and the shim then ``exec`` s the real program (``.venv/bin/NAME``): the plain path, a fresh interpreter.
 
 The child is the command's own process, as a fresh one would be, minus the imports: it takes the shim's three
-descriptors as 0, 1 and 2, its working directory and environment, Python's default signal handlers, its
-``sys.argv`` and ``sys.path[0]``; it runs the real console script (or the snippet) as ``__main__``; at the end it
-joins its threads, runs the ``atexit`` handlers and flushes, as the interpreter's exit does. The shim stays as the
-command's stand-in: it forwards the signals it gets (Ctrl-C, ``kill -TERM``, the tier stopping a ``background``
-server) to the child and exits with the child's exit code, or dies by the child's signal. A shim that disappears
-(killed) takes its child with it (SIGKILL). The child's own ranks still start by fork (it runs no other thread:
-:func:`hsdp.launch.fork_problem`).
+descriptors as 0, 1 and 2, its working directory and environment, Python's default signal handlers (the ones its
+starter ignored stay ignored), its ``sys.argv`` and ``sys.path[0]``; it runs the real console script (or the
+snippet: ``python FILE``, ``-c CODE``, ``-m MODULE``, ``-`` for stdin) as ``__main__``; at the end it joins its
+threads, runs the ``atexit`` handlers and flushes, as the interpreter's exit does. The shim stays as the command's
+stand-in: it forwards the signals it gets (Ctrl-C, ``kill -TERM``, the tier stopping a ``background`` server) to the
+child and exits with the child's exit code, or dies by the child's signal. A shim that disappears (killed) takes its
+child with it (SIGKILL). The child's own ranks still start by fork (it runs no other thread:
+:func:`hsdp.launch.fork_problem`). A forked ``torchrun`` starts its ranks (``python -u SCRIPT``) through the
+``python`` shim, so they are forked too.
+
+What differs from a fresh process, knowingly: a warning printed while the server imported (transformers'
+"requires torchvision" notes) is not printed again, and modules the command never imports are loaded.
 
 The plain path, with the reason recorded, where a fork would not be the same process:
 
-- the environment differs from the server's in a variable other than :data:`RUNTIME_ENV` (libraries read
-  ``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``, ``OMP_NUM_THREADS``... once, at import);
-- ``python`` with an option other than ``-c CODE`` or ``-`` (stdin), before a script;
-- :func:`hsdp.launch.fork_problem` names a reason in the server (a CUDA build of torch, a thread);
+- the environment differs from the server's in a variable other than :data:`RUNTIME_ENV` and
+  :data:`TORCHRUN_ENV` (libraries read ``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``... once, at import);
+- ``python`` with an option other than ``-u``, ``-c``, ``-m`` or ``-``;
+- :func:`hsdp.launch.fork_problem` names a reason in the server (a thread; the tier starts no server where torch is
+  built for an accelerator);
 - the server is not up (no socket).
 
 Every request is recorded, one line each in the record file: ``fork PROGRAM ARGV`` or ``plain (REASON) PROGRAM ARGV``,
@@ -122,7 +128,7 @@ shim_main({name!r}, {socket!r}, {real!r})
 
 
 def write_shims(folder: Path, socket_path: Path) -> None:
-    """``hsdp`` and ``python`` in ``folder``, which the tier puts first on ``PATH``."""
+    """``hsdp``, ``python`` and ``torchrun`` in ``folder``, which the tier puts first on ``PATH``."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, real in REAL.items():
         shim = folder / name
@@ -181,7 +187,11 @@ def shim_main(name: str, socket_path: str, real: str) -> None:
     blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
     def forward(signum, frame):  # before the child's pid is known, the signal waits for it
-        (os.kill(child[0], signum) if child else pending.append(signum))
+        if not child:
+            pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: its status is on its way
+            os.kill(child[0], signum)
 
     for signum in FORWARDED:
         if signum not in ignored:
@@ -201,7 +211,7 @@ def shim_main(name: str, socket_path: str, real: str) -> None:
         os.execv(real, argv)
     child.append(answer["pid"])
     for signum in pending:
-        os.kill(child[0], signum)
+        forward(signum, None)
     done, _ = _receive(sock)
     if done is None:  # the server went away: nothing to report but a failure
         os._exit(1)

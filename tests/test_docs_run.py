@@ -32,9 +32,10 @@ server (:mod:`tests.docs_forkserver`, one per pytest worker), which has torch, d
 commands imported: the command's own process, with its stdio, working directory, environment, exit code and
 signals, minus the ~4.5 s of imports a fresh interpreter pays (a torchrun's ranks come back through the server too).
 A command the server cannot run as a fresh process would run (a variable read at import such as
-``HF_HUB_OFFLINE``, ``.venv/bin/hsdp`` by its path, a CUDA build of torch) starts a fresh interpreter. After each
+``HF_HUB_OFFLINE``, ``.venv/bin/hsdp`` by its path) starts a fresh interpreter, as every command does where torch
+is built for an accelerator (a forked command could not use it: no server then) or with ``HSDP_DOCS_FORK=0``. After each
 block the test prints its seconds and the path each command took, and checks that against the inventory's
-(:func:`block_paths`). ``HSDP_DOCS_FORK=0`` runs every command in a fresh interpreter.
+(:func:`block_paths`).
 
 ``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons), how each run block's
 commands start, and the documented commands executed vs present.
@@ -473,9 +474,20 @@ def _check_paths(block: Block, records: list[str]) -> None:
     assert sorted(got) == sorted(expected), f"{block.where}: commands took {records}, the inventory says {expected}"
 
 
+def _no_fork_server() -> str | None:
+    """Why the tier runs without its fork server: asked to, or a torch built for an accelerator, where
+    :func:`hsdp.launch.fork_problem` refuses every fork (the server would import for nothing)."""
+    from hsdp.launch.group import _accelerator_built
+
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return f"{FORK_ENV}=0"
+    accelerator = _accelerator_built()
+    return f"torch is built for {accelerator}: a forked command could not use it" if accelerator else None
+
+
 @pytest.fixture(scope="session")  # the docs spread over the workers between other files' tests: one per worker
 def fork_server():
-    if os.environ.get(FORK_ENV, "1") == "0":
+    if _no_fork_server():
         yield None
         return
     server = ForkServer()
@@ -496,7 +508,7 @@ def test_doc_runs(doc: str, tmp_path: Path, fork_server: ForkServer | None):
             started = time.monotonic()
             runner.run(block)
             if block.kind in ("shell", "python"):
-                paths = fork_server.paths() if fork_server else ["plain (HSDP_DOCS_FORK=0)"]
+                paths = fork_server.paths() if fork_server else [f"plain ({_no_fork_server()})"]
                 print(f"{block.where}: {time.monotonic() - started:.1f}s; " + "; ".join(paths))
                 if fork_server:
                     _check_paths(block, paths)
@@ -569,7 +581,7 @@ def test_fork_server_commands_behave_as_fresh_processes(fork_server: ForkServer 
     it, a variable read at import sends the command to a fresh interpreter, and an ``hsdp`` command's ranks still
     start by fork."""
     if fork_server is None:
-        pytest.skip(f"{FORK_ENV}=0: no fork server")
+        pytest.skip(f"no fork server: {_no_fork_server()}")
     env = {**_environment(fork_server.shims), "HSDP_API_KEY": "k1"}
     fork_server.paths()
     subprocess.run(["python", "-c", "pass"], env=env, check=True, timeout=600)
