@@ -377,3 +377,30 @@ def test_docs_tier_finds_the_files_a_command_writes():
     assert expected_files("curl -s http://x -o cat.mp4 -w '%{http_code}'") == ["cat.mp4"]
     assert expected_files("curl -s http://x | base64 -d > fox.png\ncurl -o /dev/null x") == ["fox.png"]
     assert expected_files("hsdp train --data d --export lora/adapter --output-dir run") == ["lora/adapter"]
+
+
+def test_docs_tier_says_how_each_command_starts():
+    """The inventory's path per command (tests/test_docs_run.py ``block_paths``), which each doc's run checks
+    against what its fork server did: bare ``hsdp`` / ``python`` fork, a torchrun forks its agent and each rank, a
+    program named by its path or a variable read at import starts a fresh interpreter."""
+    from tests.test_docs_run import block_paths, blocks_in
+
+    text = (
+        "```bash\nhsdp plan tiny-llama --devices 2 | head -3\n"
+        "HSDP_API_KEY=k hsdp serve tiny-llama --port 8092\nHF_HUB_OFFLINE=1 hsdp plan org/x\n"
+        "id=$(python -c 'print(1)')\ntorchrun --nproc-per-node 2 -m hsdp.cli train --data x\n"
+        ".venv/bin/hsdp --help\npython -X importtime x.py\ncurl -s http://x\n```\n"
+        "<!-- docs-test: torchrun 2 -->\n```python\nprint(1)\n```\n"
+        "```bash\nsource .venv/bin/activate\nhsdp --help\n```\n"
+    )
+    shell, torchrun, activated = (block_paths(b) for b in blocks_in(text, "t.md"))
+    assert shell == [
+        "fork",
+        "fork",
+        "plain (environment: HF_HUB_OFFLINE read at import)",
+        "fork",
+        *["fork"] * 3,
+        "plain (.venv/bin/hsdp: not the shim)",
+        "plain (python option -X)",
+    ]
+    assert torchrun == ["fork"] * 3 and activated == ["plain (.venv/bin first on PATH)"]

@@ -27,8 +27,18 @@ written. Files a command names as ``--output``, ``--export``, ``--export-merged`
 afterwards (for several outputs, the numbered ``NAME_0.EXT``), unless the block expects a failing exit. Ports given as ``--port N`` are replaced by free
 ports throughout the doc, so the tier does not collide with other servers on the machine.
 
-``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons) and the documented
-commands executed vs present.
+How a command starts: each ``hsdp``, ``python`` and ``torchrun`` a block runs is a child forked from the tier's fork
+server (:mod:`tests.docs_forkserver`, one per pytest worker), which has torch, diffusers, transformers and hsdp's
+commands imported: the command's own process, with its stdio, working directory, environment, exit code and
+signals, minus the ~4.5 s of imports a fresh interpreter pays (a torchrun's ranks come back through the server too).
+A command the server cannot run as a fresh process would run (a variable read at import such as
+``HF_HUB_OFFLINE``, ``.venv/bin/hsdp`` by its path) starts a fresh interpreter, as every command does where torch
+is built for an accelerator (a forked command could not use it: no server then) or with ``HSDP_DOCS_FORK=0``. After each
+block the test prints its seconds and the path each command took, and checks that against the inventory's
+(:func:`block_paths`).
+
+``python tests/test_docs_run.py`` prints the inventory: blocks run and skipped (with reasons), how each run block's
+commands start, and the documented commands executed vs present.
 """
 
 from __future__ import annotations
@@ -37,10 +47,12 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -49,6 +61,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.docs_forkserver import RUNTIME_ENV, write_shims  # noqa: E402
 from tests.test_docs_commands import DOC_COMMANDS, DOC_FILES, ROOT  # noqa: E402
 
 pytestmark = [pytest.mark.docs, pytest.mark.slow]
@@ -242,20 +255,68 @@ def _free_ports(count: int) -> list[int]:
     return chosen
 
 
-def _environment() -> dict[str, str]:
+def _environment(shims: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's, changing with each test: the fork server's would differ
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    if shims is not None:
+        env["PATH"] = f"{shims}{os.pathsep}{env['PATH']}"
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+FORK_ENV = "HSDP_DOCS_FORK"
+"""``HSDP_DOCS_FORK=0``: every command of the tier starts a fresh interpreter (no fork server)."""
+
+
+class ForkServer:
+    """The tier's fork server (:mod:`tests.docs_forkserver`): started once per pytest worker, with the tier's
+    environment; the ``hsdp`` and ``python`` shims in :attr:`shims`, first on ``PATH``, run each command in a child
+    forked from it. :meth:`paths` reads which path each command took since the last call."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="hsdp-docs-fork-"))  # short: a unix socket path has ~100 bytes
+        self.shims = self.folder / "bin"
+        self.record = self.folder / "record.txt"
+        self.record.touch()
+        self._read = 0
+        socket_path = self.folder / "server.sock"
+        write_shims(self.shims, socket_path)
+        self.log = open(self.folder / "server.log", "w")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("docs_forkserver.py")), str(socket_path), str(self.record)],
+            env=_environment(self.shims),
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while not socket_path.exists() and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the socket is bound before the imports: a command waits for them in its connect
+
+    def paths(self) -> list[str]:
+        """The records written since the last call: ``fork hsdp ...`` or ``plain (REASON) python ...``."""
+        text = self.record.read_text()
+        new, self._read = text[self._read :], len(text)
+        return new.splitlines()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class DocRun:
     """Runs one doc's blocks in order in ``folder``; servers started by ``background`` blocks live until close()."""
 
-    def __init__(self, doc: str, folder: Path):
+    def __init__(self, doc: str, folder: Path, fork_server: ForkServer | None = None):
         self.doc = doc
         self.folder = folder
-        self.env = _environment()
+        self.fork_server = fork_server
+        self.env = _environment(fork_server.shims if fork_server else None)
         self.servers: dict[int, subprocess.Popen] = {}
         self.last_output = ""
         self.ran: list[str] = []
@@ -401,15 +462,87 @@ class DocRun:
         return f"{block.where}: {what}\n--- printed (last 40 lines) ---\n{tail}"
 
 
+def _check_paths(block: Block, records: list[str]) -> None:
+    """Each command that reached a shim took the path :func:`block_paths` says (the inventory's), so a change that
+    sends the tier's commands back to fresh interpreters (a thread started at import, an environment variable)
+    fails here by name instead of only making the tier slower. A server that cannot fork at all on this machine (a
+    CUDA build of torch: ``plain (fork: ...)``) runs every command plainly, as it says."""
+    expected = [p.split()[0] for p in block_paths(block) if p == "fork" or p.startswith("plain (environment")]
+    got = [r.split()[0] for r in records if not r.startswith("plain (fork: ")]
+    if any(r.startswith("plain (fork: ") for r in records):
+        expected = expected[: len(got)]
+    assert sorted(got) == sorted(expected), f"{block.where}: commands took {records}, the inventory says {expected}"
+
+
+def _no_fork_server() -> str | None:
+    """Why the tier runs without its fork server: asked to, or a torch built for an accelerator, where
+    :func:`hsdp.launch.fork_problem` refuses every fork (the server would import for nothing)."""
+    from hsdp.launch.group import _accelerator_built
+
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return f"{FORK_ENV}=0"
+    accelerator = _accelerator_built()
+    return f"torch is built for {accelerator}: a forked command could not use it" if accelerator else None
+
+
+@pytest.fixture(scope="session")  # the docs spread over the workers between other files' tests: one per worker
+def fork_server():
+    if _no_fork_server():
+        yield None
+        return
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.mark.timeout(2400)  # a whole doc, its blocks in turn, on a loaded machine
 @pytest.mark.parametrize("doc", sorted(DOCS))
-def test_doc_runs(doc: str, tmp_path: Path):
-    runner = DocRun(doc, tmp_path)
+def test_doc_runs(doc: str, tmp_path: Path, fork_server: ForkServer | None):
+    runner = DocRun(doc, tmp_path, fork_server)
+    if fork_server:
+        fork_server.paths()  # what an earlier doc's servers recorded since is theirs
     try:
         for block in doc_blocks(doc):
+            started = time.monotonic()
             runner.run(block)
+            if block.kind in ("shell", "python"):
+                paths = fork_server.paths() if fork_server else [f"plain ({_no_fork_server()})"]
+                print(f"{block.where}: {time.monotonic() - started:.1f}s; " + "; ".join(paths))
+                if fork_server:
+                    _check_paths(block, paths)
     finally:
         runner.close()
+
+
+PROGRAM = re.compile(r"(?:^|[;&|(`]|\$\(|\bdo|\bthen)\s*((?:[A-Za-z_]\w*=\S*\s+)*)((?:[\w.~-]*/)*)(hsdp|python|torchrun)(?=\s|$)(\s+\S+)?")
+
+
+def block_paths(block: Block) -> list[str]:
+    """How each ``hsdp`` / ``python`` / ``torchrun`` command of a run block starts, as the fork server decides
+    (:mod:`tests.docs_forkserver`): ``fork`` (a child of the server, its imports done) or ``plain (why)`` (a fresh
+    interpreter); what the tier prints after each block is what happened."""
+    if block.kind == "python":  # under torchrun: the agent, then each rank (`python -u snippet.py`)
+        return ["fork"] * (1 + int(block.directives["torchrun"] or 2) if "torchrun" in block.directives else 1)
+    text = "\n".join(command for command, _ in block.commands()).replace("\\\n", " ")
+    if "source .venv/bin/activate" in text:
+        return ["plain (.venv/bin first on PATH)"]
+    paths = []
+    for line in text.splitlines():
+        for match in PROGRAM.finditer(line.strip()):
+            assigned, folder, program, first = match.groups()
+            names = set(re.findall(r"([A-Za-z_]\w*)=", assigned)) - RUNTIME_ENV
+            if folder:
+                paths.append(f"plain ({folder}{program}: not the shim)")
+            elif names:
+                paths.append(f"plain (environment: {', '.join(sorted(names))} read at import)")
+            elif program == "python" and first and first.strip().startswith("-") and first.strip() not in ("-c", "-"):
+                paths.append(f"plain (python option {first.strip()})")
+            else:
+                ranks = re.search(r"--nproc[-_]per[-_]node[ =](\d+)", line) if program == "torchrun" else None
+                paths += ["fork"] * (1 + (int(ranks.group(1)) if ranks else 0))  # torchrun: its ranks too
+    return paths or ["no hsdp or python command"]
 
 
 def inventory() -> str:
@@ -422,6 +555,10 @@ def inventory() -> str:
         for block in ran:
             run_lines |= {(doc, block.line + i) for i in range(len(block.lines) + 2)}
         rows.append(f"{doc}: {len(ran)} blocks run, {sum(b.kind == 'skip' for b in blocks)} skipped")
+        for block in ran:
+            paths = block_paths(block)
+            summary = ", ".join(f"{paths.count(p)} {p}" for p in dict.fromkeys(paths))
+            rows.append(f"    ran {block.where} ({block.kind}): {summary}")
         rows += [f"    skipped {b.where}: {b.directives['skip']}" for b in blocks if b.kind == "skip"]
     for command in DOC_COMMANDS:
         doc, line = command.where.rsplit(":", 1)
@@ -435,3 +572,52 @@ def inventory() -> str:
 
 if __name__ == "__main__":
     print(inventory())
+
+
+def test_fork_server_commands_behave_as_fresh_processes(fork_server: ForkServer | None, tmp_path: Path):
+    """What the docs tier relies on from its fork server (tests/docs_forkserver.py): a forked ``python`` / ``hsdp``
+    has the caller's stdin, stdout, stderr, working directory and environment, its exit code and its signals reach
+    the caller (``kill -TERM`` of the shim is the command's), ``atexit`` runs, a killed shim takes its command with
+    it, a variable read at import sends the command to a fresh interpreter, and an ``hsdp`` command's ranks still
+    start by fork."""
+    if fork_server is None:
+        pytest.skip(f"no fork server: {_no_fork_server()}")
+    env = {**_environment(fork_server.shims), "HSDP_API_KEY": "k1"}
+    fork_server.paths()
+    subprocess.run(["python", "-c", "pass"], env=env, check=True, timeout=600)
+    (first,) = fork_server.paths()
+    if first.startswith("plain (fork: "):
+        pytest.skip(f"the fork server cannot fork on this machine: {first}")
+    script = r"""
+echo 'import sys; print("script", sys.argv[0], __file__)' > s.py && python s.py
+printf 'from stdin' | python -c 'import sys, os; print(sys.stdin.read(), os.getcwd(), os.environ["HSDP_API_KEY"]); print("to stderr", file=sys.stderr); sys.exit(3)' || echo "exit $?"
+HSDP_API_KEY=k2 python - <<'PY'
+import atexit, os
+atexit.register(print, "atexit ran", os.environ["HSDP_API_KEY"])
+PY
+python -c 'import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(7)); print("up", flush=True); time.sleep(600)' > term.txt & pid=$!
+until [ -s term.txt ]; do sleep 0.1; done
+kill -TERM "$pid"; wait "$pid" || echo "term exit $?"
+python -c 'import os, time; print(os.getpid(), flush=True); time.sleep(600)' > killed.txt & pid=$!
+until [ -s killed.txt ]; do sleep 0.1; done
+kill -KILL "$pid"; wait "$pid" || true
+child=$(cat killed.txt)
+for _ in $(seq 600); do kill -0 "$child" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$child" 2>/dev/null && echo "child $child outlived its shim" || echo "child gone"
+HF_HUB_OFFLINE=1 python -c 'print("fresh")'
+OMP_NUM_THREADS=1 python -c 'import torch; print("torch threads", torch.get_num_threads())'
+python -c 'import signal; print("background SIGINT ignored:", signal.getsignal(signal.SIGINT) == signal.SIG_IGN)' & wait $!
+hsdp generate --model tiny-llama --use-hsdp --hsdp-shard-size 2 --prompt Hi --max-new-tokens 1 --log-level debug
+"""
+    done = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed
+    assert f"script s.py {tmp_path}/s.py\nfrom stdin {tmp_path} k1\nexit 3\n" in done.stdout and "to stderr" in done.stderr, printed
+    assert "atexit ran k2" in done.stdout and "term exit 7" in done.stdout and "child gone" in done.stdout, printed
+    assert "fresh" in done.stdout and "process start (2 ranks by fork)" in done.stderr, printed
+    assert "background SIGINT ignored: True" in done.stdout and "torch threads 1" in done.stdout, printed  # as bash starts `cmd &`
+    records = fork_server.paths()
+    assert [r.split()[0] for r in records] == ["fork"] * 5 + ["plain", "fork", "fork", "fork"], records
+    assert "plain (environment: HF_HUB_OFFLINE read at import)" in records[5], records
