@@ -43,13 +43,23 @@ def run_hsdp(
     argv = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
-    if not _FORKED:
-        return subprocess.run(
-            [sys.executable, "-m", "hsdp.cli", *argv],
-            capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=check,
-        )  # fmt: skip
-    from hsdp.launch import start_forkserver
+    done = _forked(argv, timeout, env, cwd) if _FORKED else None
+    if done is None:
+        done = subprocess.run(
+            [sys.executable, "-m", "hsdp.cli", *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+        )
+    if check:
+        done.check_returncode()
+    return done
 
+
+def _forked(argv: list[str], timeout: float, env: dict[str, str], cwd: str) -> subprocess.CompletedProcess | None:
+    """The command forked from hsdp's forkserver; None where this process has none to use (a test killed it,
+    hsdp's launcher gave up on it): the caller runs a subprocess instead."""
+    from hsdp.launch import group, start_forkserver
+
+    if group._FORKSERVER_FAILED:
+        return None
     start_forkserver(("diffusers", "transformers"))
     with tempfile.TemporaryDirectory(prefix="hsdp-cli-") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
@@ -58,17 +68,17 @@ def run_hsdp(
         process = mp.get_context("forkserver").Process(
             target=_command, args=(argv, env, cwd, str(out), str(err)), name="hsdp-cli", daemon=False
         )
-        process.start()
+        try:
+            process.start()
+        except (OSError, EOFError):  # the forkserver this process knew is gone (reaped elsewhere, or killed)
+            return None
         process.join(timeout)
         if process.exitcode is None:
             _kill_group(process.pid)
             process.join()
             raise subprocess.TimeoutExpired(["hsdp", *argv], timeout, out.read_text(), err.read_text())
         # A signal's death reads -N, as subprocess reports it.
-        done = subprocess.CompletedProcess(["hsdp", *argv], process.exitcode, out.read_text(), err.read_text())
-    if check:
-        done.check_returncode()
-    return done
+        return subprocess.CompletedProcess(["hsdp", *argv], process.exitcode, out.read_text(), err.read_text())
 
 
 def _kill_group(pid: int) -> None:
