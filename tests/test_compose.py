@@ -25,6 +25,7 @@ verdict is printed at the end and written to ``compose-matrix.json`` in pytest's
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -42,7 +43,7 @@ from hsdp.engine.model_info import inspect_model
 from hsdp.engine.outputs import encode_image, save_frames
 from hsdp.serve.settings import ServeSettings
 from tests import compose_axes
-from tests.compose_axes import AXES, Case, cases, covered_pairs, uncovered_pairs
+from tests.compose_axes import AXES, OPTION_AXES, Case, cases, covered_pairs, host_key, uncovered_pairs
 from tests.compose_hosts import (
     BLOCKER_STEPS,
     CACHE_CONFIGS,
@@ -85,8 +86,6 @@ ADAPTERS = {
 """Adapter axis value -> the requests' adapters (one request, or one per adapter in turn) and scales. ``late`` and
 ``kohya`` are LoRA files added while running (:data:`tests.compose_hosts.FILE_ADAPTERS`), named per case."""
 ANY_ADAPTER = ("one", "rotation", "scale", "runtime", "composed")
-OPTION_AXES = ("compile", "vae", "offload", "attention", "weights")
-"""The axes that set up an engine or a server (beside the layout, and the cache on a server)."""
 KNOWN_SEAMS: tuple[tuple[dict, str], ...] = ()
 """Where a case meets a seam that another branch fixes (or that is reported): xfail(strict) until then."""
 
@@ -95,18 +94,6 @@ def known_seam(case: Case) -> str | None:
     hits = [why for when, why in KNOWN_SEAMS if compose_axes.Rule(when, "seam", why).matches(case.values)]
     return "; ".join(hits) or None
 RESULTS: dict[str, dict] = {}
-
-
-def host_key(case: Case) -> tuple:
-    """What a case runs on: cases with the same key share one engine or server."""
-    if case.refused:
-        return ("refused",)
-    options = tuple(case.values[a] for a in OPTION_AXES)
-    if case.layout == "torchrun-2-nodes":
-        return ("torchrun-generate",) if case.route == "generate" else ("nodes", *options)
-    if case.route == "generate":
-        return ("engine", case.layout, *options)
-    return ("server", case.layout, *options, case.cache)
 
 
 ORDERED = sorted(CASES, key=lambda c: (host_key(c), list(AXES["lifecycle"]).index(c.lifecycle)))
@@ -237,14 +224,40 @@ def _plain_pipeline(wan: Path, root: Path, request: Request):
     return pipe
 
 
+REFERENCES: dict[tuple, np.ndarray] = {}
+"""The module's one-process frames by what they depend on (:func:`reference_key`): computed once, compared by every
+case that sends the same request to the same math."""
+
+
+def reference_key(request: Request, values: dict[str, str]) -> tuple:
+    """What plain diffusers' frames depend on: the request, its adapters by file (a name added while running is
+    per case, its file is not), the attention backend and int8's round trip of the weights."""
+
+    def source(name: str) -> str:
+        return adapter_file(name) or name
+
+    adapter = request.adapter
+    adapter = tuple(map(source, adapter)) if isinstance(adapter, tuple) else adapter and source(adapter)
+    options = host_options({"layout": "one-process", **values})
+    return (dataclasses.replace(request, adapter=adapter), options["attention_backend"], options["weight_dtype"])
+
+
 def reference(wan: Path, root: Path, request: Request, values: dict[str, str] | None = None) -> np.ndarray:
+    """:func:`one_process`'s frames, computed once per :func:`reference_key` in this module."""
+    values = values or {}
+    key = reference_key(request, values)
+    if key not in REFERENCES:
+        REFERENCES[key] = one_process(wan, root, request, values)
+    return REFERENCES[key].copy()
+
+
+def one_process(wan: Path, root: Path, request: Request, values: dict[str, str]) -> np.ndarray:
     """Frames of plain diffusers in this process for the request: the adapter by ``load_lora_weights``, the cache by
     diffusers' config class with the fields asked for, the attention backend by the denoisers'
     ``set_attention_backend``; with ``weights: int8`` in ``values``, the weights that 8-bit shards store replaced by
     their quantize-dequantize round trip (what the sharded run computes with; diffusers has no such option)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    values = values or {}
     pipe = _plain_pipeline(wan, root, request)
     info = inspect_model(wan)
     default_backend = _AttentionBackendRegistry._active_backend
