@@ -445,3 +445,25 @@ def test_the_planner_tracker_keeps_torchs_global_peak_without_walking_every_modu
     ours.memory_tracking = Counted()
     assert peak(ours) == peak(Torchs()) and updates
     assert len(walks) < len(updates), "every operation walked the tracked modules"
+
+
+def test_the_planned_layout_reuses_the_profiles_of_the_same_model_and_arguments(monkeypatch, tmp_path, media):
+    """The trace behind ``hsdp train``'s layout pick is cached: the same pipeline and arguments again (a restart, each
+    rank under torchrun) take the cached profiles and pick the same layout; another resolution traces again."""
+    from hsdp.models.builtin import resolve_model
+    from hsdp.planning import diffusion
+    from hsdp.planning.training import planned_layout
+    from hsdp.train import TrainConfig
+
+    cfg = TrainConfig(model=str(resolve_model("tiny-wan")), data=str(media), lora_r=4, resolution=32,
+                      parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2))  # fmt: skip
+    monkeypatch.setenv("HSDP_CACHE", str(tmp_path / "cache"))
+    traced = []
+    trace = diffusion.diffusion_training
+    monkeypatch.setattr(diffusion, "diffusion_training", lambda *a, **k: traced.append(k) or trace(*a, **k))
+    first = planned_layout(cfg, device_memory=2**30)
+    again = planned_layout(cfg, device_memory=2**30)
+    assert len(traced) == 1 and len(list((tmp_path / "cache" / "train-profiles").iterdir())) == 1
+    assert (again.cfg, again.reason, again.chosen) == (first.cfg, first.reason, first.chosen)
+    planned_layout(cfg.replace(resolution=64), device_memory=2**30)
+    assert len(traced) == 2

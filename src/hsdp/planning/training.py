@@ -9,8 +9,12 @@ with that mesh, and picks the fastest that fits this machine, as ``hsdp plan --t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,21 +66,74 @@ class PlannedLayout:
 
 
 def _profiles(cfg: TrainConfig, rows_per_rank: int) -> tuple[list[ModelProfile], Workload]:
+    """The profiles :func:`planned_layout` weighs, read from the cache when the same model files, arguments and
+    code profiled them before: tracing a training step on fake tensors takes seconds (10 s and more on a loaded
+    host for a tiny pipeline), paid again by every restart of the same run (a requeued job, ``--resume auto``)."""
     from hsdp.models.builtin import resolve_model
 
-    if is_pipeline(resolve_model(cfg.model)):
+    folder = resolve_model(cfg.model)
+    pipeline = is_pipeline(folder)
+    arguments = (
+        dict(height=cfg.resolution, width=cfg.resolution, frames=cfg.frames or 1, batch=rows_per_rank,
+             lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules, component=cfg.train_component,
+             param_dtype=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing)
+        if pipeline
+        else dict(batch=rows_per_rank, seq_len=cfg.seq_len, lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules)
+    )  # fmt: skip
+    cached = _ProfileCache(folder, arguments)
+    if (found := cached.read()) is not None:
+        return found
+    if pipeline:
         from hsdp.planning.diffusion import diffusion_training
 
-        found = diffusion_training(
-            cfg.model, height=cfg.resolution, width=cfg.resolution, frames=cfg.frames or 1, batch=rows_per_rank,
-            lora_r=cfg.lora_r, lora_targets=cfg.lora_target_modules, component=cfg.train_component,
-            param_dtype=cfg.mixed_precision, activation_checkpointing=cfg.activation_checkpointing,
-        )  # fmt: skip
-        return [found.profile], found.work
-    work = Workload(training=True, batch=rows_per_rank, seq_len=cfg.seq_len, guidance=False)
-    if cfg.lora_r:
-        return lm_lora_profiles(cfg.model, cfg.lora_r, cfg.lora_target_modules, None), work
-    return profile_model(cfg.model, torch.float32), work  # full fine-tuning holds fp32 masters
+        traced = diffusion_training(cfg.model, **arguments)
+        result = [traced.profile], traced.work
+    else:
+        work = Workload(training=True, batch=rows_per_rank, seq_len=cfg.seq_len, guidance=False)
+        if cfg.lora_r:
+            result = lm_lora_profiles(cfg.model, cfg.lora_r, cfg.lora_target_modules, None), work
+        else:
+            result = profile_model(cfg.model, torch.float32), work  # full fine-tuning holds fp32 masters
+    cached.write(result)
+    return result
+
+
+class _ProfileCache:
+    """``$HSDP_CACHE/train-profiles/<key>.pickle``: the key digests the model folder's files (names, sizes,
+    modification times), the profiling arguments, the planner's own source and the libraries' versions, so a changed
+    model, argument or planner profiles again. An unreadable entry is profiled again and replaced."""
+
+    def __init__(self, folder: Path, arguments: dict) -> None:
+        import hashlib
+        import importlib.metadata
+
+        import hsdp.planning as planning
+
+        digest = hashlib.sha256(repr(sorted(arguments.items())).encode())
+        for file in sorted(p for p in Path(folder).resolve().rglob("*") if p.is_file()):
+            stat = file.stat()
+            digest.update(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        for source in sorted(Path(planning.__file__).parent.glob("*.py")):
+            digest.update(source.read_bytes())
+        for package in ("torch", "diffusers", "transformers", "peft"):
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                digest.update(f"{package}={importlib.metadata.version(package)}".encode())
+        from hsdp.models.tiny import default_cache_dir
+
+        self.path = default_cache_dir() / "train-profiles" / f"{digest.hexdigest()[:32]}.pickle"
+
+    def read(self) -> tuple[list[ModelProfile], Workload] | None:
+        try:
+            return pickle.loads(self.path.read_bytes())
+        except Exception:  # noqa: BLE001 - missing, partial or from another layout of these classes: profile again
+            return None
+
+    def write(self, result: tuple[list[ModelProfile], Workload]) -> None:
+        with contextlib.suppress(OSError):  # a read-only or full cache only costs the next run the trace
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+            partial.write_bytes(pickle.dumps(result))
+            partial.replace(self.path)
 
 
 def planned_layout(cfg: TrainConfig, device_memory: int | None = None) -> PlannedLayout | None:
