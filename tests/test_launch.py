@@ -258,3 +258,35 @@ def test_a_caller_with_an_open_group_starts_the_next_without_fork():
     with WorkerGroup(1) as group:
         assert group in _OPEN_GROUPS and "open worker group" in (fork_problem() or "")
     assert group not in _OPEN_GROUPS and len(_OPEN_GROUPS) == before
+
+
+def _collect_garbage() -> int:
+    import gc
+
+    return gc.collect()
+
+
+def test_a_forked_rank_never_collects_the_callers_uncollected_garbage(dist_run):
+    """A caller's garbage cycle holding a store (its server thread lives in the caller only) was collected in a rank
+    forked before the caller collected it: the rank aborted (SIGABRT, "Fatal Python error: Aborted" while
+    garbage-collecting, seen in a compose-tier rank's unload). Ranks freeze what they were born with."""
+    import gc
+
+    import torch.distributed as dist
+
+    from hsdp.launch.group import fork_problem
+
+    dist_run.close()  # the session's groups: an open one makes the next group start by the forkserver
+    if problem := fork_problem():
+        pytest.skip(f"the ranks would not be forked from this process: {problem}")
+    gc.disable()
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        cycle: list = [store]
+        cycle.append(cycle)
+        del store, cycle
+        with WorkerGroup(1) as group:
+            assert group.run(_collect_garbage)[0] >= 0
+    finally:
+        gc.enable()
+        gc.collect()

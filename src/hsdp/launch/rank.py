@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -171,6 +172,12 @@ def _worker_main(
     close_fds: list[int],
     shield_sigterm: bool = False,
 ) -> None:
+    # What this rank was born with is never collected here. A rank forked from the caller holds a copy of the
+    # caller's memory, garbage cycles it had not collected yet included (a closed engine's process groups and
+    # stores); freeing one of those C++ objects in the rank, without the threads it had in the caller, aborts the
+    # process ("Fatal Python error: Aborted" while garbage-collecting in a compose-tier rank's unload). Objects a
+    # reference count frees still go; the copies otherwise stay shared with the caller's pages.
+    gc.freeze()
     for fd in close_fds:  # a rank forked from the caller: the caller's ends of the pipes
         with contextlib.suppress(OSError):
             os.close(fd)
