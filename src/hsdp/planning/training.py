@@ -107,13 +107,11 @@ class _ProfileCache:
         import hashlib
         import importlib.metadata
 
-        import hsdp.planning as planning
-
         digest = hashlib.sha256(repr(sorted(arguments.items())).encode())
         for file in sorted(p for p in Path(folder).resolve().rglob("*") if p.is_file()):
             stat = file.stat()
             digest.update(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        for source in sorted(Path(planning.__file__).parent.glob("*.py")):
+        for source in sorted(Path(__file__).parent.glob("*.py")):  # the planner's own source
             digest.update(source.read_bytes())
         for package in ("torch", "diffusers", "transformers", "peft"):
             with contextlib.suppress(importlib.metadata.PackageNotFoundError):
