@@ -19,10 +19,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from hsdp.models.cache_folder import build_once
 from hsdp.models.description import INDEX_FILE, is_pipeline, pipeline_index
 from hsdp.models.tiny import default_cache_dir
 
@@ -39,32 +39,19 @@ SINGLE_FILE_FLAGS = {"transformer": "--transformer", "transformer_2": "--transfo
 def with_single_files(base: str | os.PathLike, files: Mapping[str, str | os.PathLike]) -> Path:
     """A pipeline folder: ``base``'s components, with each of ``files`` (``{component: single file}``) converted by
     diffusers' converter for that component's class. Raises ``ValueError`` naming the flag and what to pass."""
-    from filelock import FileLock
-
     base = Path(base)
     index = _model_index(base, files)
     for component, file in files.items():
         _check(base, index, component, Path(file))
-    folder = default_cache_dir() / "single-file" / _key(base, files)
-    if (folder / ".complete").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):  # one process per node converts; the others find the folder
-        if (folder / ".complete").exists():
-            return folder
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            for entry in base.iterdir():
-                if entry.name not in files:
-                    (staging / entry.name).symlink_to(entry.resolve())
-            for component, file in files.items():
-                _convert(Path(file), index[component][1], base / component, staging / component)
-            (staging / ".complete").write_text("")
-            shutil.rmtree(folder, ignore_errors=True)
-            staging.rename(folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    def convert(staging: Path) -> None:
+        for entry in base.iterdir():
+            if entry.name not in files:
+                (staging / entry.name).symlink_to(entry.resolve())
+        for component, file in files.items():
+            _convert(Path(file), index[component][1], base / component, staging / component)
+
+    # One process per node converts; the others find the folder.
+    return build_once(default_cache_dir() / "single-file" / _key(base, files), convert)
 
 
 def _flag(component: str) -> str:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
+from hsdp.models.cache_folder import build_once
 from hsdp.models.description import is_pipeline, pipeline_index
 from hsdp.models.tiny import default_cache_dir
 from hsdp.safetensors_index import VARIANT_INDEX, default_name, variant_of
@@ -29,8 +28,6 @@ __all__ = ["with_variant"]
 def with_variant(folder: str | Path, variant: str) -> Path:
     """A folder that is ``folder`` with the ``variant`` weights in place of the default ones, wherever a component
     has them. Raises ``ValueError`` naming the variants the folder has when no file is of ``variant``."""
-    from filelock import FileLock
-
     folder = Path(folder)
     components = _component_folders(folder)
     found = {c: files for c in components if (files := [f for f in c.iterdir() if variant_of(f.name) == variant])}
@@ -41,22 +38,8 @@ def with_variant(folder: str | Path, variant: str) -> Path:
             f"diffusion_pytorch_model.{variant}.safetensors or model.{variant}.safetensors); "
             + (f"its variants: {', '.join(others)}" if others else "it has default weights only: drop --variant")
         )
-    view = default_cache_dir() / "variant" / _key(folder, variant)
-    if (view / ".complete").exists():
-        return view
-    view.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(view) + ".lock"):
-        if (view / ".complete").exists():
-            return view
-        staging = Path(tempfile.mkdtemp(prefix=f".{view.name}-", dir=view.parent))
-        try:
-            _mirror(folder, staging, {c.resolve(): files for c, files in found.items()})
-            (staging / ".complete").write_text("")
-            shutil.rmtree(view, ignore_errors=True)
-            staging.rename(view)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return view
+    variants = {c.resolve(): files for c, files in found.items()}
+    return build_once(default_cache_dir() / "variant" / _key(folder, variant), lambda view: _mirror(folder, view, variants))
 
 
 def _component_folders(folder: Path) -> list[Path]:
