@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 import time
 
 import httpx
@@ -75,8 +77,11 @@ def test_serve_report_serves_the_page_and_samples_only_and_stops(tmp_path):
     (tmp_path / "samples" / "step-0" / "0-fox.png").write_bytes(b"\x89PNG fox")
     (tmp_path / "step-00000001").mkdir()
     (tmp_path / "step-00000001" / "model.safetensors").write_bytes(b"weights")
+    threads = threading.active_count()
     with serve_run_page(tmp_path, 0) as url:
         assert url.startswith("http://127.0.0.1:")
+        # No thread of the caller's (a forked child serves): the ranks the run starts next fork from it
+        assert sys.platform != "linux" or threading.active_count() == threads
         waiting = httpx.get(url)
         assert waiting.status_code == 200 and "location.reload()" in waiting.text  # before the first page
         page = write_run_page(tmp_path, _result(1), CFG, state="running")
