@@ -890,6 +890,28 @@ def test_a_second_server_on_the_same_output_dir_is_refused(tmp_path):
     second.unlock()
 
 
+def test_a_server_whose_engine_fails_to_close_still_frees_its_output_dir(tmp_path):
+    """An in-process restart (the combination tier's ``restarted`` servers) met OutputDirInUse from its own process
+    when the stopping server's engine raised while closing: the lock was released only after a clean close."""
+    import threading
+
+    from hsdp.serve.service import Server
+
+    class RunnerWhoseEngineFailsToClose:
+        def stop(self) -> None:
+            raise RuntimeError("rank 1 exited with SIGKILL while unloading")
+
+    server = object.__new__(Server)  # the parts stop() uses: a started server's
+    server._stopped, server.runner = threading.Event(), RunnerWhoseEngineFailsToClose()
+    server.store = JobStore(tmp_path, capacity=4)
+    server.store.lock()
+    with pytest.raises(RuntimeError, match="while unloading"):
+        server.stop()
+    again = JobStore(tmp_path, capacity=4)
+    again.lock()  # the next server on the same --output-dir starts
+    again.unlock()
+
+
 def test_load_sweeps_leftovers_and_reads_back_only_inputs_of_jobs_that_will_run(tmp_path):
     store = JobStore(tmp_path, capacity=4)
     done = Job("video", "p", VIDEO, 1, meta={"fps": 8}, inputs={"image": b"done-png"})

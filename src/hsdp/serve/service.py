@@ -322,8 +322,10 @@ class Server:
 
     def stop(self) -> None:
         self._stopped.set()
-        self.runner.stop()
-        self.store.unlock()
+        try:
+            self.runner.stop()
+        finally:  # an engine that fails to close (a rank died meanwhile) must not keep the output dir locked
+            self.store.unlock()
 
     @property
     def info(self):
