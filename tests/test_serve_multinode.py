@@ -105,6 +105,20 @@ def _poll_through_restarts(nodes: LocalNodes, video_id: str, timeout_s: float = 
     raise AssertionError(f"video {video_id} did not finish in {timeout_s}s")
 
 
+def _submit_through_restarts(nodes: LocalNodes, client: httpx.Client, body: dict) -> str:
+    """The id of a job ``POST /v1/videos`` stored. A job that kills its ranks may start, and torchrun restart the
+    group with rank 0's HTTP server, before the answer's body is written (seen on a loaded host: "peer closed
+    connection"); the job is on disk by then, so the restarted server lists it."""
+    listed = lambda: {job["id"] for job in httpx.get(f"{nodes.url}/v1/videos", timeout=30).json()["data"]}  # noqa: E731
+    before = listed()
+    try:
+        return client.post("/v1/videos", json=body).json()["id"]
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        nodes.wait_healthy(120)
+        (new,) = listed() - before
+        return new
+
+
 def _reference_mp4(wan: Path, tmp_path: Path) -> bytes:
     """The video of "a red fox", seed 3, ``SMALL`` from one process's frames, encoded by the server's writer."""
     params = SamplingParams(seed=3, **{k: v for k, v in SMALL.items() if k != "fps"})
@@ -185,8 +199,8 @@ def test_a_failing_request_fails_alone_over_two_nodes(local_nodes, tmp_path):
         job = _poll_through_restarts(nodes, queued["id"], timeout_s=120)
         synced = client.post("/v1/videos/sync", json=fox)
         ranks_after = nodes.ranks()
-        poison = client.post("/v1/videos", json={**refuse, "prompt": "poison"}).json()
-    poisoned = _poll_through_restarts(nodes, poison["id"])
+        poison = _submit_through_restarts(nodes, client, {**refuse, "prompt": "poison"})
+    poisoned = _poll_through_restarts(nodes, poison)
     nodes.wait_healthy(120)
     with httpx.Client(base_url=nodes.url, timeout=120) as client:
         again = client.post("/v1/videos/sync", json=fox)
