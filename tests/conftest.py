@@ -210,6 +210,19 @@ def _terminal_sigint() -> None:
 _terminal_sigint()
 
 
+def _servers_start_forked() -> None:
+    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` is forked from hsdp's forkserver, which has torch
+    and the model libraries imported (tests/forked_cli.py: 5-7 s of CPU per server otherwise), where its
+    environment allows; ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
+    from hsdp.serve.local import LocalServer
+    from tests.forked_cli import popen
+
+    LocalServer.popen = staticmethod(popen)
+
+
+_servers_start_forked()
+
+
 @pytest.fixture(autouse=True)
 def _signals_left_as_found():
     before = _signal_state()

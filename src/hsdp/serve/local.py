@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,11 @@ def free_port() -> int:
 
 class LocalServer:
     """``with LocalServer("tiny-llama", ["--use-hsdp"], log=path) as server: httpx.get(server.url + "/health")``."""
+
+    popen: Callable[..., subprocess.Popen] = staticmethod(subprocess.Popen)
+    """How the server's process starts (``subprocess.Popen``'s signature): hsdp's test suite starts it forked from
+    a process that has torch and the model's library imported (tests/forked_cli.py), as a fresh interpreter would
+    be but without importing them again."""
 
     def __init__(
         self,
@@ -75,7 +81,7 @@ class LocalServer:
                 *self.args,
             ]
             with open(self.log, "a") as log:
-                self.proc = subprocess.Popen(
+                self.proc = self.popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.own_group
                 )
             if self._wait_ready():
