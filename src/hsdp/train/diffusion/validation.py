@@ -128,6 +128,25 @@ def _to(encoded, device: torch.device):
     return encoded.to(device) if isinstance(encoded, torch.Tensor) else encoded
 
 
+def _weightless(model_dir: Path, names: list[str]) -> dict:
+    """The freed encoders for the validation pipeline: those with a config on meta (no weights read; ``__call__``
+    reads their configs outside the replayed encoding methods: Stable Audio's ``check_inputs`` the projection
+    model's value range), the others (tokenizers) left out."""
+    from hsdp.loading import build_component
+    from hsdp.models.description import describe
+
+    model = describe(model_dir)
+    return {n: build_component(model, n, torch.float32) if model.components[n].has_config else None for n in names}
+
+
+def _executing_on(pipe, device: torch.device) -> None:
+    """``pipe`` executes on ``device`` (its ``_execution_device`` would otherwise be its first module's: a meta
+    encoder's)."""
+    cls = type(pipe)
+    on = {"_execution_device": property(lambda self: device), "device": property(lambda self: device)}
+    pipe.__class__ = type(cls.__name__, (cls,), on)
+
+
 def _output(out) -> np.ndarray:
     """An image or audio pipeline's output as numpy (audio pipelines return tensors whatever ``output_type`` says)."""
     values = out.audios if hasattr(out, "audios") else out.images
@@ -155,12 +174,20 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
     from hsdp.train.diffusion.pipeline_call import replaced_encoders, replaying
 
     text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
-    pipe = trainer.pipeline_class.from_pretrained(
-        trainer.model_dir, **dict.fromkeys(text_parts), **trainer.experts, torch_dtype=torch.float32
-    )
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # a meta module of a pipeline's own module is "non-standard" to it
+    try:
+        pipe = trainer.pipeline_class.from_pretrained(
+            trainer.model_dir, **_weightless(trainer.model_dir, text_parts), **trainer.experts, torch_dtype=torch.float32
+        )
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
     for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module) and name not in trainer.experts:
+        if isinstance(module, torch.nn.Module) and name not in trainer.experts and name not in text_parts:
             module.to(trainer.device)
+    _executing_on(pipe, trainer.device)
     pipe.set_progress_bar_config(disable=True)
     trainer.model.eval()
     samples = []
