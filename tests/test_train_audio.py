@@ -49,17 +49,29 @@ def audio(tmp_path_factory) -> Path:
 
 
 def _cfg(audio: Path, **kw) -> TrainConfig:
-    return TrainConfig(model="tiny-stable-audio", data=str(audio), steps=2, batch_size=2, lr=1e-3, seed=3, lora_r=4,
-                       progress=False, **kw)  # fmt: skip
+    base = dict(model="tiny-stable-audio", data=str(audio), steps=2, batch_size=2, lr=1e-3, seed=3, lora_r=4,
+                progress=False)  # fmt: skip
+    return TrainConfig(**(base | kw))
+
+
+HSDP2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
 
 
 @pytest.fixture(scope="module")
-def sharded(audio, dist_run, tmp_path_factory) -> dict:
-    """LoRA at HSDP 2 for 2 steps, exported (diffusers' format) with a validation sample before and after."""
+def runs(audio, dist_run, tmp_path_factory) -> dict[str, dict]:
+    """At HSDP 2 for 2 steps, in one process group: LoRA exported (diffusers' format) with a validation sample
+    before and after; full fine-tuning (lr 1e-4) exported as a pipeline folder."""
     out = tmp_path_factory.mktemp("audio-run")
-    cfg = _cfg(audio, parallel=ParallelConfig(use_hsdp=True, hsdp_shard_size=2), output_dir=str(out / "run"),
-               export=str(out / "lora"), validation_prompts=(PROMPT,))  # fmt: skip
-    return dist_run(2, train_diffusion, [cfg])[0][0] | {"cfg": cfg}
+    lora = _cfg(audio, parallel=HSDP2, output_dir=str(out / "run"), export=str(out / "lora"),
+                validation_prompts=(PROMPT,))  # fmt: skip
+    full = _cfg(audio, parallel=HSDP2, lora_r=0, lr=1e-4, export=str(out / "full"))
+    trained = dist_run(2, train_diffusion, [lora, full])[0]
+    return {"lora": trained[0] | {"cfg": lora}, "full": trained[1] | {"cfg": full}}
+
+
+@pytest.fixture(scope="module")
+def sharded(runs) -> dict:
+    return runs["lora"]
 
 
 def test_stable_audio_lora_hsdp2_equals_diffusers_peft_one_process(audio, sharded):
@@ -67,6 +79,17 @@ def test_stable_audio_lora_hsdp2_equals_diffusers_peft_one_process(audio, sharde
     assert any("lora_" in k for k in ref["state"])
     assert_trained_like(run, ref, TOL)
     assert run["losses"][0] != run["losses"][1]  # two batches, trained weights: not a constant
+
+
+def test_stable_audio_full_fine_tuning_equals_one_process_and_exports_a_pipeline(audio, runs):
+    """Full fine-tuning at HSDP 2 equals one process (AdamW's bound on rounding-level gradients at lr 1e-4), and
+    its export is a pipeline folder diffusers' ``StableAudioPipeline.from_pretrained`` loads with the trained DiT."""
+    import diffusers
+
+    run = runs["full"]
+    assert_trained_like(run, reference_run(_cfg(audio, lora_r=0, lr=1e-4), resolve_model("tiny-stable-audio")), TOL)
+    exported = diffusers.StableAudioPipeline.from_pretrained(run["cfg"].export).transformer.state_dict()
+    assert all(torch.equal(exported[k], v.cpu()) for k, v in run["state"].items())
 
 
 def test_generate_lora_equals_peft_on_diffusers_and_the_validation_sample(sharded, dist_run):
@@ -85,8 +108,7 @@ def test_generate_lora_equals_peft_on_diffusers_and_the_validation_sample(sharde
     from tests.engine_refs import one_thread
 
     cfg, model = sharded["cfg"], resolve_model("tiny-stable-audio")
-    hsdp2 = ParallelConfig(use_hsdp=True, hsdp_shard_size=2)
-    with Engine(model, hsdp2, workers=dist_run.group(2), lora=cfg.export) as engine:
+    with Engine(model, HSDP2, workers=dist_run.group(2), lora=cfg.export) as engine:
         [out] = engine.generate(PROMPT, SamplingParams(seed=cfg.seed))
         defaults = dict(engine.info.defaults)
 
