@@ -119,9 +119,9 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
             number = step * cfg.grad_accum + micro
             rows = data.micro_batch(number, cfg.batch_size, cfg.seed)
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
-            torch.rand(len(rows), generator=generator)  # the caption-dropout draw (dropout 0 here)
+            drop = (torch.rand(len(rows), generator=generator) < cfg.caption_dropout).tolist()  # the dropout draw
             pixels = torch.stack([data.media(i) for i in rows])  # waveforms for an audio pipeline
-            captions = [data.items[i].caption for i in rows]
+            captions = ["" if d else data.items[i].caption for i, d in zip(rows, drop, strict=True)]
             extra = {"sigma_span": span} if span else {}
             if data.audio is not None:
                 extra["seconds"] = [data.items[i].seconds for i in rows]

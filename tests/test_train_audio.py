@@ -65,8 +65,9 @@ def runs(audio, dist_run, tmp_path_factory) -> dict[str, dict]:
     lora = _cfg(audio, parallel=HSDP2, output_dir=str(out / "run"), export=str(out / "lora"),
                 validation_prompts=(PROMPT,))  # fmt: skip
     full = _cfg(audio, parallel=HSDP2, lora_r=0, lr=1e-4, export=str(out / "full"))
-    trained = dist_run(2, train_diffusion, [lora, full])[0]
-    return {"lora": trained[0] | {"cfg": lora}, "full": trained[1] | {"cfg": full}}
+    dropout = _cfg(audio, parallel=HSDP2, caption_dropout=0.5)
+    trained = dist_run(2, train_diffusion, [lora, full, dropout])[0]
+    return {"lora": trained[0] | {"cfg": lora}, "full": trained[1] | {"cfg": full}, "dropout": trained[2]}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,22 @@ def test_stable_audio_full_fine_tuning_equals_one_process_and_exports_a_pipeline
     assert_trained_like(run, reference_run(_cfg(audio, lora_r=0, lr=1e-4), resolve_model("tiny-stable-audio")), TOL)
     exported = diffusers.StableAudioPipeline.from_pretrained(run["cfg"].export).transformer.state_dict()
     assert all(torch.equal(exported[k], v.cpu()) for k, v in run["state"].items())
+
+
+def test_caption_dropout_keeps_the_clips_length(audio, runs):
+    """``--caption-dropout 0.5`` (seed 3: three of the four rows dropped) replaces a dropped clip's caption
+    encodings with the empty caption's and keeps its seconds conditioning (its own length, from
+    ``encode_duration``): equal to one process encoding ``""`` as the caption with the clip's seconds."""
+    from hsdp.train.diffusion.frozen import frozen_pipeline
+    from hsdp.train.diffusion.pipeline_call import prompt_layout
+
+    model = resolve_model("tiny-stable-audio")
+    layout = prompt_layout(frozen_pipeline(model), model, (1, 2048), 1)
+    assert layout.methods == ("encode_prompt", "encode_duration")
+    assert layout.caption_names(["prompt.0.0", "prompt.1.0", "prompt.1.1"]) == ["prompt.0.0"]
+    run, ref = runs["dropout"], reference_run(_cfg(audio, caption_dropout=0.5), model)
+    assert_trained_like(run, ref, TOL)
+    assert run["losses"] != runs["lora"]["losses"]
 
 
 def test_generate_lora_equals_peft_on_diffusers_and_the_validation_sample(sharded, dist_run):

@@ -343,12 +343,15 @@ def replaying(returns: list, convert: Callable = lambda value: value) -> Callabl
     return lambda name, original: lambda *args, **kwargs: convert(next(replay))
 
 
-def recording(recorded: list) -> Callable[[str, Callable], Callable]:
-    """A ``make`` for :func:`replaced_encoders`: every encoding method's return appended to ``recorded``."""
+def recording(recorded: list, methods: list | None = None) -> Callable[[str, Callable], Callable]:
+    """A ``make`` for :func:`replaced_encoders`: every encoding method's return appended to ``recorded`` (and its
+    name to ``methods``)."""
 
     def make(name: str, original: Callable) -> Callable:
         def record(*args, **kwargs):
             recorded.append(original(*args, **kwargs))
+            if methods is not None:
+                methods.append(name)
             return recorded[-1]
 
         return record
@@ -380,6 +383,14 @@ class PromptLayout:
     :class:`PaddingMask` or a value the same for every caption (kept here: None, FLUX's text ids, an empty list)."""
 
     calls: tuple[tuple[bool, tuple[Any, ...]], ...]
+    methods: tuple[str, ...] = ()
+    """The encoding method of each call (:func:`encoding_methods`); empty in layouts recorded before it was kept,
+    when every call was ``encode_prompt``'s."""
+
+    def caption_names(self, names) -> list[str]:
+        """Those of ``names`` (``prompt.<call>.<position>``) that ``encode_prompt`` returned: what a dropped caption
+        replaces (the others, Stable Audio's seconds conditioning, are the item's whatever its caption)."""
+        return [n for n in names if not self.methods or self.methods[int(n.split(".")[1])] == "encode_prompt"]
 
     def names(self) -> Iterator[tuple[str, str]]:
         """``(name, kind)`` of every per-caption value: ``prompt.<call>.<position>``."""
@@ -427,14 +438,21 @@ def _kind(three: Any, two: Any) -> Any:
 
 
 def _record_encodings(
-    pipe, model_dir: Path, captions: list[str], size: tuple[int, int], frames: int, seconds: float | None = None
+    pipe,
+    model_dir: Path,
+    captions: list[str],
+    size: tuple[int, int],
+    frames: int,
+    seconds: float | None = None,
+    methods: list | None = None,
 ) -> list:
     """Every return of the encoding methods (:func:`encoding_methods`) of ``__call__`` on ``captions`` up to its
-    first denoiser call, in call order (collective when the encoders are sharded: every rank runs it)."""
+    first denoiser call, in call order (collective when the encoders are sharded: every rank runs it); their names
+    appended to ``methods``."""
     recorded: list = []
     pipe.set_progress_bar_config(disable=True)
     try:
-        with replaced_encoders(pipe, recording(recorded)), _stand_ins(pipe, model_dir, _stop), _unguided(pipe), \
+        with replaced_encoders(pipe, recording(recorded, methods)), _stand_ins(pipe, model_dir, _stop), _unguided(pipe), \
                 _default_size(pipe, size), torch.no_grad():
             pipe(**call_arguments(pipe, captions, size, frames, seconds))
     except _Stop:
@@ -454,7 +472,8 @@ _UNEVEN = ["", "a caption of several words"]
 def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> PromptLayout:
     """The layout of ``pipe``'s caption encodings, read from calls on three empty captions and on two of different
     lengths: a position that is None for the first and rows for the second is a :class:`PaddingMask`."""
-    even = _record_encodings(pipe, model_dir, ["", "", ""], size, frames)
+    methods: list[str] = []
+    even = _record_encodings(pipe, model_dir, ["", "", ""], size, frames, methods=methods)
     uneven = _record_encodings(pipe, model_dir, _UNEVEN, size, frames)
     calls = []
     for r, u in zip(even, uneven, strict=True):
@@ -464,7 +483,9 @@ def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> 
             mask = v is None and isinstance(w, torch.Tensor) and w.dim() > 0 and w.shape[0] == 2
             kinds.append(PaddingMask(w.dtype) if mask else kind)
         calls.append((isinstance(r, tuple), tuple(kinds)))
-    return PromptLayout(tuple(calls))
+    # Only where another method encodes too: a layout of encode_prompt calls alone stays as it was recorded before.
+    named = tuple(methods) if set(methods) != {"encode_prompt"} else ()
+    return PromptLayout(tuple(calls), named)
 
 
 def encode_captions(

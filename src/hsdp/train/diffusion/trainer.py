@@ -564,7 +564,8 @@ class DiffusionTrainer(Trainer):
         latents = torch.stack([self.data.latents[i] for i in rows])
         expert = self.expert_at(number // cfg.grad_accum)
         noised = self.objectives[expert].noise(latents, generator)
-        prompts = [self.data.empty_prompt if d else self.data.prompts[i] for i, d in zip(rows, drop.tolist(), strict=True)]
+        prompts = [self._dropped(self.data.prompts[i]) if d else self.data.prompts[i]
+                   for i, d in zip(rows, drop.tolist(), strict=True)]  # fmt: skip
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
@@ -576,6 +577,13 @@ class DiffusionTrainer(Trainer):
             size=(bucket.height, bucket.width), frames=bucket.frames,
         )  # fmt: skip
         return _MicroBatch(batch, target=ahead(noised.target[mine]), weights=ahead(noised.weights[mine]), expert=expert)
+
+    def _dropped(self, item: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``item``'s encodings with its caption dropped (``--caption-dropout``): what ``encode_prompt`` gave for it
+        replaced by the empty caption's; what other encoding methods gave (Stable Audio's seconds conditioning, the
+        clip's own length) kept."""
+        empty = self.data.empty_prompt
+        return {**item, **{name: empty[name] for name in self.layout.caption_names(empty)}}
 
     def _micro_loss(self, inputs: _MicroBatch) -> torch.Tensor:
         prediction = self._predict(inputs.batch, inputs.expert)
