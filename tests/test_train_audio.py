@@ -65,9 +65,8 @@ def runs(audio, dist_run, tmp_path_factory) -> dict[str, dict]:
     lora = _cfg(audio, parallel=HSDP2, output_dir=str(out / "run"), export=str(out / "lora"),
                 validation_prompts=(PROMPT,))  # fmt: skip
     full = _cfg(audio, parallel=HSDP2, lora_r=0, lr=1e-4, export=str(out / "full"))
-    dropout = _cfg(audio, parallel=HSDP2, caption_dropout=0.5)
-    trained = dist_run(2, train_diffusion, [lora, full, dropout])[0]
-    return {"lora": trained[0] | {"cfg": lora}, "full": trained[1] | {"cfg": full}, "dropout": trained[2]}
+    trained = dist_run(2, train_diffusion, [lora, full])[0]
+    return {"lora": trained[0] | {"cfg": lora}, "full": trained[1] | {"cfg": full}}
 
 
 @pytest.fixture(scope="module")
@@ -93,20 +92,28 @@ def test_stable_audio_full_fine_tuning_equals_one_process_and_exports_a_pipeline
     assert all(torch.equal(exported[k], v.cpu()) for k, v in run["state"].items())
 
 
-def test_caption_dropout_keeps_the_clips_length(audio, runs):
-    """``--caption-dropout 0.5`` (seed 3: three of the four rows dropped) replaces a dropped clip's caption
-    encodings with the empty caption's and keeps its seconds conditioning (its own length, from
-    ``encode_duration``): equal to one process encoding ``""`` as the caption with the clip's seconds."""
+def test_caption_dropout_keeps_the_clips_length():
+    """``--caption-dropout`` replaces a dropped clip's caption encodings (``encode_prompt``'s) with the empty
+    caption's and keeps its seconds conditioning (``encode_duration``'s: its own length, not the pipeline's longest,
+    which the empty caption is encoded at)."""
+    from types import SimpleNamespace
+
     from hsdp.train.diffusion.frozen import frozen_pipeline
-    from hsdp.train.diffusion.pipeline_call import prompt_layout
+    from hsdp.train.diffusion.pipeline_call import encode_captions, prompt_layout
+    from hsdp.train.diffusion.trainer import DiffusionTrainer
 
     model = resolve_model("tiny-stable-audio")
-    layout = prompt_layout(frozen_pipeline(model), model, (1, 2048), 1)
+    pipe = frozen_pipeline(model)
+    layout = prompt_layout(pipe, model, (1, 2048), 1)
     assert layout.methods == ("encode_prompt", "encode_duration")
-    assert layout.caption_names(["prompt.0.0", "prompt.1.0", "prompt.1.1"]) == ["prompt.0.0"]
-    run, ref = runs["dropout"], reference_run(_cfg(audio, caption_dropout=0.5), model)
-    assert_trained_like(run, ref, TOL)
-    assert run["losses"] != runs["lora"]["losses"]
+    [empty] = encode_captions(pipe, model, layout, [""], (1, 2048), 1)
+    [item] = encode_captions(pipe, model, layout, ["a short hum"], (1, 2048), 1, seconds=0.1)
+    trainer = SimpleNamespace(data=SimpleNamespace(empty_prompt=empty), layout=layout)
+    dropped = DiffusionTrainer._dropped(trainer, item)
+    assert dropped.keys() == item.keys() == {"prompt.0.0", "prompt.1.0", "prompt.1.1"}
+    assert torch.equal(dropped["prompt.0.0"], empty["prompt.0.0"])
+    assert not torch.equal(item["prompt.1.1"], empty["prompt.1.1"])  # 0.1 s, where the empty caption has 0.256 s
+    assert all(torch.equal(dropped[k], item[k]) for k in ("prompt.1.0", "prompt.1.1"))
 
 
 def test_generate_lora_equals_peft_on_diffusers_and_the_validation_sample(sharded, dist_run):
