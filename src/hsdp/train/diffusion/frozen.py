@@ -197,7 +197,7 @@ def audio_spec(model_dir: Path) -> AudioSpec | None:
             "max_audio_seconds), so the trainer cannot cut its audio to a length the pipeline takes"
         )
     samples = round(info.max_audio_seconds * rate)
-    return AudioSpec(int(rate), int(channels), samples, info.audio_length_param)
+    return AudioSpec(int(rate), int(channels), samples)
 
 
 def encode_items(

@@ -103,8 +103,6 @@ class AudioSpec:
     channels: int
     samples: int
     """The length every item is cut or padded to: the longest audio the pipeline makes, in samples."""
-    length_param: str | None = None
-    """The ``__call__`` argument that sets the audio's length in seconds (``audio_end_in_s``)."""
 
     @property
     def seconds(self) -> float:
@@ -430,7 +428,12 @@ class MediaDataset:
         records, skipped = _records(root, flag, suffixes)
         if not records:
             kinds = ", ".join(sorted(suffixes))
-            raise DatasetError(f"{flag} {source}: no {'audio files' if spec.audio else 'images or videos'} found ({kinds})")
+            if spec.audio:
+                raise DatasetError(
+                    f"{flag} {source}: no audio files found ({kinds}); this pipeline makes audio: pass a folder of "
+                    "audio files with same-name .txt captions, or a metadata.jsonl / metadata.csv naming them"
+                )
+            raise DatasetError(f"{flag} {source}: no images or videos found ({kinds})")
         if spec.audio:
             return cls._audio(records, skipped, spec.audio)
         items, buckets, enlarged = [], [], []
