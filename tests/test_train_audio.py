@@ -161,7 +161,7 @@ def test_generate_lora_equals_peft_on_diffusers_and_the_validation_sample(sharde
 def test_audio_data_checked_cut_and_planned(audio, tmp_path, capsys):
     """Each clip at the VAE's rate and channels, cut or zero-padded to the pipeline's longest (0.256 s), conditioned
     on its own kept seconds; a file that cannot be read is refused before ranks start, naming it; a non-audio file
-    is left out with why. ``hsdp plan --train`` plans the run (no item size to give). The objective is the
+    is left out with why; a ``metadata.jsonl`` names files and captions as for images. ``hsdp plan --train`` plans the run (no item size to give). The objective is the
     scheduler's: the target is the output that its ``precondition_outputs`` turns back into the clean latents."""
     from scipy.signal import resample_poly
 
@@ -192,6 +192,9 @@ def test_audio_data_checked_cut_and_planned(audio, tmp_path, capsys):
     (broken / "clip1.txt").unlink()
     skipped = MediaDataset.from_source(broken, media_spec(model, "transformer"), resolution=512).skipped
     assert skipped == [(broken / "notes.png", "not an audio file (.flac, .wav)")]
+    (broken / "metadata.jsonl").write_text(json.dumps({"file_name": "clip3.wav", "text": "a hum"}) + "\n")
+    listed = MediaDataset.from_source(broken, media_spec(model, "transformer"), resolution=512)
+    assert [(i.caption, i.seconds) for i in listed.items] == [("a hum", 1500 / 11025)]
 
     assert main(["plan", "tiny-stable-audio", "--devices", "2", "--device-memory", "64MiB", "--train", "--lora-r", "4"]) == 0
     assert "run it: hsdp train --model tiny-stable-audio" in capsys.readouterr().out
