@@ -164,11 +164,9 @@ def media_spec(model_dir: Path, component: str) -> MediaSpec:
     """Sizes the pipeline takes: its own size rule with ``component``'s patch
     (:meth:`hsdp.models.description.ModelDescription.size_rule`, the rule the engine and server check too); for an
     audio pipeline the waveforms its VAE takes (:func:`audio_spec`)."""
-    audio = audio_spec(model_dir)
-    if audio is not None:
-        return MediaSpec(1, None, video=False, audio=audio)
     rule = describe(model_dir).size_rule(component)
-    return MediaSpec(rule.spatial_multiple, rule.temporal, video=rule.temporal is not None)
+    audio = audio_spec(model_dir)  # the size rule then is the engine's, which sizes of audio do not use
+    return MediaSpec(rule.spatial_multiple, rule.temporal, video=rule.temporal is not None and audio is None, audio=audio)
 
 
 def audio_spec(model_dir: Path) -> AudioSpec | None:

@@ -418,7 +418,7 @@ class MediaDataset:
         root = Path(source)
         if not root.exists():
             raise DatasetError(f"{flag} {source}: no such file or folder")
-        if resolution < spec.spatial_multiple:
+        if resolution < spec.spatial_multiple and spec.audio is None:  # audio has no resolution
             raise DatasetError(
                 f"--resolution {resolution} is below one multiple of the pipeline's VAE and patch size "
                 f"({spec.spatial_multiple}); use a multiple of {spec.spatial_multiple}, e.g. "
