@@ -90,7 +90,8 @@ def _pipeline_call(pipe, call: dict):
 
 def capture_encodings(pipe, model_dir: Path, cfg) -> ValidationPrompts:
     """Run ``pipe`` (encoders loaded, denoisers not) on each validation call until its first denoiser call,
-    recording every ``encode_prompt`` return (collective when the encoders are sharded: every rank runs it)."""
+    recording every return of its encoding methods (``encode_prompt``, ``encode_duration``; collective when the
+    encoders are sharded: every rank runs it)."""
     from hsdp.planning.profile import build_meta_model
     from hsdp.train.diffusion.frozen import DENOISERS
     from hsdp.train.diffusion.pipeline_call import recording, replaced_encoders
@@ -168,14 +169,14 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
     """Every prompt generated with ``trainer``'s sharded denoiser in the pipeline (collective: every rank runs
     it); rank 0 writes the files. Returns the samples (frames ``[F, H, W, 3]``, images ``[N, H, W, 3]`` or
     waveforms ``[N, channels, samples]``)."""
+    from diffusers.utils import logging as diffusers_logging
+
     from hsdp.engine.diffusion import sample_rate
     from hsdp.engine.outputs import save_audio, save_frames, save_images
     from hsdp.train.diffusion.frozen import encoder_components
     from hsdp.train.diffusion.pipeline_call import replaced_encoders, replaying
 
     text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
-    from diffusers.utils import logging as diffusers_logging
-
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # a meta module of a pipeline's own module is "non-standard" to it
     try:
