@@ -119,10 +119,12 @@ def reference_run(cfg: TrainConfig, model_dir) -> dict:
             number = step * cfg.grad_accum + micro
             rows = data.micro_batch(number, cfg.batch_size, cfg.seed)
             generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + number)
-            torch.rand(len(rows), generator=generator)  # the caption-dropout draw (dropout 0 here)
-            pixels = torch.stack([data.pixels(i) for i in rows])
-            captions = [data.items[i].caption for i in rows]
+            drop = (torch.rand(len(rows), generator=generator) < cfg.caption_dropout).tolist()  # the dropout draw
+            pixels = torch.stack([data.media(i) for i in rows])  # waveforms for an audio pipeline
+            captions = ["" if d else data.items[i].caption for i, d in zip(rows, drop, strict=True)]
             extra = {"sigma_span": span} if span else {}
+            if data.audio is not None:
+                extra["seconds"] = [data.items[i].seconds for i in rows]
             pred, target = forward(pipe, experts[expert], pixels, captions, generator, **extra)
             loss = torch.nn.functional.mse_loss(pred, target) / cfg.grad_accum
             loss.backward()
@@ -257,7 +259,39 @@ def sdxl_forward(pipe, model, pixels, captions, generator):
     return pred, noise
 
 
-FORWARDS = {"WanPipeline": wan_forward, "FluxPipeline": flux_forward, "StableDiffusionXLPipeline": sdxl_forward}
+def stable_audio_forward(pipe, model, waves, captions, generator, seconds):
+    """Stable Audio as stable-audio-tools trains its DiT (the ``v`` objective: ``t`` uniform, ``alpha, sigma =
+    cos(t pi / 2), sin(t pi / 2)``, input ``alpha x0 + sigma noise``, target ``alpha noise - sigma x0``) with ``t``
+    over the span of the scheduler's sigmas (its timestep is ``atan(sigma) 2 / pi``), conditioned as diffusers'
+    StableAudioPipeline conditions it: the projected T5 embeddings with the start (0) and end (the clip's kept
+    seconds) projections appended, those two side by side as the global state, its rotary embedding. Written for
+    ``sigma_data`` 1 (tiny-stable-audio's, as Stable Audio Open's)."""
+    import math
+
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+    assert pipe.scheduler.config.sigma_data == 1.0
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        x0 = pipe.vae.encode(waves).latent_dist.mode()
+        prompt = pipe.encode_prompt(captions, cpu, False)
+        start, end = pipe.encode_duration(0.0, seconds, cpu, False, len(captions))
+    text, durations = torch.cat([prompt, start, end], dim=1), torch.cat([start, end], dim=2)
+    rotary = get_1d_rotary_pos_embed(pipe.rotary_embed_dim, x0.shape[2] + durations.shape[1], use_real=True,
+                                     repeat_interleave_real=False)  # fmt: skip
+    noise = torch.randn(x0.shape, generator=generator)
+    u = torch.rand(len(x0), generator=generator).double()
+    low, high = (math.atan(pipe.scheduler.config[k]) * 2 / math.pi for k in ("sigma_min", "sigma_max"))
+    t = low + (high - low) * u
+    alpha, sigma = (f(t * math.pi / 2).view(-1, 1, 1) for f in (torch.cos, torch.sin))
+    noisy, target = alpha * x0.double() + sigma * noise.double(), alpha * noise.double() - sigma * x0.double()
+    pred = model(noisy.float(), t.float(), encoder_hidden_states=text, global_hidden_states=durations,
+                 rotary_embedding=rotary, return_dict=False)[0]  # fmt: skip
+    return pred, target.float()
+
+
+FORWARDS = {"WanPipeline": wan_forward, "FluxPipeline": flux_forward, "StableDiffusionXLPipeline": sdxl_forward,
+            "StableAudioPipeline": stable_audio_forward}  # fmt: skip
 
 
 def sharded_encoders(cfg: TrainConfig, fraction: float) -> dict:

@@ -282,12 +282,14 @@ def _lora_flags(args: argparse.Namespace) -> list[str]:
 def _diffusion_label(args: argparse.Namespace) -> str:
     kind = f"LoRA r={args.lora_r}" if args.lora_r else "full fine-tuning"
     checkpointed = ", activation checkpointing" if args.activation_checkpointing else ""
+    if args.height is None:  # an audio pipeline: every item at its longest length
+        return f"{kind} of the denoiser, audio at the pipeline's longest length{checkpointed}"
     return f"{kind} of the denoiser, {args.height}x{args.width} x {args.frames} frames{checkpointed}"
 
 
 def _diffusion_train_flags(args: argparse.Namespace) -> list[str]:
     """``hsdp train`` flags for the planned item size and LoRA (its ``--resolution`` is the side of the area)."""
-    parts = ["--resolution", str(round((args.height * args.width) ** 0.5))]
+    parts = ["--resolution", str(round((args.height * args.width) ** 0.5))] if args.height is not None else []
     if args.frames > 1:
         parts += ["--frames", str(args.frames)]
     parts += _lora_flags(args)

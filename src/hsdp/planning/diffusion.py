@@ -50,7 +50,7 @@ def _denoiser_inputs(pipe, model_dir: Path, batch: int, size: tuple[int, int], f
     trainer builds them (:class:`hsdp.train.diffusion.pipeline_call.DenoiserCalls`), on the CPU with zeros for
     values. The caption encodings' layout and shapes come from the pipeline's ``__call__`` with its text encoders
     computing on fake tensors (:func:`_on_fake_tensors`)."""
-    from hsdp.train.diffusion.frozen import meta_pipeline
+    from hsdp.train.diffusion.frozen import DENOISERS, meta_pipeline
     from hsdp.train.diffusion.pipeline_call import (
         DenoiserBatch,
         DenoiserCalls,
@@ -62,7 +62,8 @@ def _denoiser_inputs(pipe, model_dir: Path, batch: int, size: tuple[int, int], f
 
     encoding = runnable_pipeline(pipe, model_dir, torch.device("cpu"))
     for name, module in encoding.components.items():
-        if name.startswith("text_encoder") and isinstance(module, nn.Module):
+        # the text encoders, and what else encodes besides the VAE (Stable Audio's projection model)
+        if name not in ("vae", *DENOISERS) and isinstance(module, nn.Module):
             _on_fake_tensors(module)
     layout = prompt_layout(encoding, model_dir, size, frames)
     items = encode_captions(encoding, model_dir, layout, [""], size, frames)
@@ -124,9 +125,18 @@ def _latent_shape(
     return (channels, (frames - 1) // spec.temporal_multiple + 1, height // scale, width // scale)
 
 
+def _audio_latent_shape(pipe, audio) -> tuple[int, ...]:
+    """One audio item's latents (``[C, L]``): the pipeline's VAE (on meta) encoding a waveform of the length the
+    trainer cuts every item to."""
+    with torch.no_grad():
+        encoded = pipe.vae.encode(torch.empty(1, audio.channels, audio.samples, device="meta"))
+    output = encoded[0] if isinstance(encoded, tuple) else encoded
+    return tuple(output.latent_dist.mode().shape[1:])
+
+
 def _tokens(latent: tuple[int, ...], config: dict, packing: int) -> int:
     """Tokens per sample: the latent divided into the denoiser's patches and the family's packing."""
-    sizes = latent[1:] if len(latent) == 4 else (1, *latent[1:])
+    sizes = (1,) * (4 - len(latent)) + tuple(latent[1:])
     tokens = 1
     for size, patch in zip(sizes, _patch(config), strict=True):
         tokens *= max(1, size // patch)
@@ -189,7 +199,8 @@ def diffusion_training(
             f"--train-component {cfg.train_component}: the planner plans one denoiser, and this run trains {len(trained)} "
             f"({', '.join(trained)}, one a step, all held sharded); plan each with --train-component NAME"
         )
-    if height is None or width is None:
+    audio = media_spec(folder, component).audio
+    if audio is None and (height is None or width is None):
         raise PlanError("--train on a pipeline plans its denoiser for an item size: give --height and --width")
     try:
         cls = describe(folder).pipeline_class()
@@ -204,9 +215,14 @@ def diffusion_training(
 
     pipe = meta_pipeline(folder)
     spec = media_spec(folder, component)
-    latent = _latent_shape(spec, folder, config, packing, height, width, frames)
+    if audio is not None:  # one length, the pipeline's longest: the trainer cuts and pads every item to it
+        size, frames = (1, audio.samples), 1
+        latent = _audio_latent_shape(pipe, audio)
+    else:
+        size = (height, width)
+        latent = _latent_shape(spec, folder, config, packing, height, width, frames)
     compute = DTYPES[param_dtype] if param_dtype else torch.float32
-    kwargs, to_latents = _denoiser_inputs(pipe, folder, batch, (height, width), frames, latent)
+    kwargs, to_latents = _denoiser_inputs(pipe, folder, batch, size, frames, latent)
     real = dict(tensor_leaves(kwargs))
 
     def inputs() -> dict:

@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--data",
         required=True,
         help="a causal LM: .txt, or .jsonl / .json / .parquet records with 'text', 'prompt' + 'completion', or "
-        "'messages'; a diffusers pipeline: a folder of images or videos with same-name .txt captions, or a "
-        "metadata.jsonl / .csv with file_name and text columns (docs/training-diffusion.md)",
+        "'messages'; a diffusers pipeline: a folder of images or videos (.wav / .flac files for an audio pipeline) "
+        "with same-name .txt captions, or a metadata.jsonl / .csv with file_name and text columns "
+        "(docs/training-diffusion.md)",
     )
     parser.add_argument("--text-key", default="text", help="field holding plain text")
     parser.add_argument(

@@ -21,7 +21,7 @@ import torch
 from hsdp.config import ParallelConfig, ShardingStrategy
 from hsdp.distributed import local_device
 from hsdp.models.description import describe
-from hsdp.train.diffusion.media import MediaDataset, MediaSpec
+from hsdp.train.diffusion.media import AudioSpec, MediaDataset, MediaSpec
 from hsdp.train.diffusion.pipeline_call import DENOISERS, PromptLayout, encode_captions, vae_latents
 
 logger = logging.getLogger("hsdp")
@@ -35,6 +35,7 @@ __all__ = [
     "frozen_layout",
     "frozen_pipeline",
     "media_spec",
+    "audio_spec",
     "encode_items",
     "encoder_components",
 ]
@@ -43,9 +44,17 @@ __all__ = [
 def _pipeline_without(model_dir: Path, **components):
     """The pipeline of ``model_dir`` on the CPU with its denoisers left out (they are trained, not encoded) and
     ``components`` in place of loading those."""
+    from hsdp.planning.profile import build_meta_model
+
     model = describe(model_dir)
-    absent = {name: None for name in DENOISERS if name in model.index}
-    return model.pipeline_class().from_pretrained(model_dir, **absent, **components, torch_dtype=torch.float32)
+    absent = [name for name in DENOISERS if name in model.index]
+    # On meta while ``__init__`` runs (Stable Audio's reads its transformer's config), then left out.
+    meta = {n: build_meta_model(model_dir / n, torch.float32)[0] if model.components[n].has_config else None
+            for n in absent if n in model.components}  # fmt: skip
+    meta |= {n: None for n in absent if n not in meta}
+    pipe = model.pipeline_class().from_pretrained(model_dir, **meta, **components, torch_dtype=torch.float32)
+    pipe.register_modules(**dict.fromkeys(absent))
+    return pipe
 
 
 def meta_pipeline(model_dir: Path):
@@ -153,9 +162,40 @@ def _device_of(*modules) -> torch.device:
 
 def media_spec(model_dir: Path, component: str) -> MediaSpec:
     """Sizes the pipeline takes: its own size rule with ``component``'s patch
-    (:meth:`hsdp.models.description.ModelDescription.size_rule`, the rule the engine and server check too)."""
+    (:meth:`hsdp.models.description.ModelDescription.size_rule`, the rule the engine and server check too); for an
+    audio pipeline the waveforms its VAE takes (:func:`audio_spec`)."""
     rule = describe(model_dir).size_rule(component)
-    return MediaSpec(rule.spatial_multiple, rule.temporal, video=rule.temporal is not None)
+    audio = audio_spec(model_dir)  # the size rule then is the engine's, which sizes of audio do not use
+    return MediaSpec(rule.spatial_multiple, rule.temporal, video=rule.temporal is not None and audio is None, audio=audio)
+
+
+def audio_spec(model_dir: Path) -> AudioSpec | None:
+    """For a pipeline that makes audio (:func:`hsdp.engine.model_info.inspect_model`), what its VAE takes: the
+    sampling rate and channels of its config, and the longest audio the pipeline makes (its family's limit, as
+    ``hsdp generate`` checks it), in samples; None for an image or video pipeline. An audio pipeline whose VAE
+    takes no waveform (a mel-spectrogram VAE with a vocoder), or whose longest audio no family file knows, is a
+    ``ValueError``: the trainer has no data for it."""
+    from hsdp.engine.model_info import inspect_model
+
+    info = inspect_model(model_dir)
+    if info.output != "audio":
+        return None
+    model = describe(model_dir)
+    vae = model.config("vae") if "vae" in model.components else {}
+    rate, channels = vae.get("sampling_rate"), vae.get("audio_channels")
+    if not rate or not channels:
+        raise ValueError(
+            f"{model.class_name}'s VAE ({vae.get('_class_name', 'none')}) takes no waveform (its config names no "
+            "sampling_rate and audio_channels), so hsdp's diffusion trainer has no audio data for it; waveform VAEs "
+            "(Stable Audio's AutoencoderOobleck) train"
+        )
+    if info.max_audio_seconds is None:
+        raise ValueError(
+            f"{model.class_name}: the longest audio it makes is not known (no family file in hsdp.families gives "
+            "max_audio_seconds), so the trainer cannot cut its audio to a length the pipeline takes"
+        )
+    samples = round(info.max_audio_seconds * rate)
+    return AudioSpec(int(rate), int(channels), samples)
 
 
 def encode_items(
@@ -163,13 +203,14 @@ def encode_items(
 ) -> list[dict[str, torch.Tensor]]:
     """The ``latents`` and caption encodings of items ``indices`` (what the latent cache stores per item): the VAE's
     normalised latents (:func:`hsdp.train.diffusion.pipeline_call.vae_latents`) and what the pipeline's
-    ``__call__`` gets from ``encode_prompt`` for the caption at the item's size."""
+    ``__call__`` gets from ``encode_prompt`` for the caption at the item's size (and from ``encode_duration`` for an
+    audio item's length)."""
     out = []
     for i in indices:
-        bucket = dataset.buckets[i]
+        bucket, item = dataset.buckets[i], dataset.items[i]
         size, frames = (bucket.height, bucket.width), bucket.frames
-        latents = vae_latents(pipe.vae, dataset.pixels(i).to(_device_of(pipe.vae)))
-        captions = encode_captions(pipe, model_dir, layout, [dataset.items[i].caption], size, frames)[0]
+        latents = vae_latents(pipe.vae, dataset.media(i).to(_device_of(pipe.vae)))
+        captions = encode_captions(pipe, model_dir, layout, [item.caption], size, frames, item.seconds)[0]
         out.append({"latents": latents, **captions})
     return out
 

@@ -12,6 +12,13 @@ item is resized by the smallest factor that covers its bucket and centre-cropped
 Frames. Videos keep ``k * temporal_multiple + 1`` frames (the VAE's temporal compression): the largest such count
 the clip has and ``frames`` allows, from the first frame. Images are one frame (video pipelines train on them too).
 
+Audio. An audio pipeline (Stable Audio) trains on ``.wav`` / ``.flac`` files (libsndfile through ``soundfile``, as
+``hsdp generate`` writes them), captioned the same ways. Each file is resampled to the VAE's sampling rate (scipy's
+polyphase ``resample_poly``), mixed to its channels (several to one: their mean; one to several: repeated; more to
+fewer: the first ones, front left and right in WAV order), cut from its start to the longest the pipeline makes
+(:attr:`AudioSpec.samples`) and zero-padded to it: every item has that one length (one bucket), and its own kept
+length in seconds (:attr:`MediaItem.seconds`) conditions the denoiser as the pipeline's ``audio_end_in_s`` does.
+
 Everything a run would trip over later is refused when the dataset is opened, naming the file: a missing caption,
 an empty or unreadable file, a metadata row naming a file that is not there, an empty dataset. Headers are read
 there (sizes, frame counts); a file whose pixel data is damaged past its header is refused by :meth:`pixels`,
@@ -42,8 +49,10 @@ __all__ = [
     "MediaItem",
     "MediaSpec",
     "MediaDataset",
+    "AudioSpec",
     "IMAGE_SUFFIXES",
     "VIDEO_SUFFIXES",
+    "AUDIO_SUFFIXES",
     "bucket_for",
     "frame_count",
     "drop_captions",
@@ -51,6 +60,7 @@ __all__ = [
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 VIDEO_SUFFIXES = frozenset({".mp4", ".webm", ".mov", ".mkv", ".gif"})
+AUDIO_SUFFIXES = frozenset({".wav", ".flac"})
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv")
 _EXIF_ORIENTATION = 0x0112
 _TRANSPOSED = frozenset({5, 6, 7, 8})
@@ -75,12 +85,28 @@ class MediaItem:
     content: str = ""
     """What the item's encodings depend on besides its bucket: a digest of its caption and its file's size and
     modification time (set by :meth:`MediaDataset.from_source`)."""
+    seconds: float | None = None
+    """An audio item's length in seconds as kept (cut to the pipeline's longest): its duration conditioning."""
 
     @property
     def cache_key(self) -> str:
         """The latent cache's key: the name and the content, so an edited caption or a replaced file is encoded
         again instead of reusing another content's encodings under the same name."""
         return f"{self.key}@{self.content}" if self.content else self.key
+
+
+@dataclass(frozen=True)
+class AudioSpec:
+    """The waveforms an audio pipeline's VAE takes."""
+
+    sampling_rate: int
+    channels: int
+    samples: int
+    """The length every item is cut or padded to: the longest audio the pipeline makes, in samples."""
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sampling_rate
 
 
 @dataclass(frozen=True)
@@ -91,14 +117,18 @@ class MediaSpec:
     """Frame counts are ``k * temporal_multiple + 1`` (the VAE's temporal factor); None: any count."""
     video: bool
     """The pipeline generates videos (takes clips and images); an image pipeline refuses clips."""
+    audio: AudioSpec | None = None
+    """The pipeline generates audio: its items are audio files, resampled and cut to this."""
 
 
 # ----------------------------------------------------------------------------------------------- sources
 
 
-def _records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
+def _records(
+    root: Path, flag: str, suffixes: frozenset[str] = IMAGE_SUFFIXES | VIDEO_SUFFIXES
+) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
     """(file, caption, key) of a folder with captions, a folder with metadata, or a metadata file; and the files of
-    a captioned folder that are left out, with why."""
+    a captioned folder that are left out (not of ``suffixes``), with why."""
     if root.is_file():
         if root.suffix.lower() not in (".jsonl", ".csv"):
             raise DatasetError(
@@ -111,18 +141,21 @@ def _records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[t
         raise DatasetError(f"{flag} {root}: holds both {' and '.join(p.name for p in present)}; keep one")
     if present:
         return _metadata_records(present[0], flag), []
-    return _captioned_records(root, flag)
+    return _captioned_records(root, flag, suffixes)
 
 
-def _captioned_records(root: Path, flag: str) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
+def _captioned_records(
+    root: Path, flag: str, suffixes: frozenset[str] = IMAGE_SUFFIXES | VIDEO_SUFFIXES
+) -> tuple[list[tuple[Path, str, str]], list[tuple[Path, str]]]:
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    media = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES]
+    media = [p for p in files if p.suffix.lower() in suffixes]
     captions = {p.with_suffix(".txt") for p in media}
-    kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
+    kinds = ", ".join(sorted(suffixes))
+    what = "audio file" if suffixes == AUDIO_SUFFIXES else "image or video"
     skipped = [
-        (p, "a caption with no image or video of the same name" if p.suffix == ".txt" else f"not an image or video ({kinds})")
+        (p, f"a caption with no {what} of the same name" if p.suffix == ".txt" else f"not an {what} ({kinds})")
         for p in files
-        if p not in captions and p.suffix.lower() not in IMAGE_SUFFIXES | VIDEO_SUFFIXES
+        if p not in captions and p.suffix.lower() not in suffixes
         and not any(part.startswith(".") for part in p.relative_to(root).parts)  # .DS_Store, .git: not data
     ]
     out = []
@@ -242,6 +275,68 @@ def _decode(path: Path, frames: int) -> np.ndarray:
     return np.stack([f[..., None].repeat(3, -1) if f.ndim == 2 else f[..., :3] for f in decoded])
 
 
+def _audio_header(path: Path) -> tuple[int, int, int]:
+    """(sampling rate, channels, frames) of an audio file from its header (libsndfile through ``soundfile``)."""
+    if path.suffix.lower() not in AUDIO_SUFFIXES:
+        kinds = ", ".join(sorted(AUDIO_SUFFIXES))
+        raise DatasetError(f"{path} is not an audio file ({kinds}) and this pipeline makes audio; convert or remove it")
+    if path.stat().st_size == 0:
+        raise DatasetError(f"{path} is empty (0 bytes); replace or remove it")
+    try:
+        import soundfile
+
+        info = soundfile.info(str(path))
+    except Exception as exc:  # libsndfile's errors, and anything a damaged header raises
+        raise DatasetError(f"cannot read {path}: {exc}; replace or remove it") from exc
+    if not info.frames or not info.samplerate or not info.channels:
+        raise DatasetError(f"{path} holds no audio ({info.frames} frames at {info.samplerate} Hz); replace or remove it")
+    return int(info.samplerate), int(info.channels), int(info.frames)
+
+
+def _audio_seconds(path: Path, audio: AudioSpec) -> float:
+    """The item's kept length in seconds: the file's, cut to the pipeline's longest."""
+    rate, _, frames = _audio_header(path)
+    return min(frames / rate, audio.seconds)
+
+
+def _waveform(path: Path, audio: AudioSpec) -> torch.Tensor:
+    """The file as ``[channels, samples]`` float32 in [-1, 1] at the VAE's rate and channels, cut from its start to
+    :attr:`AudioSpec.samples` and zero-padded to it (see the module docstring)."""
+    import soundfile
+
+    rate, channels, frames = _audio_header(path)
+    # Only the part kept is read (a little more for the resampler's filter at the cut).
+    wanted = min(frames, math.ceil(audio.samples * rate / audio.sampling_rate) + 64)
+    try:
+        data, _ = soundfile.read(str(path), frames=wanted, dtype="float64", always_2d=True)
+    except Exception as exc:
+        raise DatasetError(f"cannot read {path}: {exc}; replace or remove it") from exc
+    if rate != audio.sampling_rate:
+        from scipy.signal import resample_poly
+
+        divisor = math.gcd(rate, audio.sampling_rate)
+        data = resample_poly(data, audio.sampling_rate // divisor, rate // divisor, axis=0)
+    kept = min(len(data), audio.samples, math.ceil(frames * audio.sampling_rate / rate))
+    wave = torch.zeros(audio.channels, audio.samples, dtype=torch.float32)
+    wave[:, :kept] = torch.from_numpy(_mixed(data[:kept].T, audio.channels, path)).float()
+    return wave.clamp(-1, 1)
+
+
+def _mixed(data: np.ndarray, channels: int, path: Path) -> np.ndarray:
+    """``[c, n]`` samples as ``channels`` channels."""
+    if len(data) == channels:
+        return data
+    if channels == 1:
+        return data.mean(axis=0, keepdims=True)
+    if len(data) == 1:
+        return data.repeat(channels, axis=0)
+    if len(data) > channels:
+        return data[:channels]
+    raise DatasetError(
+        f"{path} has {len(data)} channels and the pipeline's VAE takes {channels}; mix it to {channels} or to 1"
+    )
+
+
 def _content(path: Path, caption: str) -> str:
     """A digest of the caption and the file's size and modification time (not its bytes: reading every file of a
     large dataset at each start would cost more than encoding a few again)."""
@@ -305,6 +400,8 @@ class MediaDataset:
         self.enlarged: list[tuple[int, int, int]] = []
         """(index, height, width) of items smaller than their bucket on a side, which are upscaled to it."""
         self._plans: dict[tuple[int, int, int], list[list[int]]] = {}
+        self.audio: AudioSpec | None = None
+        """Set for audio items (:meth:`waveform`)."""
 
     @classmethod
     def from_source(
@@ -321,16 +418,24 @@ class MediaDataset:
         root = Path(source)
         if not root.exists():
             raise DatasetError(f"{flag} {source}: no such file or folder")
-        if resolution < spec.spatial_multiple:
+        if resolution < spec.spatial_multiple and spec.audio is None:  # audio has no resolution
             raise DatasetError(
                 f"--resolution {resolution} is below one multiple of the pipeline's VAE and patch size "
                 f"({spec.spatial_multiple}); use a multiple of {spec.spatial_multiple}, e.g. "
                 f"{max(spec.spatial_multiple, 256 // spec.spatial_multiple * spec.spatial_multiple)}"
             )
-        records, skipped = _records(root, flag)
+        suffixes = AUDIO_SUFFIXES if spec.audio else IMAGE_SUFFIXES | VIDEO_SUFFIXES
+        records, skipped = _records(root, flag, suffixes)
         if not records:
-            kinds = ", ".join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))
+            kinds = ", ".join(sorted(suffixes))
+            if spec.audio:
+                raise DatasetError(
+                    f"{flag} {source}: no audio files found ({kinds}); this pipeline makes audio: pass a folder of "
+                    "audio files with same-name .txt captions, or a metadata.jsonl / metadata.csv naming them"
+                )
             raise DatasetError(f"{flag} {source}: no images or videos found ({kinds})")
+        if spec.audio:
+            return cls._audio(records, skipped, spec.audio)
         items, buckets, enlarged = [], [], []
         for path, caption, key in records:
             available, height, width = _probe(path, frames)
@@ -343,9 +448,26 @@ class MediaDataset:
         dataset.enlarged = enlarged
         return dataset
 
+    @classmethod
+    def _audio(cls, records: list[tuple[Path, str, str]], skipped: list[tuple[Path, str]], audio: AudioSpec) -> MediaDataset:
+        """Audio items: one bucket (every item is cut or padded to the pipeline's length), each its kept seconds."""
+        bucket = Bucket(1, 1, audio.samples)
+        items = [MediaItem(path, caption, key, _content(path, caption), _audio_seconds(path, audio))
+                 for path, caption, key in records]  # fmt: skip
+        dataset = cls(items, [bucket] * len(items), skipped)
+        dataset.audio = audio
+        return dataset
+
     def summary(self, source: str | Path) -> str:
         """What the run trains on, for the log at start: the item count, the size buckets with their items, and
         every file left out or upscaled, with why."""
+        if self.audio is not None:
+            lines = [f"--data {source}: {len(self)} audio files, each cut or padded to {self.audio.samples} samples "
+                     f"({self.audio.seconds:g} s at {self.audio.sampling_rate} Hz, {self.audio.channels} channels)"]
+            shorter = sum(item.seconds < self.audio.seconds for item in self.items)
+            if shorter:
+                lines.append(f"  {shorter} shorter than that: zero-padded, conditioned on their own length")
+            return "\n".join(lines + [f"  skipped {path}: {why}" for path, why in self.skipped])
         clips = sum(b.frames > 1 for b in self.buckets)
         lines = [f"--data {source}: {len(self)} items ({len(self) - clips} images, {clips} clips) in "
                  f"{len(self._groups)} size buckets (frames x height x width: items)"]  # fmt: skip
@@ -380,6 +502,16 @@ class MediaDataset:
         top, left = (size[0] - bucket.height) // 2, (size[1] - bucket.width) // 2
         video = video[..., top : top + bucket.height, left : left + bucket.width]
         return video.clamp(-1, 1).permute(1, 0, 2, 3).contiguous()
+
+    def waveform(self, index: int) -> torch.Tensor:
+        """Audio item ``index`` as ``[channels, samples]`` float32 in [-1, 1] at the VAE's rate (module docstring)."""
+        if self.audio is None:
+            raise ValueError("not an audio dataset")
+        return _waveform(self.items[index].path, self.audio)
+
+    def media(self, index: int) -> torch.Tensor:
+        """What the VAE encodes of item ``index``: :meth:`waveform` for audio, else :meth:`pixels`."""
+        return self.waveform(index) if self.audio is not None else self.pixels(index)
 
     @functools.cached_property
     def _groups(self) -> list[list[int]]:

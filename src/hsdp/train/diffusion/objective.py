@@ -9,6 +9,15 @@ schedulers (SDXL's, CogVideoX's) noise with ``DDPMScheduler.add_noise`` on the n
 scheduler (CogVideoX shifts it by ``snr_shift_scale``) and predict ``epsilon`` or ``v_prediction`` (the scheduler's
 ``prediction_type``).
 
+EDM-style schedulers (those with ``precondition_inputs`` / ``precondition_noise`` / ``precondition_outputs``:
+``CosineDPMSolverMultistepScheduler``, Stable Audio's, and ``EDMEuler`` / ``EDMDPMSolverMultistep``) noise as
+they sample: ``x = x_0 + sigma * noise``, the denoiser taking ``precondition_inputs(x, sigma)`` at the timestep
+``precondition_noise(sigma)``. The timestep is drawn over the span the scheduler's ``[sigma_min, sigma_max]`` gives it
+(uniform unless ``--timestep-sampling`` says otherwise) and ``sigma`` is its preimage; the target is the output
+whose ``precondition_outputs`` is ``x_0`` (for the cosine scheduler's v-prediction with ``sigma_data`` 1, Stable
+Audio's ``v = cos(t pi / 2) noise - sin(t pi / 2) x_0`` at input ``cos(t pi / 2) x_0 + sin(t pi / 2) noise``, as
+stable-audio-tools trains it), weighted 1.
+
 Every random draw comes from a CPU generator the caller seeds per step and micro-batch, drawn for the whole global
 micro-batch, so a run gives the same noise and timesteps at every world size and layout.
 """
@@ -40,7 +49,7 @@ class Noised:
 @dataclass(frozen=True)
 class Objective:
     kind: str
-    """``flow_matching``, ``epsilon`` or ``v_prediction``."""
+    """``flow_matching``, ``epsilon``, ``v_prediction`` or ``edm`` (the scheduler's preconditioning)."""
     num_train_timesteps: int = 1000
     shift: float = 1.0
     sampling: str = "uniform"
@@ -56,13 +65,15 @@ class Objective:
     def noise(self, latents: torch.Tensor, generator: torch.Generator) -> Noised:
         """Noise the global micro-batch ``latents`` (CPU, fp32) with draws from ``generator``."""
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-        if self.kind == "flow_matching":
+        if self.kind in ("flow_matching", "edm"):
             return self._flow(latents, noise, generator)
         return self._ddpm(latents, noise, generator)
 
     def at(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor) -> Noised:
         """Noise ``latents`` with ``noise`` at fractions ``u`` (``[B]`` in [0, 1]) of the trained timestep range:
         training draws ``u``, evaluation fixes it (:mod:`hsdp.train.diffusion.evaluation`)."""
+        if self.kind == "edm":
+            return self._edm_at(latents, noise, u)
         if self.kind != "flow_matching":
             low, high = self._timestep_bounds()
             return self._ddpm_at(latents, noise, (low + u * (high - low)).long().clamp(low, high - 1))
@@ -97,6 +108,43 @@ class Objective:
             generator=generator,
         )
         return self.at(latents, noise, u)
+
+    @functools.cached_property
+    def _edm_scheduler(self):
+        import diffusers
+
+        config = self.scheduler_config or {}
+        return getattr(diffusers, str(config["_class_name"])).from_config(config)
+
+    def _edm_sigma(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """The sigmas whose ``precondition_noise`` is ``timesteps`` (float64; bisection: the map is increasing)."""
+        scheduler = self._edm_scheduler
+        low = torch.full_like(timesteps, float(scheduler.config.sigma_min))
+        high = torch.full_like(timesteps, float(scheduler.config.sigma_max))
+        for _ in range(100):
+            middle = (low + high) / 2
+            above = scheduler.precondition_noise(middle).to(timesteps.dtype).view(-1) >= timesteps
+            low, high = torch.where(above, low, middle), torch.where(above, middle, high)
+        return (low + high) / 2
+
+    def _edm_at(self, latents: torch.Tensor, noise: torch.Tensor, u: torch.Tensor) -> Noised:
+        scheduler = self._edm_scheduler
+        ends = [float(scheduler.precondition_noise(torch.tensor([float(scheduler.config[k])], dtype=torch.float64)))
+                for k in ("sigma_min", "sigma_max")]  # fmt: skip
+        low = ends[0] + self.min_timestep * (ends[1] - ends[0])
+        high = ends[0] + self.max_timestep * (ends[1] - ends[0])
+        timesteps = low + (high - low) * u.double()
+        sigma = self._edm_sigma(timesteps).view(-1, *([1] * (latents.dim() - 1)))
+        x0, x = latents.double(), latents.double() + sigma * noise.double()
+        # precondition_outputs is c_skip * x + c_out * output: the output that gives x_0
+        skip = scheduler.precondition_outputs(x, torch.zeros_like(x), sigma)
+        scale = scheduler.precondition_outputs(torch.zeros_like(x), torch.ones_like(x), sigma)
+        return Noised(
+            noisy=scheduler.precondition_inputs(x, sigma).float(),
+            timesteps=timesteps.float(),
+            target=((x0 - skip) / scale).float(),
+            weights=torch.ones(latents.shape[0]),
+        )
 
     def _timestep_bounds(self) -> tuple[int, int]:
         low = int(self.min_timestep * self.num_train_timesteps)
@@ -137,6 +185,15 @@ def _is_flow(config: dict) -> bool:
     )
 
 
+def _is_edm(config: dict) -> bool:
+    """A scheduler that preconditions as EDM does (its own ``precondition_*`` methods, ``sigma_min`` / ``sigma_max``)."""
+    import diffusers
+
+    cls = getattr(diffusers, str(config.get("_class_name", "")), None)
+    methods = ("precondition_inputs", "precondition_noise", "precondition_outputs")
+    return cls is not None and all(hasattr(cls, m) for m in methods) and {"sigma_min", "sigma_max"} <= set(config)
+
+
 def objective_for(
     pipeline_dir: Path,
     *,
@@ -160,6 +217,10 @@ def objective_for(
             sampling=sampling,
             min_timestep=low,
             max_timestep=high,
+        )
+    if _is_edm(config):
+        return Objective(
+            "edm", sampling=sampling, min_timestep=low, max_timestep=high, scheduler_config=config
         )
     prediction = config.get("prediction_type", "epsilon")
     if prediction not in ("epsilon", "v_prediction"):

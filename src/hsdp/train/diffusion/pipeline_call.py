@@ -8,7 +8,9 @@ prediction. Training needs the same call with noised latents and a sampled times
 pipeline itself rather than written again per family:
 
 * **Captions** (:func:`encode_captions`): ``__call__`` runs with the frozen encoders until its first denoiser call,
-  and every ``encode_prompt`` return on the way is kept (so ``encode_prompt`` is called as ``__call__`` calls it,
+  and every return of its encoding methods on the way is kept (:func:`encoding_methods`: ``encode_prompt`` and the
+  other ``encode_*`` methods ``__call__`` calls, such as Stable Audio's ``encode_duration``, whose projection of the
+  audio's start and end seconds conditions the denoiser beside the caption) (so ``encode_prompt`` is called as ``__call__`` calls it,
   with any number of encoders and masks). What varies per caption (tensors with a row per prompt, or lists with an
   item per prompt) is stored per item; the rest (FLUX's text ids) is the same for every caption
   (:class:`PromptLayout`, read from calls on three captions and on two: the captions' dimension is the one of size 3,
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +58,8 @@ __all__ = [
     "PaddingMask",
     "DenoiserCalls",
     "call_arguments",
+    "encoding_methods",
+    "replaced_encoders",
     "set_call_settings",
     "size_problem",
     "encode_captions",
@@ -105,16 +110,22 @@ def set_call_settings(pipe, **settings: Any) -> None:
 
 
 
-def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int) -> dict:
+def call_arguments(pipe, prompts: list[str], size: tuple[int, int], frames: int, seconds: float | None = None) -> dict:
     """``__call__``'s arguments for one denoising step of ``prompts`` at ``size`` x ``frames`` without classifier-free
     guidance (training conditions on the caption alone): the CFG scale at 1 (``true_cfg_scale`` where the pipeline
-    has it, FLUX's ``guidance_scale`` being a distilled embedding that keeps its default), latents out."""
+    has it, FLUX's ``guidance_scale`` being a distilled embedding that keeps its default), latents out. ``seconds``:
+    an audio item's length, as the pipeline's audio length argument (``audio_end_in_s``); None: its default."""
+    from hsdp.engine.model_info import AUDIO_LENGTH_PARAMS
+
     params = inspect.signature(type(pipe).__call__).parameters
     args: dict[str, Any] = {"prompt": prompts, "num_inference_steps": 1, "output_type": "latent"}
     if "height" in params and "width" in params:
         args["height"], args["width"] = size
     if "num_frames" in params:
         args["num_frames"] = frames
+    length = next((n for n in AUDIO_LENGTH_PARAMS if n in params), None)
+    if seconds is not None and length is not None:
+        args[length] = seconds
     if "use_resolution_binning" in params:  # the item's size as it is (SANA, PixArt would snap it to a bin)
         args["use_resolution_binning"] = False
     cfg = "true_cfg_scale" if "true_cfg_scale" in params else "guidance_scale"
@@ -298,6 +309,57 @@ def _stop(model, arguments):
 # --- captions -----------------------------------------------------------------------------------------------------
 
 
+def encoding_methods(pipeline_class: type) -> tuple[str, ...]:
+    """The pipeline's encoding methods whose returns the trainer records and replays: ``encode_prompt`` and every
+    other ``encode_*`` method its ``__call__`` calls (Stable Audio's ``encode_duration``: the seconds conditioning,
+    computed by a frozen projection model). Those a training pass does not call (an IP-Adapter's ``encode_image``)
+    record nothing."""
+    try:
+        source = inspect.getsource(pipeline_class.__call__)
+    except (OSError, TypeError):
+        source = ""
+    called = re.findall(r"self\.(encode_\w+)\(", source)
+    return tuple(n for n in dict.fromkeys(["encode_prompt", *called]) if callable(getattr(pipeline_class, n, None)))
+
+
+@contextmanager
+def replaced_encoders(pipe, make: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Each of :func:`encoding_methods` replaced on ``pipe`` by ``make(name, original)`` for the block (instance
+    attributes, deleted after: the class's methods again)."""
+    names = encoding_methods(type(pipe))
+    for name in names:
+        setattr(pipe, name, make(name, getattr(pipe, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            pipe.__dict__.pop(name, None)
+
+
+def replaying(returns: list, convert: Callable = lambda value: value) -> Callable[[str, Callable], Callable]:
+    """A ``make`` for :func:`replaced_encoders`: every encoding method returns the next of ``returns`` (in the
+    order ``__call__`` called them when they were recorded), through ``convert``, whatever it is asked."""
+    replay = iter(returns)
+    return lambda name, original: lambda *args, **kwargs: convert(next(replay))
+
+
+def recording(recorded: list, methods: list | None = None) -> Callable[[str, Callable], Callable]:
+    """A ``make`` for :func:`replaced_encoders`: every encoding method's return appended to ``recorded`` (and its
+    name to ``methods``)."""
+
+    def make(name: str, original: Callable) -> Callable:
+        def record(*args, **kwargs):
+            recorded.append(original(*args, **kwargs))
+            if methods is not None:
+                methods.append(name)
+            return recorded[-1]
+
+        return record
+
+    return make
+
+
+
 @dataclass(frozen=True)
 class Rows:
     """A tensor with a row per caption along ``dim`` (0 for most; 1 for HiDream's Llama 3 hidden states, stacked
@@ -321,6 +383,14 @@ class PromptLayout:
     :class:`PaddingMask` or a value the same for every caption (kept here: None, FLUX's text ids, an empty list)."""
 
     calls: tuple[tuple[bool, tuple[Any, ...]], ...]
+    methods: tuple[str, ...] = ()
+    """The encoding method of each call (:func:`encoding_methods`); empty in layouts recorded before it was kept,
+    when every call was ``encode_prompt``'s."""
+
+    def caption_names(self, names) -> list[str]:
+        """Those of ``names`` (``prompt.<call>.<position>``) that ``encode_prompt`` returned: what a dropped caption
+        replaces (the others, Stable Audio's seconds conditioning, are the item's whatever its caption)."""
+        return [n for n in names if not self.methods or self.methods[int(n.split(".")[1])] == "encode_prompt"]
 
     def names(self) -> Iterator[tuple[str, str]]:
         """``(name, kind)`` of every per-caption value: ``prompt.<call>.<position>``."""
@@ -367,25 +437,26 @@ def _kind(three: Any, two: Any) -> Any:
     return _to(three, torch.device("cpu"))
 
 
-def _record_encodings(pipe, model_dir: Path, captions: list[str], size: tuple[int, int], frames: int) -> list:
-    """Every ``encode_prompt`` return of ``__call__`` on ``captions`` up to its first denoiser call (collective when
-    the encoders are sharded: every rank runs it)."""
+def _record_encodings(
+    pipe,
+    model_dir: Path,
+    captions: list[str],
+    size: tuple[int, int],
+    frames: int,
+    seconds: float | None = None,
+    methods: list | None = None,
+) -> list:
+    """Every return of the encoding methods (:func:`encoding_methods`) of ``__call__`` on ``captions`` up to its
+    first denoiser call, in call order (collective when the encoders are sharded: every rank runs it); their names
+    appended to ``methods``."""
     recorded: list = []
-    original = pipe.encode_prompt
-
-    def record(*args, **kwargs):
-        recorded.append(original(*args, **kwargs))
-        return recorded[-1]
-
     pipe.set_progress_bar_config(disable=True)
-    pipe.encode_prompt = record
     try:
-        with _stand_ins(pipe, model_dir, _stop), _unguided(pipe), _default_size(pipe, size), torch.no_grad():
-            pipe(**call_arguments(pipe, captions, size, frames))
+        with replaced_encoders(pipe, recording(recorded, methods)), _stand_ins(pipe, model_dir, _stop), _unguided(pipe), \
+                _default_size(pipe, size), torch.no_grad():
+            pipe(**call_arguments(pipe, captions, size, frames, seconds))
     except _Stop:
         pass
-    finally:
-        del pipe.encode_prompt  # the instance attribute: the class's method again
     if not recorded:
         raise ValueError(f"{type(pipe).__name__}.__call__ reaches its denoiser without calling encode_prompt")
     return recorded
@@ -401,7 +472,8 @@ _UNEVEN = ["", "a caption of several words"]
 def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> PromptLayout:
     """The layout of ``pipe``'s caption encodings, read from calls on three empty captions and on two of different
     lengths: a position that is None for the first and rows for the second is a :class:`PaddingMask`."""
-    even = _record_encodings(pipe, model_dir, ["", "", ""], size, frames)
+    methods: list[str] = []
+    even = _record_encodings(pipe, model_dir, ["", "", ""], size, frames, methods=methods)
     uneven = _record_encodings(pipe, model_dir, _UNEVEN, size, frames)
     calls = []
     for r, u in zip(even, uneven, strict=True):
@@ -411,15 +483,24 @@ def prompt_layout(pipe, model_dir: Path, size: tuple[int, int], frames: int) -> 
             mask = v is None and isinstance(w, torch.Tensor) and w.dim() > 0 and w.shape[0] == 2
             kinds.append(PaddingMask(w.dtype) if mask else kind)
         calls.append((isinstance(r, tuple), tuple(kinds)))
-    return PromptLayout(tuple(calls))
+    # Only where another method encodes too: a layout of encode_prompt calls alone stays as it was recorded before.
+    named = tuple(methods) if set(methods) != {"encode_prompt"} else ()
+    return PromptLayout(tuple(calls), named)
 
 
 def encode_captions(
-    pipe, model_dir: Path, layout: PromptLayout, captions: list[str], size: tuple[int, int], frames: int
+    pipe,
+    model_dir: Path,
+    layout: PromptLayout,
+    captions: list[str],
+    size: tuple[int, int],
+    frames: int,
+    seconds: float | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Each caption's encodings (``prompt.<call>.<position>`` -> its row, on the CPU, embeddings in fp32), from the pipeline's
-    ``encode_prompt`` as its ``__call__`` calls it."""
-    recorded = [_positions(r) for r in _record_encodings(pipe, model_dir, captions, size, frames)]
+    ``encode_prompt`` (and its other encoding methods) as its ``__call__`` calls it; ``seconds``: an audio item's
+    length (:func:`call_arguments`)."""
+    recorded = [_positions(r) for r in _record_encodings(pipe, model_dir, captions, size, frames, seconds)]
     items: list[dict[str, torch.Tensor]] = [{} for _ in captions]
     for name, kind in layout.names():
         c, p = (int(i) for i in name.split(".")[1:])
@@ -485,12 +566,16 @@ def _statistic(vae, name: str):
 
 @torch.no_grad()
 def vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """``[C, F, H, W]`` pixels (on the VAE's device) -> one item's normalised latents (the mode of the posterior,
+    """``[C, F, H, W]`` pixels, or a ``[channels, samples]`` waveform for an audio VAE (on the VAE's device) -> one
+    item's normalised latents (the mode of the posterior,
     as diffusers' training scripts take it; DC-AE's deterministic ``latent``), ``[C, F', H', W']`` for a video VAE,
     ``[C, H', W']`` for an image one. Normalised with the VAE's own statistics, as its pipelines do before
     decoding, inverted: ``((x - latents_mean) / latents_std - shift_factor) * scaling_factor``, each where the
     VAE has it."""
-    video = pixels[None] if latent_dims(vae) == 3 else pixels[None, :, 0]
+    if pixels.dim() == 2:  # a waveform [channels, samples] (an audio VAE: Oobleck)
+        video = pixels[None]
+    else:
+        video = pixels[None] if latent_dims(vae) == 3 else pixels[None, :, 0]
     encoded = vae.encode(video)
     output = encoded[0] if isinstance(encoded, tuple) else encoded
     dist = getattr(output, "latent_dist", None)
@@ -613,8 +698,6 @@ class DenoiserCalls:
         pipe = self.pipe
         rows = batch.noisy.shape[0]
         returns = self.layout.returns(batch.prompts, self.device)
-        replay = iter(returns)
-        pipe.encode_prompt = lambda *a, **k: next(replay)
 
         def forward(model, arguments):
             if output is None:
@@ -637,13 +720,14 @@ class DenoiserCalls:
         scheduler.step, scheduler.set_timesteps = step, set_timesteps
         args = call_arguments(pipe, [""] * rows, batch.size, batch.frames)
         try:
-            with _stand_ins(pipe, self.model_dir, forward), _initial_latents(type(pipe), latents), _unguided(pipe), \
-                    _default_size(pipe, batch.size), torch.no_grad():
+            with replaced_encoders(pipe, replaying(returns)), _stand_ins(pipe, self.model_dir, forward), \
+                    _initial_latents(type(pipe), latents), _unguided(pipe), _default_size(pipe, batch.size), \
+                    torch.no_grad():
                 pipe(**args)
         except _Stop as stop:
             return stop.args[0]
         finally:
-            del pipe.encode_prompt, scheduler.step, scheduler.set_timesteps
+            del scheduler.step, scheduler.set_timesteps
         raise ValueError(f"{type(pipe).__name__}.__call__ finished without calling its denoiser")
 
     def _read_layout(self, batch: DenoiserBatch) -> _Layout:

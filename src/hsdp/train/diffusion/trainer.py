@@ -65,6 +65,7 @@ from hsdp.train.data import DatasetError
 from hsdp.train.diffusion import evaluation, validation
 from hsdp.train.diffusion.frozen import (
     DENOISERS,
+    audio_spec,
     encode_items,
     encoder_components,
     frozen_pipeline,
@@ -231,13 +232,10 @@ def check_trainable(cfg: TrainConfig, model_dir: Path) -> str:
             f"(its __call__ takes {', '.join(taken)}: a reference image, video, mask or control), which hsdp's "
             "diffusion trainer does not build yet (text-to-image and text-to-video pipelines train)"
         )
-    from hsdp.engine.model_info import inspect_model
-
-    if inspect_model(model_dir).output == "audio":  # the trainer's data are images and videos
-        raise TrainConfigError(
-            f"--model {cfg.model}: {pipeline_class} makes audio, which hsdp's diffusion trainer does not build yet "
-            "(text-to-image and text-to-video pipelines train)"
-        )
+    try:
+        audio_spec(model_dir)  # an audio pipeline trains on waveforms its VAE takes, cut to a length it makes
+    except ValueError as exc:
+        raise TrainConfigError(f"--model {cfg.model}: {exc}") from exc
     objective_for(model_dir)  # a pipeline without a usable scheduler fails here
     for component in components if cfg.use_lora else ():
         try:
@@ -566,7 +564,8 @@ class DiffusionTrainer(Trainer):
         latents = torch.stack([self.data.latents[i] for i in rows])
         expert = self.expert_at(number // cfg.grad_accum)
         noised = self.objectives[expert].noise(latents, generator)
-        prompts = [self.data.empty_prompt if d else self.data.prompts[i] for i, d in zip(rows, drop.tolist(), strict=True)]
+        prompts = [self._dropped(self.data.prompts[i]) if d else self.data.prompts[i]
+                   for i, d in zip(rows, drop.tolist(), strict=True)]  # fmt: skip
         per_rank = cfg.batch_size // self.dp_size
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
         bucket = self.data.dataset.buckets[rows[0]]  # one bucket per micro-batch
@@ -578,6 +577,13 @@ class DiffusionTrainer(Trainer):
             size=(bucket.height, bucket.width), frames=bucket.frames,
         )  # fmt: skip
         return _MicroBatch(batch, target=ahead(noised.target[mine]), weights=ahead(noised.weights[mine]), expert=expert)
+
+    def _dropped(self, item: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``item``'s encodings with its caption dropped (``--caption-dropout``): what ``encode_prompt`` gave for it
+        replaced by the empty caption's; what other encoding methods gave (Stable Audio's seconds conditioning, the
+        clip's own length) kept."""
+        empty = self.data.empty_prompt
+        return {**item, **{name: empty[name] for name in self.layout.caption_names(empty)}}
 
     def _micro_loss(self, inputs: _MicroBatch) -> torch.Tensor:
         prediction = self._predict(inputs.batch, inputs.expert)
@@ -615,6 +621,17 @@ class DiffusionTrainer(Trainer):
 
     def data_table(self) -> dict:
         dataset = self.data.dataset
+        if dataset.audio is not None:
+            audio = dataset.audio
+            return {
+                "source": str(self.cfg.data),
+                "items": len(dataset),
+                "unit": "(audio files)",
+                "buckets": [[f"{audio.samples} samples ({audio.seconds:g} s at {audio.sampling_rate} Hz, "
+                             f"{audio.channels} channels)", len(dataset)]],
+                "skipped": [[str(path), why] for path, why in dataset.skipped],
+                "upscaled": [],
+            }  # fmt: skip
         groups: dict[str, int] = {}
         for bucket in dataset.buckets:
             label = f"{bucket.frames} x {bucket.height} x {bucket.width}"

@@ -7,11 +7,12 @@ generation defaults, ``--validation-negative-prompt``, ``--validation-cfg-scale`
 engine's :func:`hsdp.engine.diffusion.call_kwargs`, and the initial noise from a CPU generator seeded with
 ``--seed`` for every prompt, so successive samples differ only by training and each equals ``hsdp generate`` of the
 same weights, prompt and seed. Rank 0 writes each prompt's video or image with the engine's writers to
-``<output_dir>/samples/step-<N>/<i>-<prompt>.mp4`` (``.png`` for image pipelines).
+``<output_dir>/samples/step-<N>/<i>-<prompt>.mp4`` (``.png`` for image pipelines, ``.wav`` for audio ones).
 
 The trainer frees the text encoders before the first step, so each prompt's encodings are taken once, up front:
 the pipeline's own ``__call__`` runs with the encoders loaded (denoisers on meta) until its first denoiser call,
-and every ``encode_prompt`` return before it is recorded in order (one call with the negative embeddings inside
+and every return of its encoding methods before it (``encode_prompt``, and Stable Audio's ``encode_duration``:
+:func:`hsdp.train.diffusion.pipeline_call.encoding_methods`) is recorded in order (one call with the negative embeddings inside
 for Wan and SDXL, a second call for the negative prompt under FLUX's true CFG). Each validation replays them in
 that order in place of ``encode_prompt``. The VAE and scheduler are loaded for each validation and dropped after
 it, so the training peak does not hold them.
@@ -89,12 +90,13 @@ def _pipeline_call(pipe, call: dict):
 
 def capture_encodings(pipe, model_dir: Path, cfg) -> ValidationPrompts:
     """Run ``pipe`` (encoders loaded, denoisers not) on each validation call until its first denoiser call,
-    recording every ``encode_prompt`` return (collective when the encoders are sharded: every rank runs it)."""
+    recording every return of its encoding methods (``encode_prompt``, ``encode_duration``; collective when the
+    encoders are sharded: every rank runs it)."""
     from hsdp.planning.profile import build_meta_model
     from hsdp.train.diffusion.frozen import DENOISERS
+    from hsdp.train.diffusion.pipeline_call import recording, replaced_encoders
 
     calls = validation_calls(cfg, model_dir)
-    original = pipe.encode_prompt
     # ``__call__`` reads its denoisers' configs and dtype before encoding (Wan's patch size): give it them on meta,
     # stopping the call where the first one runs.
     absent = [n for n in DENOISERS if (model_dir / n / "config.json").is_file() and getattr(pipe, n, None) is None]
@@ -108,26 +110,16 @@ def capture_encodings(pipe, model_dir: Path, cfg) -> ValidationPrompts:
     encodings = []
     for call in calls:
         recorded: list = []
-        pipe.encode_prompt = _recorder(original, recorded)
         try:
-            _pipeline_call(pipe, call)
+            with replaced_encoders(pipe, recording(recorded)):
+                _pipeline_call(pipe, call)
         except _Encoded:
             pass
-        finally:
-            del pipe.encode_prompt  # the instance attribute: the class's method again
         encodings.append([_to(e, torch.device("cpu")) for e in recorded])
     for hook in hooks:
         hook.remove()
     pipe.register_modules(**dict.fromkeys(absent))
     return ValidationPrompts(tuple(cfg.validation_prompts), encodings, calls)
-
-
-def _recorder(encode_prompt, recorded: list):
-    def record(*args, **kwargs):
-        recorded.append(encode_prompt(*args, **kwargs))
-        return recorded[-1]
-
-    return record
 
 
 def _to(encoded, device: torch.device):
@@ -137,20 +129,37 @@ def _to(encoded, device: torch.device):
     return encoded.to(device) if isinstance(encoded, torch.Tensor) else encoded
 
 
-def _replay(recorded: list, device: torch.device):
-    """An ``encode_prompt`` that returns the recorded returns (on ``device``) in order, whatever it is asked."""
-    returns = iter(recorded)
+def _weightless(model_dir: Path, names: list[str]) -> dict:
+    """The freed encoders for the validation pipeline: those with a config on meta (no weights read; ``__call__``
+    reads their configs outside the replayed encoding methods: Stable Audio's ``check_inputs`` the projection
+    model's value range), the others (tokenizers) left out."""
+    from hsdp.loading import build_component
+    from hsdp.models.description import describe
 
-    def encode_prompt(*args, **kwargs):
-        return _to(next(returns), device)
-
-    return encode_prompt
+    model = describe(model_dir)
+    return {n: build_component(model, n, torch.float32) if model.components[n].has_config else None for n in names}
 
 
-def sample_paths(output_dir: str | Path, step: int, prompts: tuple[str, ...], video: bool) -> list[Path]:
-    """Where step ``step``'s samples go: ``samples/step-<N>/<i>-<prompt, shortened>.<mp4|png>``."""
+def _executing_on(pipe, device: torch.device) -> None:
+    """``pipe`` executes on ``device`` (its ``_execution_device`` would otherwise be its first module's: a meta
+    encoder's)."""
+    cls = type(pipe)
+    on = {"_execution_device": property(lambda self: device), "device": property(lambda self: device)}
+    pipe.__class__ = type(cls.__name__, (cls,), on)
+
+
+def _output(out) -> np.ndarray:
+    """An image or audio pipeline's output as numpy (audio pipelines return tensors whatever ``output_type`` says)."""
+    values = out.audios if hasattr(out, "audios") else out.images
+    return values.detach().float().cpu().numpy() if isinstance(values, torch.Tensor) else values
+
+
+def sample_paths(output_dir: str | Path, step: int, prompts: tuple[str, ...], video: bool | str) -> list[Path]:
+    """Where step ``step``'s samples go: ``samples/step-<N>/<i>-<prompt, shortened>.<mp4|png|wav>``; ``video``:
+    True, False (images) or the output kind (``"video"``, ``"image"``, ``"audio"``)."""
     folder = Path(output_dir) / "samples" / f"step-{step}"
-    suffix = ".mp4" if video else ".png"
+    kind = video if isinstance(video, str) else "video" if video else "image"
+    suffix = {"video": ".mp4", "audio": ".wav"}.get(kind, ".png")
     names = [re.sub(r"[^a-z0-9]+", "-", p.lower()).strip("-")[:40] or "prompt" for p in prompts]
     return [folder / f"{i}-{name}{suffix}" for i, name in enumerate(names)]
 
@@ -158,31 +167,44 @@ def sample_paths(output_dir: str | Path, step: int, prompts: tuple[str, ...], vi
 @torch.no_grad()
 def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]:
     """Every prompt generated with ``trainer``'s sharded denoiser in the pipeline (collective: every rank runs
-    it); rank 0 writes the files. Returns the samples (frames ``[F, H, W, 3]`` or images ``[N, H, W, 3]``)."""
-    from hsdp.engine.outputs import save_frames, save_images
+    it); rank 0 writes the files. Returns the samples (frames ``[F, H, W, 3]``, images ``[N, H, W, 3]`` or
+    waveforms ``[N, channels, samples]``)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    from hsdp.engine.diffusion import sample_rate
+    from hsdp.engine.outputs import save_audio, save_frames, save_images
     from hsdp.train.diffusion.frozen import encoder_components
+    from hsdp.train.diffusion.pipeline_call import replaced_encoders, replaying
 
     text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
-    pipe = trainer.pipeline_class.from_pretrained(
-        trainer.model_dir, **dict.fromkeys(text_parts), **trainer.experts, torch_dtype=torch.float32
-    )
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # a meta module of a pipeline's own module is "non-standard" to it
+    try:
+        pipe = trainer.pipeline_class.from_pretrained(
+            trainer.model_dir, **_weightless(trainer.model_dir, text_parts), **trainer.experts, torch_dtype=torch.float32
+        )
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
     for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module) and name not in trainer.experts:
+        if isinstance(module, torch.nn.Module) and name not in trainer.experts and name not in text_parts:
             module.to(trainer.device)
+    _executing_on(pipe, trainer.device)
     pipe.set_progress_bar_config(disable=True)
     trainer.model.eval()
     samples = []
     for recorded, call in zip(validation.encodings, validation.calls, strict=True):
-        pipe.encode_prompt = _replay(recorded, trainer.device)
-        out = _pipeline_call(pipe, call)
-        samples.append(out.frames[0] if hasattr(out, "frames") else out.images)
+        with replaced_encoders(pipe, replaying(recorded, lambda value: _to(value, trainer.device))):
+            out = _pipeline_call(pipe, call)
+        samples.append(out.frames[0] if hasattr(out, "frames") else _output(out))
     trainer.model.train()
     if trainer.rank == 0:
-        video = hasattr(out, "frames")
-        paths = sample_paths(trainer.cfg.output_dir, trainer.step, validation.prompts, video)
+        kind = "video" if hasattr(out, "frames") else "audio" if hasattr(out, "audios") else "image"
+        paths = sample_paths(trainer.cfg.output_dir, trainer.step, validation.prompts, kind)
         for sample, path in zip(samples, paths, strict=True):
-            if video:
+            if kind == "video":
                 save_frames(sample, path)
+            elif kind == "audio":
+                save_audio(sample, sample_rate(pipe), path)
             else:
                 save_images(sample, path)
         logger.info("validation samples at step %d: %s", trainer.step, paths[0].parent)
