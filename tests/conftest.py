@@ -211,13 +211,17 @@ _terminal_sigint()
 
 
 def _servers_start_forked() -> None:
-    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` is forked from hsdp's forkserver, which has torch
-    and the model libraries imported (tests/forked_cli.py: 5-7 s of CPU per server otherwise), where its
-    environment allows; ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
-    from hsdp.serve.local import LocalServer
-    from tests.forked_cli import popen
+    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` is forked from hsdp's forkserver, and the torchrun
+    agents and ranks of each :class:`~hsdp.serve.local.LocalNodes` from a fork server, both with torch and the model
+    libraries imported (tests/forked_cli.py: 2-7 s of CPU per process otherwise), where the environment allows;
+    ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
+    from hsdp.serve.local import LocalNodes, LocalServer
+    from tests.forked_cli import popen, preloaded_python
 
     LocalServer.popen = staticmethod(popen)
+    LocalNodes.python = staticmethod(preloaded_python)
+    # torchrun runs its ranks `python -u`: the rank fork server has it as its environment (docs_forkserver's check)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 _servers_start_forked()

@@ -53,11 +53,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REAL = {name: ROOT / ".venv" / "bin" / name for name in ("hsdp", "python", "torchrun")}
 
-RUNTIME_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE"})
+RUNTIME_ENV = frozenset(
+    {"PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+)
 """Variables a command may set differently from the server's environment and still fork: bash's own, and hsdp's
 that are read when a command runs, not when a module is imported (``HSDP_API_KEY`` is the default of
 ``hsdp serve --api-key``, read as the parser is built; ``HSDP_LOG_LEVEL`` by :func:`configure_logging`;
-``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`)."""
+``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`); torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` by
+torchrun's rendezvous as it starts (:class:`hsdp.serve.local.LocalNodes` sets it)."""
 
 TORCHRUN_ENV = frozenset(
     {
@@ -439,6 +442,8 @@ def _run(request: dict, server_env: dict[str, str]) -> int:
                 sys.path[0] = os.path.dirname(os.path.realpath(value))
                 _run_file(value)
             elif kind == "module":
+                if value == "torch.distributed.run":  # its ranks (`python -u ...`) come back through the shim
+                    sys.executable = request["shim"]
                 sys.argv = [value, *args]  # runpy puts the module's file first, as `python -m` does
                 sys.path[0] = os.getcwd()
                 sys.modules.pop(value, None)  # run as __main__ from its source, not the server's imported copy

@@ -8,6 +8,10 @@ still runs in a process of its own (its exit code, its stdout and stderr, its wo
 signal dispositions and atexit handlers as a fresh ``python`` has them, ranks it starts by fork from it), only
 without the imports. Where the platform has no forkserver, or ``HSDP_TEST_SUBPROCESS=1``, it is a subprocess.
 
+:func:`preloaded_python` is a ``python`` for torchrun: its agent and the ranks it starts (``python -u ...``) run
+forked from a fork server of this process's (tests/docs_forkserver.py, as the docs tier's commands), each still a
+process of its own standing where torchrun started it.
+
 :func:`popen` is the same for a long-running command (a server): ``subprocess.Popen``'s arguments and a
 ``Popen``-like answer whose ``pid`` is the command's own process (signals, ``/proc`` parents, ``killpg`` of its
 group when ``start_new_session``), used by :class:`hsdp.serve.local.LocalServer` in the suite (tests/conftest.py).
@@ -162,6 +166,56 @@ def _long_command(argv: list[str], env: dict[str, str], cwd: str, log: str, own_
 
         torch.set_num_threads(int(threads))
     _command(argv, env, cwd, log, log, append=True, group=not own_session)
+
+
+_RANK_SERVER: list = []
+"""The fork server behind :func:`preloaded_python` (started once per process) and its folder."""
+
+
+def preloaded_python() -> str:
+    """A ``python`` that runs ``python -m torch.distributed.run ...`` and the ranks that torchrun starts forked from a
+    server with torch, diffusers, transformers and hsdp imported (tests/docs_forkserver.py: its shim), or
+    ``sys.executable`` where this platform has no fork to use, ``HSDP_TEST_SUBPROCESS=1``, or the server failed.
+    A command whose environment differs from this process's in what is read at import runs plain (the shim then
+    exec's the real interpreter)."""
+    if not _FORKED:
+        return sys.executable
+    if not _RANK_SERVER:
+        _RANK_SERVER.append(_start_rank_server())
+    server, shim = _RANK_SERVER[0]
+    return shim if server is not None and server.poll() is None else sys.executable
+
+
+def _start_rank_server() -> tuple[subprocess.Popen | None, str]:
+    import shutil
+    import time
+
+    from tests.docs_forkserver import write_shims
+
+    folder = Path(tempfile.mkdtemp(prefix="hsdp-rank-fork-"))  # short: a unix socket path has ~100 bytes
+    socket_path = folder / "server.sock"
+    write_shims(folder / "bin", socket_path)
+    log = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed at exit)
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("docs_forkserver.py")), str(socket_path), str(folder / "record")],
+        env=dict(os.environ), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not socket_path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # bound before it imports: a shim's connect waits for the imports
+    if not socket_path.exists():
+        server.kill()
+        return None, sys.executable
+
+    def stop() -> None:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(30)
+        log.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+    return server, str(folder / "bin" / "python")
 
 
 def _kill_group(pid: int) -> None:

@@ -60,13 +60,13 @@ def test_wan22_second_transformer_sharded_and_cfg_parallel(tmp_path, dist_run):
 def test_torchrun_ranks_run_the_engine_in_process(model_cache, tmp_path):
     import os
     import subprocess
-    import sys
 
     from tests import engine_fns
+    from tests.forked_cli import preloaded_python
 
     path = builtin("tiny-wan", model_cache)
     out = tmp_path / "frames.npz"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [preloaded_python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "tests.engine_fns", str(path), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.forked_cli import preloaded_python
+
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("torchrun_load.py")
@@ -68,7 +70,7 @@ def _train_job(out: Path, data: Path, tag: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with open(out / f"{tag}.log", "w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", "hsdp.cli", *train],
+            [preloaded_python(), "-m", "torch.distributed.run", *torchrun, "-m", "hsdp.cli", *train],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -104,13 +106,28 @@ def _worker(agent: int, local_rank: int) -> int | None:
     return None
 
 
+def _job_worker(marker: str, local_rank: int) -> int | None:
+    """The pid of the torchrun worker ``local_rank`` whose command line holds ``marker``, wherever its agent runs
+    (the suite's agents are forked from a fork server, tests/forked_cli.py: the worker torchrun started is a stand-in
+    whose death ends the rank it stands for)."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in command and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry)
+    return None
+
+
 def _kill_rank_after(job: subprocess.Popen, checkpoint: Path, local_rank: int, timeout_s: float = 240) -> None:
     """SIGKILL worker ``local_rank`` as soon as ``checkpoint`` is complete (mid-run: the job saves every step)."""
     deadline = time.monotonic() + timeout_s
     while not (checkpoint / "COMPLETE").exists():
         assert job.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoints"
         time.sleep(0.02)
-    pid = _worker(job.pid, local_rank)
+    pid = _job_worker(str(checkpoint.parent), local_rank)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
 

@@ -195,6 +195,10 @@ class LocalNodes:
     ``with LocalNodes("tiny-wan", ["--use-hsdp", "--hsdp-shard-size", "2"], log_dir=path) as nodes: ...``
     """
 
+    python: Callable[[], str] = staticmethod(lambda: sys.executable)
+    """The Python that runs torchrun's agents (torchrun starts the ranks with its own interpreter): hsdp's test suite
+    gives one whose processes fork from a process that has torch and the model's library imported."""
+
     def __init__(
         self,
         model: str,
@@ -225,7 +229,7 @@ class LocalNodes:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for node in range(self.nnodes):
             cmd = [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
+                *(self.python(), "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
                 *("--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts)),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"),
                 *("-m", "hsdp.cli", "serve", self.model, "--port", str(self.port), *self.args),
