@@ -274,9 +274,10 @@ def test_a_forked_rank_never_collects_the_callers_uncollected_garbage(dist_run):
 
     import torch.distributed as dist
 
-    from hsdp.launch.group import fork_problem
+    from hsdp.launch.group import _stop_progress_monitors, fork_problem
 
     dist_run.close()  # the session's groups: an open one makes the next group start by the forkserver
+    _stop_progress_monitors()  # as a group does before it decides (an earlier test's bar left tqdm's thread)
     if problem := fork_problem():
         pytest.skip(f"the ranks would not be forked from this process: {problem}")
     gc.disable()

@@ -155,9 +155,11 @@ def test_ranks_started_after_a_simulation_shard_by_their_own_rank(dist_run):
     with rank 1's rows (in a test run: "shape [1, 6, 32] is invalid for input of size 0", and wrong logits where
     the shapes happened to agree)."""
     from hsdp.launch import WorkerGroup, fork_problem
+    from hsdp.launch.group import _stop_progress_monitors
 
     dist_run.close()  # the session's groups: an open one makes the next group start by the forkserver
     simulate(_llama, ParallelConfig(use_hsdp=True, hsdp_shard_size=2), rank=1)
+    _stop_progress_monitors()  # as a group does before it decides (an earlier test's bar left tqdm's thread)
     if problem := fork_problem():
         pytest.skip(f"the ranks would not be forked from this process: {problem}")
     with WorkerGroup(2) as group:

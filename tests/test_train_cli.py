@@ -14,19 +14,14 @@ import pytest
 
 from hsdp.checkpoint import latest_checkpoint
 from hsdp.models.tiny import build_byte_tokenizer, build_tiny_llama
+from tests.forked_cli import run_hsdp
 
 pytestmark = pytest.mark.slow  # builds and trains models, spawns ranks
 
 
 def _hsdp(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
-    return subprocess.run(
-        [sys.executable, "-m", "hsdp.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    """``hsdp train ARGS`` as its own process (forked from a process with its imports done: tests/forked_cli.py)."""
+    return run_hsdp(["train", *args], timeout=timeout, env={**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"})
 
 
 @pytest.fixture(scope="module")

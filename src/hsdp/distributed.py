@@ -18,7 +18,12 @@ import torch.distributed as dist
 
 logger = logging.getLogger("hsdp")
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HSDP_COLLECTIVE_TIMEOUT", "300"))
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for a peer: ``HSDP_COLLECTIVE_TIMEOUT`` (default 300), read when a group is made,
+    so a process that sets it after importing hsdp (a notebook, a command forked from a preloaded process) gets it."""
+    return float(os.environ.get("HSDP_COLLECTIVE_TIMEOUT", "300"))
 
 
 def device_type() -> str:
@@ -57,13 +62,13 @@ def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
     store: dist.Store | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> torch.device:
     """Join (or create) the default process group; returns this rank's device.
 
     Without arguments it reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...); a rank
     started by torchrun then exits once its agent is gone (:func:`_watch_torchrun_agent`). Every collective gets
-    ``timeout_s``, so a dead peer surfaces as an error instead of a hang. The groups are torn down at exit
+    ``timeout_s`` (default :func:`collective_timeout_s`), so a dead peer surfaces as an error instead of a hang. The groups are torn down at exit
     (:func:`destroy_distributed`) if the caller has not done so.
     """
     device = local_device()
@@ -74,7 +79,7 @@ def init_distributed(
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     backend = dist.get_default_backend_for_device(device)
-    kwargs: dict = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
+    kwargs: dict = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s or collective_timeout_s())}
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)
     forget_group_state()  # anything cached so far belongs to an older group (or the parent this rank forked from)

@@ -117,8 +117,9 @@ def _control_group(timeout_s: float) -> dist.ProcessGroup:
 class LeaderRanks:
     """Global rank 0's handle on every rank of this torchrun job (the others run :func:`follow`)."""
 
-    def __init__(self, call_timeout_s: float = distributed.DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, call_timeout_s: float | None = None) -> None:
         distributed.init_distributed()
+        call_timeout_s = call_timeout_s or distributed.collective_timeout_s()
         assert distributed.rank() == 0, "LeaderRanks runs on global rank 0; the other ranks run follow()"
         self.world_size = distributed.world_size()
         self.call_timeout_s = call_timeout_s
@@ -192,10 +193,11 @@ class LeaderRanks:
                 logger.warning("the other torchrun ranks did not take the stop; they end with the job")
 
 
-def follow(idle_timeout_s: float = distributed.DEFAULT_TIMEOUT_S) -> int:
+def follow(idle_timeout_s: float | None = None) -> int:
     """Run rank 0's calls on this rank until it stops them (0) or is gone or silent for ``idle_timeout_s``
     (1, so torchrun counts a failure and restarts the group). Rank 0 pings every rank while idle."""
     distributed.init_distributed()
+    idle_timeout_s = idle_timeout_s or distributed.collective_timeout_s()
     group = _control_group(idle_timeout_s)
     while True:
         try:

@@ -432,7 +432,7 @@ class WorkerGroup:
         packages: Iterable[str] = (),
         shield_sigterm: bool = False,
     ):
-        from hsdp.distributed import DEFAULT_TIMEOUT_S
+        from hsdp import distributed
 
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -444,7 +444,7 @@ class WorkerGroup:
         self._closed = False
         self.shield_sigterm = shield_sigterm
         child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-        timeout = collective_timeout_s or DEFAULT_TIMEOUT_S
+        timeout = collective_timeout_s or distributed.collective_timeout_s()
         method = _start_method(child_env, packages)
         ctx = _start_context(method, packages)
         try:

@@ -33,7 +33,7 @@ from hsdp import lora
 from hsdp.attention import set_attention_backend
 from hsdp.checkpoint import Checkpointer, export_safetensors, latest_checkpoint
 from hsdp.config import DTYPES
-from hsdp.distributed import DEFAULT_TIMEOUT_S, device_type, local_device, rank, world_size
+from hsdp.distributed import collective_timeout_s, device_type, local_device, rank, world_size
 from hsdp.loading import load_pretrained
 from hsdp.lora_formats import save_lora
 from hsdp.measure import peak_memory, reset_peak_memory
@@ -638,7 +638,7 @@ class Trainer:
             last = latest_checkpoint(self.checkpointer.root) if self.checkpointer else None
             raise RuntimeError(
                 f"rank {self.rank}: step {self.step + 1} failed ({exc}). If another rank died, the others stop "
-                f"within the collective timeout (HSDP_COLLECTIVE_TIMEOUT, now {DEFAULT_TIMEOUT_S:.0f}s). Last "
+                f"within the collective timeout (HSDP_COLLECTIVE_TIMEOUT, now {collective_timeout_s():.0f}s). Last "
                 f"complete checkpoint: {last or 'none'}" + ("; rerun with --resume" if last else "")
             ) from exc
 
