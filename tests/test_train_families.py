@@ -274,3 +274,40 @@ def test_max_sequence_length_sets_the_caption_tokens_or_is_refused(heldout, medi
     with pytest.raises(TrainConfigError, match=r"--max-sequence-length=64: StableDiffusionXLPipeline.__call__ takes "
                                                r"no max_sequence_length .*leave --max-sequence-length out"):
         check_diffusion_run(TrainConfig(model="tiny-sdxl", data=str(media), resolution=32, max_sequence_length=64))
+
+
+def _samples_around_fit(cfg: TrainConfig) -> dict:
+    from hsdp.train.diffusion import DiffusionTrainer
+
+    with DiffusionTrainer(cfg) as trainer:
+        first = trainer.sample()
+        trainer.fit()
+        return {"first": first, "last": trainer.sample()}
+
+
+def test_ltx2_validation_sample_equals_generate_with_the_export(heldout, dist_run, tmp_path):
+    """LTX-2's validation samples (issue 35 item 4): its ``__call__`` runs the ``connectors`` itself on the replayed
+    prompt encodings, so the validation pipeline keeps their weights where the replayed text encoder stays
+    weightless (before: "Tensor on device meta is not on the expected device cpu" at the first sample). The sample
+    after one LoRA step equals the engine generating with the export, prompt and seed (one process; measured 0),
+    and differs from the step-0 sample. The sizes come from the folder's hsdp_defaults.json, as generate's do."""
+    import json
+    import shutil
+
+    from hsdp.engine import Engine, SamplingParams
+
+    folders, media = heldout
+    folder = tmp_path / "ltx2"
+    shutil.copytree(folders["ltx2"], folder)
+    sizes = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 2}
+    (folder / "hsdp_defaults.json").write_text(json.dumps(sizes))
+    cfg = _ltx2_cfg(folder, media).replace(steps=1, output_dir=str(tmp_path / "run"), export=str(tmp_path / "out"),
+                                           validation_prompts=("a red fox",), lr=1e-2)  # fmt: skip
+    run = dist_run(1, _samples_around_fit, cfg)[0]
+    with Engine(folder, ParallelConfig(), workers=dist_run.group(1), lora=cfg.export) as engine:
+        [out] = engine.generate("a red fox", SamplingParams(seed=cfg.seed, max_sequence_length=LTX2_TOKENS))
+    [sample] = run["last"]
+    assert sample.shape == out.frames.shape == (9, 32, 32, 3)
+    assert abs(sample - out.frames).max() < TOL
+    assert abs(sample - run["first"][0]).max() > 1e-3  # trained
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == ["step-0", "step-1"]

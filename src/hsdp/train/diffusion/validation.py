@@ -173,10 +173,12 @@ def generate_samples(trainer, validation: ValidationPrompts) -> list[np.ndarray]
 
     from hsdp.engine.diffusion import sample_rate
     from hsdp.engine.outputs import save_audio, save_frames, save_images
-    from hsdp.train.diffusion.frozen import encoder_components
+    from hsdp.train.diffusion.frozen import call_modules, encoder_components
     from hsdp.train.diffusion.pipeline_call import replaced_encoders, replaying
 
-    text_parts = [name for name in encoder_components(trainer.model_dir) if name != "vae"]  # freed: replayed
+    # The freed encoders are replayed, weightless; what __call__ runs itself (LTX-2's connectors) keeps its weights
+    resident = {"vae", *call_modules(trainer.model_dir)}
+    text_parts = [name for name in encoder_components(trainer.model_dir) if name not in resident]
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # a meta module of a pipeline's own module is "non-standard" to it
     try:
