@@ -7,7 +7,8 @@ from the start), Wan 2.2's ``w`` (one adapter per expert, as ``hsdp train --trai
 transformer,transformer_2`` exports it), and the LoRA files of other tools added while running
 (:data:`tests.compose_hosts.FILE_ADAPTERS`): ComfyUI's and musubi-tuner's kohya keys for Wan; for LTX-2 the
 ``diffusion_model.``-keyed file of LTX-2's own trainer (the non-diffusers format diffusers' LTX-2 loader converts; it
-reads no kohya keys for LTX-2), under both names.
+reads no kohya keys for LTX-2), under both names; for Stable Audio the same keys, which hsdp refuses (diffusers'
+StableAudioPipeline has no LoRA loader to read a file with).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def build_root(name: str, model: Path, folder: Path) -> Path:
     if name == "tiny-wan":
         kohya_files(save_adapter(transformer, folder / "k", WAN_BLOCK_LINEARS, seed=5), transformer, folder)
     elif name == "tiny-ltx2":
-        _ltx2_files(save_adapter(transformer, folder / "k", LTX2_BLOCK_LINEARS, seed=5), folder)
+        _diffusion_model_files(save_adapter(transformer, folder / "k", LTX2_BLOCK_LINEARS, seed=5), folder)
+    else:  # files no diffusers converter reads for Stable Audio (its pipeline has no LoRA loader): refused
+        _diffusion_model_files(folder / "x", folder)
     return folder
 
 
@@ -84,8 +87,8 @@ def _two_expert_export(model: Path, out: Path) -> None:
         save_file(tensors, out / expert / DIFFUSERS_WEIGHTS, metadata=meta)
 
 
-def _ltx2_files(adapter: Path, out: Path) -> None:
-    """The peft adapter ``adapter`` of LTX-2's transformer keyed as LTX-2's trainer writes it
+def _diffusion_model_files(adapter: Path, out: Path) -> None:
+    """The peft adapter ``adapter`` of a transformer keyed as LTX-2's trainer and ComfyUI write it
     (``diffusion_model.<module>.lora_A.weight``), as ``comfyui.safetensors`` and ``kohya.safetensors``."""
     from safetensors.torch import load_file, save_file
 

@@ -1,10 +1,11 @@
 """The combination tier (``-m compose``, issue 27): features that compose, each case against one process.
 
 The axes and the pairwise cases are data (:mod:`tests.compose_axes`); each case runs one request (two with
-``beside``, one per adapter with ``rotation``) on ``tiny-wan`` and compares every output with plain diffusers in
-this process for the same request and seed: the case's adapter loaded by ``load_lora_weights`` at its scale and its
-step cache enabled from the diffusers config class with the fields asked for (:func:`reference`;
-:data:`HSDP_CACHE_DEFAULTS` names the one field hsdp adds). A refused pair is a case too: refused before loading, by the Engine,
+``beside``, one per adapter with ``rotation``) on ``tiny-wan``, or on the model its values imply (Wan 2.2's two
+experts, ``tiny-stable-audio``, LTX-2: :mod:`tests.compose_models`), and compares every output with plain diffusers
+in this process for the same request and seed: the case's adapter loaded by ``load_lora_weights`` at its scale (peft
+itself for Stable Audio, which diffusers has no LoRA loader for) and its step cache enabled from the diffusers config
+class with the fields asked for (:func:`reference`; :data:`HSDP_CACHE_DEFAULTS` names the one field hsdp adds). A refused pair is a case too: refused before loading, by the Engine,
 ``hsdp generate`` and ``hsdp serve`` alike, with a message naming both flags.
 
 Tolerances (:data:`TOLERANCES`, derived in docs/compose.md): exact where the math is one process's (every layout,
@@ -14,9 +15,10 @@ for ``--vae-parallel`` (docs/performance.md); 1e-3 with ``--compile`` (inductor 
 tests/test_engine_compile.py); their sum when a case has several. ``--weight-dtype int8`` is exact against the same
 weights quantized and dequantized in one process, and within PSNR 40 dB of plain diffusers' own weights.
 Outputs arrive as floats (``generate``), PNG (images: 8 bits, so a pixel within the tolerance may round to the
-next level: 1 level) or mp4 (chat and videos: the encoder is deterministic, so exact cases compare bytes; otherwise
-the decoded videos may differ by as much as the reference's own decoded video moves when its frames move by the
-tolerance, :func:`_codec_bound`).
+next level: 1 level), wav (speech: 16 bits, :func:`wav_levels`) or mp4 (chat and videos; sound: with its AAC track;
+the encoders are deterministic, so exact cases compare bytes; otherwise the decoded videos and tracks may differ by
+as much as the reference's own decoded ones move when its frames or waveform move by the tolerance,
+:func:`_codec_bound`, :func:`_track_bound`).
 
 Cases run ordered by host (:func:`host_key`) so each engine or server starts once; the matrix with each case's
 verdict is printed at the end and written to ``compose-matrix.json`` in pytest's base temp folder (and to
@@ -98,7 +100,14 @@ ADAPTERS = {
 """Adapter axis value -> the requests' adapters (one request, or one per adapter in turn) and scales. ``late`` and
 ``kohya`` are LoRA files added while running (:data:`tests.compose_hosts.FILE_ADAPTERS`), named per case."""
 ANY_ADAPTER = ("one", "rotation", "scale", "runtime", "composed", "two-expert")
-KNOWN_SEAMS: tuple[tuple[dict, str], ...] = ()
+KNOWN_SEAMS: tuple[tuple[dict, str], ...] = (
+    (
+        {"route": ("sound",), "layout": ("ulysses2",)},
+        "LTX-2 under --ulysses-degree 2 fails, eager too: its split rotary embedding (rope_type='split') does not "
+        "follow the query's head split (RuntimeError: the size of tensor a (2) must match the size of tensor b (4) "
+        "at non-singleton dimension 4); found by this tier, not fixed here",
+    ),
+)
 """Where a case meets a seam that another branch fixes (or that is reported): xfail(strict) until then."""
 
 
@@ -530,8 +539,9 @@ def _nodes_args(case: Case, root: Path, folder: Path) -> list[str]:
     ]
 
 
-AUDIO_BLOCKER_STEPS = 400
-"""A speech job ahead of a case's requests (tiny-stable-audio's steps are ~60x cheaper than tiny-wan's)."""
+AUDIO_BLOCKER_STEPS = 100
+"""A speech job ahead of a case's requests: ``hsdp serve``'s default ``--max-steps`` (tiny-stable-audio's steps are
+cheaper than tiny-wan's, so the most a request may ask)."""
 
 
 def _blocker(client, case: Case, pool: ThreadPoolExecutor):
@@ -547,7 +557,8 @@ def _blocker(client, case: Case, pool: ThreadPoolExecutor):
 def run_on_server(host, case: Case) -> list:
     """The case's outputs, in :func:`requests` order, through its route on ``host``."""
     with ThreadPoolExecutor(1) as blockers:
-        return _run_on_server(host, case, blockers)
+        outputs = _run_on_server(host, case, blockers)
+    return outputs
 
 
 def _run_on_server(host, case: Case, blockers: ThreadPoolExecutor) -> list:
