@@ -52,9 +52,9 @@ AXES: dict[str, dict[str, str]] = {
         "runtime": "`POST /v1/load_lora_adapter` of a ComfyUI LoRA file (`Engine.add_adapter`), then `model: late`",
         "composed": '`lora: [{"name": "x"}, {"name": "kohya", "local_path": "kohya.safetensors", "scale": 0.5}]`: '
         "a peft adapter and a kohya (musubi-tuner) LoRA file in one request (`adapter=[x, kohya]`)",
-        "two-expert": "Wan 2.2 A14B-shaped (`transformer` and `transformer_2`, tests/heldout_pipelines.py): `--lora "
-        "w=DIR` of an export with an adapter for each expert (`DIR/transformer`, `DIR/transformer_2`), request "
-        "`model: w`",
+        "two-expert": "Wan 2.2 A14B-shaped (tiny-wan with a second, low-noise expert `transformer_2` below "
+        "`boundary_ratio` 0.875, tests/compose_models.py): `--lora w=DIR` of an export with an adapter for each "
+        "expert (`DIR/transformer`, `DIR/transformer_2`), request `model: w`",
     },
     "compile": {"off": "no `--compile`", "on": "`--compile` (regional torch.compile)"},
     "route": {
