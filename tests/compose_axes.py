@@ -1,7 +1,11 @@
 """The feature axes of hsdp, named once as data, and the pairwise cases the combination tier runs (issue 27).
 
 Every value of every axis meets every value of every other axis in at least one case (a pairwise covering array
-from ``covertable``), except where a rule says the pair cannot be run:
+from ``covertable``), except where a rule says the pair cannot be run. The cases run on ``tiny-wan``, except those of
+a value that implies its model (:data:`IMPLIED_MODELS`: Wan 2.2's two-expert adapter, the speech route of an audio
+pipeline, LTX-2's video with its sound): those values meet every value of every other axis in cases of their own
+(each value at least once: a pair of the implied value with another axis's value needs only one case; covertable at
+strength 1), and the pairs of two other axes stay with the tiny-wan array. The rules:
 
 - ``refused``: the product refuses the pair before loading, with a message naming both flags; each such pair is
   a case of its own whose expected outcome is that refusal (:data:`REFUSED`).
@@ -48,6 +52,9 @@ AXES: dict[str, dict[str, str]] = {
         "runtime": "`POST /v1/load_lora_adapter` of a ComfyUI LoRA file (`Engine.add_adapter`), then `model: late`",
         "composed": '`lora: [{"name": "x"}, {"name": "kohya", "local_path": "kohya.safetensors", "scale": 0.5}]`: '
         "a peft adapter and a kohya (musubi-tuner) LoRA file in one request (`adapter=[x, kohya]`)",
+        "two-expert": "Wan 2.2 A14B-shaped (tiny-wan with a second, low-noise expert `transformer_2` below "
+        "`boundary_ratio` 0.875, tests/compose_models.py): `--lora w=DIR` of an export with an adapter for each "
+        "expert (`DIR/transformer`, `DIR/transformer_2`), request `model: w`",
     },
     "compile": {"off": "no `--compile`", "on": "`--compile` (regional torch.compile)"},
     "route": {
@@ -55,6 +62,9 @@ AXES: dict[str, dict[str, str]] = {
         "images": "`POST /v1/images/generations`",
         "chat": "`POST /v1/chat/completions`",
         "videos": "`POST /v1/videos`, polled, `GET .../content`",
+        "speech": "`POST /v1/audio/speech` (`response_format: wav`) on `tiny-stable-audio`: the waveform",
+        "sound": "`POST /v1/videos` on a tiny LTX-2 (tests/audio_pipelines.py), polled, `GET .../content`: the "
+        "mp4's picture and its sound track",
     },
     "vae": {
         "whole": "no `--vae-parallel`: rank 0 decodes whole",
@@ -71,9 +81,23 @@ AXES: dict[str, dict[str, str]] = {
     },
 }
 """Axis -> value -> how a user asks for it. The model is ``tiny-wan`` (the one built-in pipeline every route,
-cache and layout applies to)."""
+cache and layout applies to), except for the values of :data:`IMPLIED_MODELS`."""
 
-SERVER_ROUTES = ("images", "chat", "videos")
+IMPLIED_MODELS = {
+    ("adapter", "two-expert"): "wan2.2-a14b",
+    ("route", "speech"): "tiny-stable-audio",
+    ("route", "sound"): "tiny-ltx2",
+}
+"""Values that imply another model than ``tiny-wan`` (what makes them: tests/test_compose.py ``MODELS``)."""
+BASE_MODEL = "tiny-wan"
+
+
+def model_of(values: dict[str, str]) -> str:
+    """The model a case (or a partial row) runs on."""
+    return next((m for (axis, value), m in IMPLIED_MODELS.items() if values.get(axis) == value), BASE_MODEL)
+
+
+SERVER_ROUTES = ("images", "chat", "videos", "speech", "sound")
 
 
 @dataclass(frozen=True)
@@ -135,6 +159,44 @@ REFUSED = (
         "diffusers' _native_math backend has no context-parallel support",
         says=("--attention-backend _native_math", "--ulysses-degree"),
     ),
+    Rule(
+        {"route": ("speech",), "layout": ("ulysses2",)},
+        "refused",
+        "Stable Audio's DiT has no diffusers context-parallel plan (`_cp_plan`) to split its attention by",
+        says=("--ulysses-degree", "StableAudioPipeline", "no diffusers context-parallel plan"),
+    ),
+    Rule(
+        {"route": ("speech",), "layout": ("cfg2",)},
+        "refused",
+        "StableAudioPipeline batches both guidance branches into one denoiser call: no second pass to split off",
+        says=("--cfg-parallel-size 2", "StableAudioPipeline", "separate unconditional pass"),
+    ),
+    Rule(
+        {"route": ("sound",), "layout": ("cfg2",)},
+        "refused",
+        "LTX2Pipeline batches both guidance branches into one denoiser call: no second pass to split off",
+        says=("--cfg-parallel-size 2", "LTX2Pipeline", "separate unconditional pass"),
+    ),
+    Rule(
+        {"route": ("speech",), "cache": ("first-block", "taylorseer")},
+        "refused",
+        "Stable Audio's DiT is no diffusers `CacheMixin`: diffusers has no step cache for it",
+        says=("--cache first-block", "StableAudioDiTModel", "no diffusers step-cache support"),
+    ),
+    Rule(
+        {"route": ("sound",), "cache": ("first-block",)},
+        "refused",
+        "diffusers' first-block cache has no registration of LTX-2's block class (its hook cannot find the block's "
+        "outputs): `enable_cache` itself raises",
+        says=("--cache first-block", "LTX2VideoTransformer3DModel", "not registered"),
+    ),
+    Rule(
+        {"route": ("speech",), "adapter": ("runtime", "composed")},
+        "refused",
+        "a LoRA file of another tool (ComfyUI, kohya) is read by the pipeline's own converters "
+        "(`lora_state_dict`), and diffusers' StableAudioPipeline has no LoRA loader (peft adapter folders apply)",
+        says=("--lora", "lora_state_dict", "StableAudioPipeline has none"),
+    ),
 )
 INAPPLICABLE = (
     Rule(
@@ -144,10 +206,16 @@ INAPPLICABLE = (
         "engine closes (tests/test_engine_failures.py)",
     ),
     Rule(
-        {"route": ("images", "chat"), "lifecycle": ("restarted",)},
+        {"route": ("images", "chat", "speech"), "lifecycle": ("restarted",)},
         "inapplicable",
-        "image and chat requests are answered on their connection and not stored: a stopped server has no such "
-        "job to run again",
+        "image, chat and speech requests are answered on their connection and not stored: a stopped server has no "
+        "such job to run again",
+    ),
+    Rule(
+        {"adapter": ("two-expert",), "route": ("speech", "sound")},
+        "inapplicable",
+        "each implies its own model (the two-expert adapter Wan 2.2's experts, the speech route an audio pipeline, "
+        "the sound route LTX-2): no model is both",
     ),
 )
 COST = (
@@ -172,6 +240,12 @@ COST = (
         )
     ),
     Rule(
+        {"layout": ("torchrun-2-nodes",), "route": SERVER_ROUTES, "adapter": ("two-expert",)},
+        "cost",
+        "as above, for Wan 2.2's two-expert adapter (a model of its own): the torchrun layout meets it through "
+        "Engine.generate, in the one torchrun launch of every generate case",
+    ),
+    Rule(
         {
             "compile": ("on",),
             "lifecycle": ("killed", "restarted"),
@@ -188,6 +262,18 @@ COST = (
         "naming --request-parallel); the server pads a lone request, which the server routes cover",
     ),
 )
+IMPLIED_COST = tuple(
+    Rule(
+        {axis: (value,), "compile": ("on",), **when},
+        "cost",
+        f"{IMPLIED_MODELS[axis, value]} compiles its blocks once, on a host of a plain lifecycle and one request at "
+        "a time (a killed worker's new group, a restarted server and a batch of two compile them again)",
+    )
+    for axis, value in IMPLIED_MODELS
+    for when in ({"lifecycle": ("killed", "restarted")}, {"batching": ("beside",)})
+)
+"""The values of :data:`IMPLIED_MODELS` meet ``--compile`` on one host each, which compiles once."""
+COST += IMPLIED_COST
 RULES = REFUSED + INAPPLICABLE + COST
 
 
@@ -223,12 +309,40 @@ same warm group (300 s, twice in two runs, after rank aborts in unload): a seam 
 
 
 def _pairwise(salt: str = SALT) -> list[dict[str, str]]:
+    """The tiny-wan cases: pairwise over every value that implies no other model."""
     from covertable import make
 
-    rows = make(
-        {axis: list(values) for axis, values in AXES.items()}, constraints=[_constraint(r) for r in RULES], salt=salt
-    )
+    factors = {axis: [v for v in values if (axis, v) not in IMPLIED_MODELS] for axis, values in AXES.items()}
+    rows = make(factors, constraints=[_constraint(r) for r in RULES], salt=salt)
     return [{axis: row[axis] for axis in AXES} for row in rows]
+
+
+IMPLIED_SALT = "10"
+"""covertable's salt for the cases of the values of :data:`IMPLIED_MODELS` (:func:`_each_choice`): the cheapest of
+the salts 0-119 by :func:`cost` (``python -m tests.compose_axes --pick-implied-salt 120``)."""
+
+
+ALONE = ({"route": "sound", "layout": "ulysses2"},)
+"""Pairs of an implied value run in a case of their own, every other axis at its plainest value: a pair that meets
+a known seam (tests/test_compose.py ``KNOWN_SEAMS``: LTX-2 fails under Ulysses) would hide the other values of a
+case it shared."""
+
+
+def _each_choice(axis: str, value: str, salt: str = IMPLIED_SALT) -> list[dict[str, str]]:
+    """The cases of a value that implies its model: every value of every other axis (but the values that imply
+    another model) beside it at least once (covertable at strength 1), under the same rules; each pair of
+    :data:`ALONE` in a case of its own."""
+    from covertable import make
+
+    factors = {
+        other: [value] if other == axis else [v for v in values if (other, v) not in IMPLIED_MODELS]
+        for other, values in AXES.items()
+    }
+    alone = [pair for pair in ALONE if pair.get(axis) == value]
+    apart = [Rule({a: (v,) for a, v in pair.items()}, "cost", "alone") for pair in alone]
+    rows = make(factors, strength=1, constraints=[_constraint(r) for r in RULES + tuple(apart)], salt=salt)
+    plain = {a: next(iter(values)) for a, values in AXES.items()}
+    return [{a: row[a] for a in AXES} for row in rows] + [{**plain, **pair} for pair in alone]
 
 
 def _refusal_cases() -> list[Case]:
@@ -243,7 +357,12 @@ def _refusal_cases() -> list[Case]:
 
 def cases(salt: str = SALT) -> list[Case]:
     """The pairwise cases (deterministic: covertable's hash sorter, :data:`SALT`), then one case per refused pair."""
-    return [Case(values) for values in _pairwise(salt)] + _refusal_cases()
+    return [Case(values) for values in _pairwise(salt)] + implied_cases() + _refusal_cases()
+
+
+def implied_cases(salt: str = IMPLIED_SALT) -> list[Case]:
+    """The cases of the values that imply their model (:func:`_each_choice`)."""
+    return [Case(values) for axis, value in IMPLIED_MODELS for values in _each_choice(axis, value, salt)]
 
 
 OPTION_AXES = ("compile", "vae", "offload", "attention", "weights")
@@ -254,12 +373,13 @@ def host_key(case: Case) -> tuple:
     """What a case runs on: cases with the same key share one engine or server (tests/test_compose.py)."""
     if case.refused:
         return ("refused",)
+    model = model_of(case.values)
     options = tuple(case.values[a] for a in OPTION_AXES)
     if case.layout == "torchrun-2-nodes":
-        return ("torchrun-generate",) if case.route == "generate" else ("nodes", *options)
+        return ("torchrun-generate",) if case.route == "generate" else ("nodes", model, *options)
     if case.route == "generate":
-        return ("engine", case.layout, *options)
-    return ("server", case.layout, *options, case.cache)
+        return ("engine", model, case.layout, *options)
+    return ("server", model, case.layout, *options, case.cache)
 
 
 COST_S = {"compile": 20.0, "host": 3.0, "torchrun start": 15.0, "lifecycle": 4.0, "case": 2.0}
@@ -371,7 +491,11 @@ def render_doc(text: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--pick-salt"]:
+    if sys.argv[1:2] == ["--pick-implied-salt"]:
+        best = min(map(str, range(int(sys.argv[2]))), key=lambda salt: (cost(implied_cases(salt)), int(salt)))
+        print(f"IMPLIED_SALT = {best!r}: {cost(implied_cases(best)):.0f} s ({IMPLIED_SALT!r}: "
+              f"{cost(implied_cases()):.0f} s)")
+    elif sys.argv[1:2] == ["--pick-salt"]:
         best = pick_salt(int(sys.argv[2]))
         print(f"SALT = {best!r}: {cost(cases(best)):.0f} s (salt {SALT!r}: {cost(cases()):.0f} s)")
     elif sys.argv[1:] == ["--docs"]:

@@ -55,6 +55,27 @@ CACHE_CONFIGS = {
     },
 }
 """Configs that skip within a 6-step run of the tiny model (tests/test_engine_cache.py)."""
+ATTENTION_IDENTIFIERS = {"tiny-ltx2": [r"transformer_blocks\.\d+\.(audio_)?attn\d"]}
+"""TaylorSeer's layers, "the attention layers inside each block", where the model names them otherwise than Wan
+(LTX-2: the video and the audio attention of each block)."""
+
+
+def cache_config(name: str | None, model: str = "tiny-wan") -> dict | None:
+    """The ``--cache-config`` of cache ``name`` on ``model`` (None without a cache)."""
+    if name is None:
+        return None
+    config = dict(CACHE_CONFIGS[name])
+    if name == "taylorseer" and model in ATTENTION_IDENTIFIERS:
+        config["cache_identifiers"] = ATTENTION_IDENTIFIERS[model]
+    return config
+
+
+MODEL_ADAPTERS = {"wan2.2-a14b": ("w",)}
+"""The adapters a model's hosts serve from the start (``--lora NAME=ROOT/NAME``); ``x`` and ``y`` otherwise."""
+
+
+def start_adapters(model: str) -> tuple[str, ...]:
+    return MODEL_ADAPTERS.get(model, ("x", "y"))
 SIZE = 32
 SPLIT_SIZE = 64
 """``--vae-parallel`` cases: 8 latent rows, 4 per rank (a latent under ``world x 4`` rows decodes whole)."""
@@ -107,9 +128,13 @@ class Request:
     """A name, or names composed in one request (each with its scale in ``scale``)."""
     scale: float | tuple[float, ...]
     steps: int
-    frames: int
+    frames: int | None
     cache: str | None
     size: int = SIZE
+    audio_seconds: float | None = None
+    """Speech requests: seconds of audio (no size or frames)."""
+    model: str = "tiny-wan"
+    """What the request runs on (its cache config, and what the reference loads)."""
 
     @property
     def fields(self) -> dict:
@@ -129,6 +154,8 @@ class Request:
 
     @property
     def generation(self) -> dict:
+        if self.audio_seconds is not None:
+            return {"seed": self.seed, "audio_seconds": self.audio_seconds, "num_inference_steps": self.steps}
         return {"seed": self.seed, "size": f"{self.size}x{self.size}", "num_inference_steps": self.steps}
 
 
@@ -146,7 +173,15 @@ def _chat_body(request: Request) -> dict:
     return body
 
 
-SYNC_ROUTES = {"images": ("/v1/images/generations", _images_body), "chat": ("/v1/chat/completions", _chat_body)}
+def _speech_body(request: Request) -> dict:
+    return {"input": request.prompt, "response_format": "wav", **request.generation, **request.fields}
+
+
+SYNC_ROUTES = {
+    "images": ("/v1/images/generations", _images_body),
+    "chat": ("/v1/chat/completions", _chat_body),
+    "speech": ("/v1/audio/speech", _speech_body),
+}
 """The routes answered on the request's connection: path, and the body for a :class:`Request`."""
 
 
@@ -168,6 +203,13 @@ def _chat(client: httpx.Client, request: Request) -> bytes:
     url = response.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
     assert url.startswith("data:video/mp4;base64,"), url[:40]
     return base64.b64decode(url.split(",", 1)[1])
+
+
+def _speech(client: httpx.Client, request: Request) -> bytes:
+    response = sync_answer(client, "speech", request)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "audio/wav", response.headers
+    return response.content
 
 
 def submit_video(client: httpx.Client, request: Request) -> str:
@@ -200,7 +242,7 @@ def _videos(client: httpx.Client, request: Request) -> bytes:
     return video_content(client, submit_video(client, request))
 
 
-ROUTES = {"images": _images, "chat": _chat, "videos": _videos}
+ROUTES = {"images": _images, "chat": _chat, "videos": _videos, "speech": _speech, "sound": _videos}
 
 
 def run_concurrently(client: httpx.Client, route: str, requests: list[Request]) -> list[bytes]:
@@ -246,16 +288,18 @@ def assert_batched(client: httpx.Client, since: tuple[float, float], sizes: list
 
 # -- hosts --------------------------------------------------------------------------------------------------
 class EngineHost:
-    """Route ``generate``: an Engine on the session's warm group, adapters x and y, slots for one more."""
+    """Route ``generate``: an Engine on the session's warm group, the model's adapters (:func:`start_adapters`),
+    slots for one more."""
 
-    def __init__(self, model: Path, values: dict[str, str], root: Path, dist_run):
+    def __init__(self, model: Path, values: dict[str, str], root: Path, dist_run, name: str = "tiny-wan"):
         from hsdp.engine import Engine
 
         options = host_options(values)
         config = options.pop("parallel_config")
         self.root = root
         # 8-bit shards take no adapter slots (refused): an int8 engine serves the base only.
-        adapters = {} if options["weight_dtype"] else {"lora": {"x": root / "x", "y": root / "y"}, "max_loras": 2}
+        lora = {n: root / n for n in start_adapters(name)}
+        adapters = {} if options["weight_dtype"] else {"lora": lora, "max_loras": 2}
         self.engine = Engine(
             model,
             config,
@@ -283,6 +327,9 @@ class ServerHost:
         from hsdp.serve.app import create_app
         from hsdp.serve.service import Server
 
+        # The warm group (and the fork server its ranks come from) before the server locks its --output-dir: a
+        # fork server started while the lock is held would hold it too, and a restart would find it in use.
+        self.dist_run.group(self.settings.parallel_config.resolved().world_size)
         self.server = Server(self.settings)
         self.server.start()
         self.port = free_port()
@@ -367,12 +414,12 @@ class NodesHost:
         self.nodes.stop()
 
 
-def torchrun_generate(model: Path, spec: dict, out: Path, log: Path, timeout_s: float = 900) -> dict:
+def torchrun_generate(spec: dict, out: Path, log: Path, timeout_s: float = 900) -> dict:
     """Run ``tests/compose_torchrun.py`` on two torchrun agents (one rank each); its outputs by request key."""
     import numpy as np
 
     spec_path = out.with_suffix(".json")
-    spec_path.write_text(json.dumps({"model": str(model), **spec}))
+    spec_path.write_text(json.dumps(spec))
     rdzv = free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])

@@ -19,18 +19,20 @@ from tests.compose_hosts import host_options
 
 
 def run(spec: dict) -> dict[str, np.ndarray]:
-    """``spec``: ``model``, ``root`` (adapters x, y and the LoRA files) and ``engines``: a list of engines, each
-    its ``values`` (the case's axes that set up the engine: compile, vae, offload, attention, weights) and ``cases``,
-    each with its ``key``, ``cache``, ``cache_config``, ``steps``, ``size``, ``adapters`` (names to add at run time ->
-    a file under ``root``) and ``calls`` (prompts, seed, adapter, scale)."""
-    root = Path(spec["root"])
+    """``spec``: ``engines``: a list of engines, each its ``model`` (folder), ``root`` (its adapters and LoRA files),
+    ``lora`` (the adapters served from the start, under ``root``), ``values`` (the case's axes that set up the engine:
+    compile, vae, offload, attention, weights) and ``cases``, each with its ``key``, ``cache``, ``cache_config``,
+    ``steps``, ``size``, ``adapters`` (names to add at run time -> a file under ``root``) and ``calls`` (prompts,
+    seed, adapter, scale)."""
     outputs = {}
     for engine_spec in spec["engines"]:
+        root = Path(engine_spec["root"])
         values = {"layout": "torchrun-2-nodes", **engine_spec["values"]}
         options = host_options(values)
         config = options.pop("parallel_config")
-        adapters = {} if options["weight_dtype"] else {"lora": {"x": root / "x", "y": root / "y"}, "max_loras": 2}
-        with Engine(spec["model"], config, compile=values["compile"] == "on", **adapters, **options) as engine:
+        lora = {name: root / name for name in engine_spec["lora"]}
+        adapters = {} if options["weight_dtype"] else {"lora": lora, "max_loras": 2}
+        with Engine(engine_spec["model"], config, compile=values["compile"] == "on", **adapters, **options) as engine:
             for case in engine_spec["cases"]:
                 for name, file in case["adapters"].items():
                     engine.add_adapter(name, root / file)

@@ -73,3 +73,33 @@ def test_model_without_repeated_blocks_refused():
 
     with pytest.raises(ValueError, match="names no repeated blocks"):
         compile_blocks(nn.Linear(2, 2))
+
+
+def test_blocks_found_from_the_block_list_when_the_model_names_none():
+    """Stable Audio's DiT names neither ``_repeated_blocks`` nor ``_no_split_modules``; FSDP shards it by its block
+    list (``transformer_blocks``), and ``--compile`` compiles those blocks, found after sharding (it raised "names
+    no repeated blocks" on the ranks, after loading: the combination tier's speech route with --compile)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class DiT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj_in = nn.Linear(2, 2)
+            self.transformer_blocks = nn.ModuleList([Block(), Block()])
+
+    from torch.distributed.fsdp import FSDPModule
+
+    model = DiT()
+    for block in model.transformer_blocks:  # as fully_shard leaves them: a subclass of theirs, defined in torch
+        block.__class__ = type("FSDPBlock", (FSDPModule, Block), {"__module__": FSDPModule.__module__})
+    assert compile_blocks(model) == 2
+    assert all(block.forward is not Block.forward.__get__(block) for block in model.transformer_blocks)
+    assert model.proj_in.forward.__func__ is nn.Linear.forward  # only the blocks

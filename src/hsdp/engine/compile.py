@@ -8,7 +8,8 @@ compiled function, so a skipped block never enters the graph). Graphs are specia
 (``dynamic=False``) and live as long as the worker: a server compiles each request shape once and reuses it.
 
 Which blocks: the model's ``_repeated_blocks`` (diffusers' own list for regional compilation), else its
-``_no_split_modules`` (the same classes FSDP shards by).
+``_no_split_modules``, else the classes of its block lists (:func:`hsdp.shard_rules.repeated_block_lists`, such as
+Stable Audio's ``transformer_blocks``, which names neither): the same blocks FSDP shards by.
 """
 
 from __future__ import annotations
@@ -62,17 +63,20 @@ def compile_problems(device_type: str, cache: str | None = None) -> list[str]:
 
 
 def repeated_block_classes(model: nn.Module) -> set[str]:
-    return set(getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None) or ())
+    from hsdp.shard_rules import repeated_block_lists
+
+    named = getattr(model, "_repeated_blocks", None) or getattr(model, "_no_split_modules", None)
+    return set(named or repeated_block_lists(model))
 
 
 def compile_blocks(model: nn.Module) -> int:
     """Compile the ``forward`` of each repeated block of ``model`` in place; returns how many. ``ValueError``
-    when the model names no repeated block class, or none is found."""
+    when the model names no repeated block class and has no block list, or none is found."""
     classes = repeated_block_classes(model)
     if not classes:
         raise ValueError(
-            f"--compile: {type(model).__name__} names no repeated blocks (_repeated_blocks or _no_split_modules); "
-            "drop --compile"
+            f"--compile: {type(model).__name__} names no repeated blocks (_repeated_blocks or _no_split_modules) "
+            "and has no block list (an nn.ModuleList of one block class); drop --compile"
         )
     blocks = [m for m in model.modules() if type(m).__name__ in classes or _fsdp_base_name(m) in classes]
     if not blocks:

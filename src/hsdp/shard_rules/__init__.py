@@ -192,11 +192,19 @@ def repeated_block_lists(model: nn.Module) -> list[str]:
     found = set()
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
-            classes = {type(child) for child in module}
+            classes = {_own_class(child) for child in module}
             block = next(iter(classes))
             if len(classes) == 1 and not block.__module__.startswith("torch."):
                 found.add(block.__name__)
     return sorted(found)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's class before ``fully_shard``, which swaps in a subclass (``FSDP<name>``, defined in torch) of
+    it: the blocks of a sharded model are still the model's blocks (``--compile`` looks for them after sharding)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def size_condition(model: nn.Module, min_num_params: int) -> ShardCondition:
