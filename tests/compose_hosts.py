@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ import httpx
 
 from hsdp import ParallelConfig
 from hsdp.serve.local import LocalNodes, free_port
+from tests.forked_cli import preloaded_python
 
 LAYOUTS = {
     "one-process": ParallelConfig(),
@@ -422,12 +422,14 @@ def torchrun_generate(spec: dict, out: Path, log: Path, timeout_s: float = 900) 
     spec_path.write_text(json.dumps(spec))
     rdzv = free_port()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    # Agents and ranks forked from a process with the imports done (tests/forked_cli.py); `-m tests...` is found
+    # from the repository's root, their working folder
+    cmd = [preloaded_python(), "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "-m", "tests.compose_torchrun"]
     with open(log, "ab") as sink:
         agents = [
-            subprocess.Popen([*cmd, str(spec_path), str(out)], stdout=sink, stderr=subprocess.STDOUT, env=env)
+            subprocess.Popen([*cmd, str(spec_path), str(out)], stdout=sink, stderr=subprocess.STDOUT, env=env,
+                             cwd=Path(__file__).parents[1])  # fmt: skip
             for _ in range(2)
         ]
         codes = [agent.wait(timeout_s) for agent in agents]

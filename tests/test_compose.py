@@ -100,14 +100,7 @@ ADAPTERS = {
 """Adapter axis value -> the requests' adapters (one request, or one per adapter in turn) and scales. ``late`` and
 ``kohya`` are LoRA files added while running (:data:`tests.compose_hosts.FILE_ADAPTERS`), named per case."""
 ANY_ADAPTER = ("one", "rotation", "scale", "runtime", "composed", "two-expert")
-KNOWN_SEAMS: tuple[tuple[dict, str], ...] = (
-    (
-        {"route": ("sound",), "layout": ("ulysses2",)},
-        "LTX-2 under --ulysses-degree 2 fails, eager too: its split rotary embedding (rope_type='split') does not "
-        "follow the query's head split (RuntimeError: the size of tensor a (2) must match the size of tensor b (4) "
-        "at non-singleton dimension 4); found by this tier, not fixed here",
-    ),
-)
+KNOWN_SEAMS: tuple[tuple[dict, str], ...] = ()
 """Where a case meets a seam that another branch fixes (or that is reported): xfail(strict) until then."""
 
 

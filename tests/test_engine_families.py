@@ -277,3 +277,23 @@ def test_cli_refuses_before_starting(args, message, model_cache, monkeypatch, ca
     monkeypatch.setenv("HSDP_CACHE", str(model_cache))
     assert main(["generate", "--use-hsdp", "--prompt", PROMPT, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+
+def test_ltx2_sequence_parallel_is_refused_before_loading(tmp_path):
+    """LTX-2 at --ulysses-degree 2 failed on the ranks after loading ("The size of tensor a (2) must match the size
+    of tensor b (4)", diffusers' own context-parallel plan: the audio stream and the split rotary embedding are not
+    split with the video tokens; found by the combination tier): refused before loading, naming why, for
+    generation and training alike."""
+    from hsdp.train import TrainConfig, TrainConfigError
+    from hsdp.train.diffusion.trainer import _check_sequence_parallel
+    from tests.audio_pipelines import build_tiny_ltx2
+
+    folder = build_tiny_ltx2(tmp_path / "ltx2")
+    info = inspect_model(folder)
+    assert not info.ulysses and "audio stream" in info.ulysses_problem
+    [problem] = [p for p in layout_problems(info, ParallelConfig(use_hsdp=True, ulysses_degree=2).resolved()) if "ulysses" in p]
+    assert "--ulysses-degree/--ring-degree: the denoiser of" in problem and "audio stream" in problem
+    cfg = TrainConfig(model=str(folder), data="media", parallel=ParallelConfig(use_hsdp=True, ulysses_degree=2))
+    with pytest.raises(TrainConfigError, match="audio stream"):
+        _check_sequence_parallel(cfg, folder, "transformer")

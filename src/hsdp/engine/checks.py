@@ -88,9 +88,9 @@ def _diffusion_layout_problems(info: ModelInfo, config: ParallelConfig) -> list[
         )
     if config.sequence_parallel_size > 1 and not info.ulysses:
         problems.append(
-            f"--ulysses-degree/--ring-degree: the denoiser of {name} has no diffusers context-parallel plan "
-            "(_cp_plan), so its attention cannot be split across ranks; use --ulysses-degree 1 and "
-            "--ring-degree 1 (HSDP and --request-parallel still apply)"
+            f"--ulysses-degree/--ring-degree: the denoiser of {name} {info.ulysses_problem}, so its attention "
+            "cannot be split across ranks; use --ulysses-degree 1 and --ring-degree 1 (HSDP and --request-parallel "
+            "still apply)"
         )
     return problems
 

@@ -101,7 +101,9 @@ class ModelInfo:
     cfg_scale_param: str = "guidance_scale"
     """The argument that turns that pass on (``true_cfg_scale`` for FLUX / Qwen-Image, else guidance_scale)."""
     ulysses: bool = False
-    """Every denoiser has a diffusers context-parallel plan (``_cp_plan``)."""
+    """Every denoiser's attention can be split across ranks (a diffusers ``_cp_plan`` its family does not fault)."""
+    ulysses_problem: str = ""
+    """Why not, where ``ulysses`` is False."""
     num_heads: int | None = None
     """Attention heads of the (first) denoiser: Ulysses splits them across ranks."""
     spatial_multiple: int = 16
@@ -224,11 +226,18 @@ def _diffusion_info(model: ModelDescription) -> ModelInfo:
                           if "tiling" in _vae_options(modules[name]) and (why := split_refusal(modules[name]))},  # fmt: skip
         separate_uncond_pass=bool(_UNCOND_PASS.search(source)),
         cfg_scale_param="true_cfg_scale" if "true_cfg_scale" in call_params else "guidance_scale",
-        ulysses=all(getattr(modules[name], "_cp_plan", None) for name in denoisers),
+        ulysses=not _ulysses_problem(modules, denoisers, family),
+        ulysses_problem=_ulysses_problem(modules, denoisers, family),
         num_heads=model.config(denoisers[0]).get("num_attention_heads"),
         spatial_multiple=sizes_rule.spatial_multiple,
         temporal_factor=sizes_rule.temporal or 1,
     )
+
+
+def _ulysses_problem(modules: dict, denoisers: tuple[str, ...] | list[str], family) -> str:
+    if not all(getattr(modules[name], "_cp_plan", None) for name in denoisers):
+        return "has no diffusers context-parallel plan (_cp_plan)"
+    return family.ulysses_problem
 
 
 def inspect_model(folder: Path) -> ModelInfo:

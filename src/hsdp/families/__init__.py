@@ -18,4 +18,4 @@ from hsdp.families.family import FAMILIES, GENERIC, Family, family_for, family_o
 __all__ = ["Family", "register_family", "family_for", "family_of_model", "FAMILIES", "GENERIC"]
 
 # Family files register themselves on import.
-from hsdp.families import chroma, flux, hidream, qwenimage, stable_audio, wan  # noqa: E402,F401
+from hsdp.families import chroma, flux, hidream, ltx2, qwenimage, stable_audio, wan  # noqa: E402,F401

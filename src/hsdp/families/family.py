@@ -39,6 +39,10 @@ class Family:
     derived and checked by :mod:`hsdp.lora_layouts`. ``ValueError`` for a module with no original name."""
     lora_pipeline: str = ""
     """The diffusers pipeline whose ``lora_state_dict`` reads the family's LoRA files, when the caller names none."""
+    ulysses_problem: str = ""
+    """Why the family's denoisers cannot run their attention split across ranks although their class has a
+    ``_cp_plan``, as a clause after "the denoiser of NAME" (``--ulysses-degree`` / ``--ring-degree`` are refused
+    before loading, naming it); empty: they can."""
     training_config: tuple[tuple[str, Any], ...] = ()
     """``(field, value)`` set over the denoiser's config when it is loaded for training, as the family's diffusers
     training script loads it (HiDream: ``force_inference_output``)."""

@@ -48,7 +48,7 @@ from hsdp.checkpoint import export_pipeline
 from hsdp.config import DTYPES
 from hsdp.context_parallel import enable_ulysses, has_cp_plan
 from hsdp.distributed import copy_ahead
-from hsdp.families import family_for
+from hsdp.families import family_for, family_of_model
 from hsdp.lora_formats import save_lora
 from hsdp.models import description
 from hsdp.models.description import describe
@@ -318,6 +318,11 @@ def _check_sequence_parallel(cfg: TrainConfig, model_dir: Path, component: str) 
         raise TrainConfigError(
             f"--ulysses-degree={cfg.parallel.ulysses_degree}: {component} ({name}) has no _cp_plan, so diffusers "
             "cannot split its sequence; train it with --hsdp-shard-size instead"
+        )
+    if problem := family_of_model(name).ulysses_problem:
+        raise TrainConfigError(
+            f"--ulysses-degree={cfg.parallel.ulysses_degree}: {component} ({name}) {problem}; train it with "
+            "--hsdp-shard-size instead"
         )
 
 
