@@ -103,22 +103,25 @@ def test_interrupted_run_names_its_checkpoint_and_keeps_its_steps(inputs, world)
     if world > 1:
         args += ["--use-hsdp", "--hsdp-shard-size", str(world)]
     env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60"}
-    proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                            preexec_fn=_as_a_terminal_starts_it)  # fmt: skip
+    log = root.parent / f"interrupted-{world}.log"  # a file: a pipe nobody reads while the test waits fills and stalls
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=sink, stderr=sink,
+                                text=True, env=env, start_new_session=True, preexec_fn=_as_a_terminal_starts_it)  # fmt: skip
     try:
+        # A checkpoint complete, whichever: a fast run keeps the last two, so step 2's may be gone when looked for
         deadline = time.monotonic() + 180
-        while not (root / "run" / "step-00000002" / "COMPLETE").exists() and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
+        while latest_checkpoint(root / "run") is None and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
         if world > 1:
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    err = log.read_text()
     assert proc.returncode == 130, err[-3000:]
     assert "hsdp train: interrupted" in err and "Traceback" not in err
     last = latest_checkpoint(root / "run")
@@ -165,11 +168,14 @@ def _train_until(args: list[str], summary: Path, steps: int, tmp: Path) -> subpr
 
     tmp.mkdir(parents=True)
     env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "60", "TMPDIR": str(tmp)}
-    proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
+    log = tmp.parent / f"{tmp.name}.log"  # a file: a pipe nobody reads while the test waits fills and stalls the run
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hsdp.cli", "train", *args], stdout=sink, stderr=sink,
+                                text=True, env=env, start_new_session=True)  # fmt: skip
+    proc.log = log
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, log.read_text()[-3000:]
         with contextlib.suppress(OSError, ValueError):
             if len(json.loads(summary.read_text())) >= steps:
                 return proc
@@ -184,10 +190,11 @@ def _stopped_run(proc: subprocess.Popen, run: Path, tmp: Path) -> tuple[int, str
     import signal
 
     try:
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.log.read_text()
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     stopped = re.search(r"hsdp train: stopped by SIGTERM after step (\d+)\n", err)
