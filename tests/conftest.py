@@ -210,21 +210,10 @@ def _terminal_sigint() -> None:
 _terminal_sigint()
 
 
-def _servers_start_forked() -> None:
-    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` is forked from hsdp's forkserver, and the torchrun
-    agents and ranks of each :class:`~hsdp.serve.local.LocalNodes` from a fork server, both with torch and the model
-    libraries imported (tests/forked_cli.py: 2-7 s of CPU per process otherwise), where the environment allows;
-    ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
-    from hsdp.serve.local import LocalNodes, LocalServer
-    from tests.forked_cli import popen, preloaded_python
 
-    LocalServer.popen = staticmethod(popen)
-    LocalNodes.python = staticmethod(preloaded_python)
-    # torchrun runs its ranks `python -u`: the rank fork server has it as its environment (docs_forkserver's check)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-
-_servers_start_forked()
+# torchrun runs its ranks `python -u`: tests/forked_cli.preloaded_python's fork server takes them when its environment,
+# which it copies from this process's, has it too (tests/docs_forkserver.py's check)
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,6 @@ without the imports. Where the platform has no forkserver, or ``HSDP_TEST_SUBPRO
 forked from a fork server of this process's (tests/docs_forkserver.py, as the docs tier's commands), each still a
 process of its own standing where torchrun started it.
 
-:func:`popen` is the same for a long-running command (a server): ``subprocess.Popen``'s arguments and a
-``Popen``-like answer whose ``pid`` is the command's own process (signals, ``/proc`` parents, ``killpg`` of its
-group when ``start_new_session``), used by :class:`hsdp.serve.local.LocalServer` in the suite (tests/conftest.py).
-
 Tests of the start-up itself (what a fresh interpreter imports, a signal while it does) keep ``subprocess``; so do
 tests of environment variables that a library reads when it is imported (huggingface_hub's ``HF_HOME`` and
 ``HF_HUB_OFFLINE``): the child has the forkserver's modules, imported under the forkserver's environment.
@@ -89,85 +85,6 @@ def _forked(argv: list[str], timeout: float, env: dict[str, str], cwd: str) -> s
         return subprocess.CompletedProcess(["hsdp", *argv], process.exitcode, out.read_text(), err.read_text())
 
 
-RUNTIME_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE"})
-"""Variables read when a command runs, not when a module is imported: a command whose environment differs from
-this process's only in these can fork (``OMP_NUM_THREADS`` too: the child applies it)."""
-
-
-class ForkedProcess:
-    """What :func:`popen` returns for a forked command: ``subprocess.Popen``'s ``pid``, ``returncode``, ``poll``,
-    ``wait``, ``send_signal``, ``terminate`` and ``kill``."""
-
-    def __init__(self, process: mp.process.BaseProcess, args: list[str]):
-        self._process, self.args, self.pid, self.returncode = process, args, process.pid, None
-
-    def poll(self) -> int | None:
-        self.returncode = self._process.exitcode
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self.poll() is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def popen(args: Sequence[str], *, stdout, stderr, env: Mapping[str, str], start_new_session: bool = False, **kw):
-    """``subprocess.Popen(args, ...)``; ``python -m hsdp.cli ...`` into a file forks from hsdp's forkserver instead
-    (:class:`ForkedProcess`), where the environment differs from this process's only in what is read at run time."""
-    argv = [str(a) for a in args]
-    command = argv[1:3] == ["-m", "hsdp.cli"] and stderr == subprocess.STDOUT and hasattr(stdout, "name") and not kw
-    if _FORKED and command and _env_forkable(env):
-        forked = _start_forked(argv[3:], dict(env), stdout.name, start_new_session)
-        if forked is not None:
-            return forked
-    return subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env, start_new_session=start_new_session, **kw)
-
-
-def _env_forkable(env: Mapping[str, str]) -> bool:
-    changed = {k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k)} - RUNTIME_ENV
-    return changed <= {"OMP_NUM_THREADS"} and env.get("OMP_NUM_THREADS", "1").isdigit()
-
-
-def _start_forked(argv: list[str], env: dict[str, str], log: str, own_session: bool) -> ForkedProcess | None:
-    from hsdp.launch import group, start_forkserver
-
-    if group._FORKSERVER_FAILED:
-        return None
-    start_forkserver(("diffusers", "transformers"))
-    process = mp.get_context("forkserver").Process(
-        target=_long_command, args=(argv, env, os.getcwd(), log, own_session), name="hsdp-cli", daemon=False
-    )
-    try:
-        process.start()
-    except (OSError, EOFError):  # the forkserver this process knew is gone
-        return None
-    return ForkedProcess(process, ["hsdp", *argv])
-
-
-def _long_command(argv: list[str], env: dict[str, str], cwd: str, log: str, own_session: bool) -> None:
-    """In the forked child: as :func:`_command`, its output appended to ``log``; a session of its own when
-    ``own_session`` (``start_new_session``), else a process group of its own."""
-    if own_session:
-        os.setsid()
-    threads = env.get("OMP_NUM_THREADS")
-    if threads and threads != os.environ.get("OMP_NUM_THREADS"):
-        import torch
-
-        torch.set_num_threads(int(threads))
-    _command(argv, env, cwd, log, log, append=True, group=not own_session)
-
-
 _RANK_SERVER: list = []
 """The fork server behind :func:`preloaded_python` (started once per process) and its folder."""
 
@@ -225,17 +142,13 @@ def _kill_group(pid: int) -> None:
             target()
 
 
-def _command(
-    argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, append: bool = False, group: bool = True
-) -> None:
+def _command(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In the forked child: become the fresh process ``hsdp ARGV`` would be, run it, exit with its code."""
-    if group:
-        os.setpgid(0, 0)  # its own process group, so a timeout kills its ranks too
+    os.setpgid(0, 0)  # its own process group, so a timeout kills its ranks too
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    write = os.O_WRONLY | (os.O_APPEND | os.O_CREAT if append else 0)
-    streams = ((0, os.devnull, os.O_RDONLY), (1, out, write), (2, err, write))
+    streams = ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY))
     for fd, path, flags in streams:
         opened = os.open(path, flags, 0o600)
         os.dup2(opened, fd)

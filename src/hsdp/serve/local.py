@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -31,11 +30,6 @@ def free_port() -> int:
 
 class LocalServer:
     """``with LocalServer("tiny-llama", ["--use-hsdp"], log=path) as server: httpx.get(server.url + "/health")``."""
-
-    popen: Callable[..., subprocess.Popen] = staticmethod(subprocess.Popen)
-    """How the server's process starts (``subprocess.Popen``'s signature): hsdp's test suite starts it forked from
-    a process that has torch and the model's library imported (tests/forked_cli.py), as a fresh interpreter would
-    be but without importing them again."""
 
     def __init__(
         self,
@@ -81,7 +75,7 @@ class LocalServer:
                 *self.args,
             ]
             with open(self.log, "a") as log:
-                self.proc = self.popen(
+                self.proc = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.own_group
                 )
             if self._wait_ready():
@@ -195,10 +189,6 @@ class LocalNodes:
     ``with LocalNodes("tiny-wan", ["--use-hsdp", "--hsdp-shard-size", "2"], log_dir=path) as nodes: ...``
     """
 
-    python: Callable[[], str] = staticmethod(lambda: sys.executable)
-    """The Python that runs torchrun's agents (torchrun starts the ranks with its own interpreter): hsdp's test suite
-    gives one whose processes fork from a process that has torch and the model's library imported."""
-
     def __init__(
         self,
         model: str,
@@ -229,7 +219,7 @@ class LocalNodes:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for node in range(self.nnodes):
             cmd = [
-                *(self.python(), "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
                 *("--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts)),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"),
                 *("-m", "hsdp.cli", "serve", self.model, "--port", str(self.port), *self.args),
