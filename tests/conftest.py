@@ -216,6 +216,19 @@ _terminal_sigint()
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
+def _servers_start_forked() -> None:
+    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` runs forked from a fork server with torch and the
+    model libraries imported (tests/forked_cli.preloaded_python: ~5 s of CPU per server otherwise), unless its
+    environment differs in what a library reads at import; ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
+    from hsdp.serve.local import LocalServer
+    from tests.forked_cli import preloaded_python
+
+    LocalServer.python = staticmethod(preloaded_python)
+
+
+_servers_start_forked()
+
+
 @pytest.fixture(autouse=True)
 def _signals_left_as_found():
     before = _signal_state()

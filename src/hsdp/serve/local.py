@@ -15,7 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -30,6 +32,12 @@ def free_port() -> int:
 
 class LocalServer:
     """``with LocalServer("tiny-llama", ["--use-hsdp"], log=path) as server: httpx.get(server.url + "/health")``."""
+
+    python: ClassVar[Callable[[], str]] = staticmethod(lambda: sys.executable)
+    """The interpreter that runs ``hsdp serve``: this process's. A test suite may name a stand-in that forks the
+    server from a process with the imports done (tests/conftest.py); :attr:`proc` is then the stand-in, which
+    passes signals on and exits as the server exits. A server that leads a process group of its own
+    (``own_group``) always runs in ``sys.executable``: the group it leads must hold the server itself."""
 
     def __init__(
         self,
@@ -65,7 +73,7 @@ class LocalServer:
         for _ in range(3):  # the free port can be taken between probing and binding: try another
             self.port = free_port()
             cmd = [
-                sys.executable,
+                sys.executable if self.own_group else type(self).python(),
                 "-m",
                 "hsdp.cli",
                 "serve",
