@@ -174,21 +174,29 @@ def test_forkserver_ranks_take_the_callers_state_at_start_and_exit_with_the_call
 def test_a_killed_forkserver_neither_fails_the_group_nor_leaves_ranks_running(monkeypatch):
     """Killing the forkserver (the ranks' parent) makes multiprocessing read exit code 255 for every rank, which
     run on. The group asks their pids instead: the next call runs, and closing kills them (Process.kill would do
-    nothing, believing them gone)."""
+    nothing, believing them gone). The next group gets a new forkserver (multiprocessing reaps the dead one and
+    starts another), not spawned ranks."""
     from multiprocessing import forkserver
+
+    from hsdp.launch import group as launch_group
 
     monkeypatch.setenv("HSDP_START_METHOD", "forkserver")
     with WorkerGroup(2) as group:
         assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]
         server = forkserver._forkserver._forkserver_pid  # started by this process for the group
         os.kill(server, signal.SIGKILL)
-        os.waitpid(server, 0)
+        # Left for multiprocessing to reap, as a forkserver that died on its own is: reaping it here made the next
+        # group's forkserver check fail (ChildProcessError), and every later group of this process spawned its ranks.
+        while not _exited(server):
+            time.sleep(0.01)
         assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]
         ranks = group.pids
         assert not any(_exited(pid) for pid in ranks)
     assert [_exited(pid) for pid in ranks] == [True, True]
     with WorkerGroup(2) as group:  # the next group gets a new forkserver
         assert group.run(core_fns.rank_and_world) == [(0, 2), (1, 2)]
+        assert forkserver._forkserver._forkserver_pid not in (None, server)
+    assert not launch_group._FORKSERVER_FAILED
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="ranks fork from the caller on Linux only")

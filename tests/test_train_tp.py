@@ -8,8 +8,6 @@ Tolerances as in test_train_parity (fp32: only the order of sums differs): losse
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from hsdp.config import ParallelConfig
 from hsdp.models.tiny import build_byte_tokenizer
 from hsdp.train import TrainConfig, TrainConfigError, preflight
+from tests.forked_cli import run_hsdp
 from tests.train_fns import train_configs
 
 pytestmark = pytest.mark.slow
@@ -116,10 +115,10 @@ def gpt2(tmp_path_factory) -> str:
 
 def test_tensor_parallel_without_a_plan_is_refused_before_workers_start(gpt2, data):
     env = {**os.environ, "HSDP_COLLECTIVE_TIMEOUT": "30"}
-    out = subprocess.run(
-        [sys.executable, "-m", "hsdp.cli", "train", "--model", gpt2, "--data", str(data), "--use-hsdp",
-         "--hsdp-shard-size", "2", "--tensor-parallel-size", "2", "--steps", "1", "--seq-len", "16"],
-        capture_output=True, text=True, timeout=120, env=env,
+    out = run_hsdp(
+        ["train", "--model", gpt2, "--data", str(data), "--use-hsdp", "--hsdp-shard-size", "2",
+         "--tensor-parallel-size", "2", "--steps", "1", "--seq-len", "16"],
+        timeout=120, env=env,
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     assert (
