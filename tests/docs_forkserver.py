@@ -55,14 +55,15 @@ REAL = {name: ROOT / ".venv" / "bin" / name for name in ("hsdp", "python", "torc
 
 RUNTIME_ENV = frozenset(
     {
-        *("PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE"),
+        *("PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE", "HSDP_COLLECTIVE_TIMEOUT"),
         *("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTEST_CURRENT_TEST"),
     }
 )
 """Variables a command may set differently from the server's environment and still fork: bash's own, and hsdp's
 that are read when a command runs, not when a module is imported (``HSDP_API_KEY`` is the default of
 ``hsdp serve --api-key``, read as the parser is built; ``HSDP_LOG_LEVEL`` by :func:`configure_logging`;
-``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`); torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` by
+``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`; ``HSDP_COLLECTIVE_TIMEOUT`` as a process group is
+made, :func:`hsdp.distributed.collective_timeout_s`); torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` by
 torchrun's rendezvous as it starts (:class:`hsdp.serve.local.LocalNodes` sets it); pytest's ``PYTEST_CURRENT_TEST``,
 which names the running test (a fork server started by one test serves the next: tests/forked_cli.py)."""
 
