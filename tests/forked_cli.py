@@ -44,7 +44,7 @@ def run_hsdp(
     :class:`subprocess.TimeoutExpired` after ``timeout`` seconds, the command killed, with the end of its output in
     the message). The command runs as ``python -m hsdp.cli`` through :func:`preloaded_python`: forked from the rank
     fork server where its environment allows, else a fresh interpreter. (Forking it from hsdp's own forkserver hung
-    now and then before the command's first line: 3 of 8 full runs.)"""
+    now and then before the command's first line: 2 of the last 8 full runs, a third failure unnamed.)"""
     argv = [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
