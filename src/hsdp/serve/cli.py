@@ -190,12 +190,15 @@ def run(args: argparse.Namespace) -> int:
 def _bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a busy port or an address this host lacks ends the
     command at once, and no other process takes the port while the model loads. ``SO_REUSEADDR`` as uvicorn
-    sets it (a port whose last connections linger in TIME_WAIT is free)."""
+    sets it (a port whose last connections linger in TIME_WAIT is free). The protocol is named (TCP), not left 0:
+    asyncio turns Nagle's algorithm off only on connections whose socket says TCP, and with it on, every answer
+    after the first on a kept-alive connection waited ~40 ms for the client's delayed ACK between its headers and
+    its body."""
     if not 0 <= port < 65536:
         raise ValueError(f"--port {port} must be 0..65535")
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        family, kind, proto, _, _ = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+        sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise ValueError(f"--host {host}: not an address of this machine ({exc})") from exc
     try:
