@@ -217,13 +217,15 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 def _servers_start_forked() -> None:
-    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve`` runs forked from a fork server with torch and the
-    model libraries imported (tests/forked_cli.preloaded_python: ~5 s of CPU per server otherwise), unless its
-    environment differs in what a library reads at import; ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
-    from hsdp.serve.local import LocalServer
-    from tests.forked_cli import preloaded_python
+    """Each :class:`~hsdp.serve.local.LocalServer`'s ``hsdp serve``, and the torchrun agents and ranks of each
+    :class:`~hsdp.serve.local.LocalNodes`, run forked from a fork server with torch and the model libraries imported
+    (tests/forked_cli.preloaded_python: ~5 s of CPU per process otherwise), unless the environment differs in what a
+    library reads at import; ``HSDP_TEST_SUBPROCESS=1`` starts fresh interpreters."""
+    from hsdp.serve.local import LocalNodes, LocalServer
+    from tests.forked_cli import command_process, preloaded_python
 
-    LocalServer.python = staticmethod(preloaded_python)
+    LocalServer.python = LocalNodes.python = staticmethod(preloaded_python)
+    LocalNodes.process_of = staticmethod(command_process)
 
 
 _servers_start_forked()

@@ -32,6 +32,9 @@ The plain path, with the reason recorded, where a fork would not be the same pro
   built for an accelerator);
 - the server is not up (no socket).
 
+Each forked child is named in a folder beside the socket (:func:`command_process`): who looks for the process
+running a command (a rank to kill, as :class:`hsdp.serve.local.LocalNodes` does) finds it from its shim's pid.
+
 Every request is recorded, one line each in the record file: ``fork PROGRAM ARGV`` or ``plain (REASON) PROGRAM ARGV``,
 so the tier reports which path each block took. Run as ``python tests/docs_forkserver.py SOCKET RECORD``.
 """
@@ -235,6 +238,20 @@ def shim_main(name: str, socket_path: str, real: str) -> None:
 # --- the server -----------------------------------------------------------------------------------------------------
 
 
+def _stand_ins(socket_path: str | Path) -> Path:
+    """The folder where the server at ``socket_path`` names each forked child by its shim: ``SHIM_PID`` holds the
+    child's pid while the child runs."""
+    return Path(f"{socket_path}.pids")
+
+
+def command_process(socket_path: str | Path, pid: int) -> int:
+    """The process that runs the command a shim ``pid`` stands in for (a child of the server at ``socket_path``);
+    ``pid`` itself where that is no shim of a forked command (a plain command's shim became the program)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((_stand_ins(socket_path) / str(pid)).read_text())
+    return pid
+
+
 def _python_target(argv: list[str]) -> tuple[str, str, list[str]] | str:
     """``(KIND, VALUE, ARGS)`` for ``python ARGV``: ``("script", PATH, ...)``, ``("code", CODE, ...)``,
     ``("module", NAME, ...)`` or ``("stdin", "", ...)``, ARGS what follows; else the reason to exec. ``-u`` (what
@@ -260,6 +277,9 @@ class Server:
         self.record = open(record, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(socket_path)
+        self.stand_ins = _stand_ins(socket_path)
+        self.stand_ins.mkdir(exist_ok=True)
+        self.shims: dict[int, int] = {}  # child pid -> its shim's pid
         self.listener.listen(64)
         self.children: dict[int, socket.socket] = {}  # pid -> its shim's connection
         self.wake_read, wake_write = os.pipe()
@@ -333,6 +353,7 @@ class Server:
                 self._become(request, fds, connection)  # never returns
             self.record.write(f"fork {words}\n")
             self.children[pid] = connection
+            self._name_stand_in(pid, connection)
             self.selector.register(connection, selectors.EVENT_READ, pid)
             _send(connection, {"pid": pid})
         finally:
@@ -358,6 +379,24 @@ class Server:
         problem = fork_problem()
         return f"fork: {problem}" if problem else None
 
+    def _name_stand_in(self, pid: int, connection: socket.socket) -> None:
+        """Write ``pid`` under its shim's pid (the socket's peer), before the shim learns it: whoever can see the
+        shim can find the command's process from then on."""
+        creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        shim = struct.unpack("3i", creds)[0]
+        staged = self.stand_ins / f".{shim}"
+        staged.write_text(str(pid))
+        staged.rename(self.stand_ins / str(shim))  # readers see the whole pid or nothing
+        self.shims[pid] = shim
+
+    def _forget(self, pid: int) -> socket.socket:
+        """``pid`` ended: drop its entry (a later process may reuse the shim's pid)."""
+        connection = self.children.pop(pid)
+        self.selector.unregister(connection)
+        with contextlib.suppress(OSError, KeyError):
+            (self.stand_ins / str(self.shims.pop(pid))).unlink()
+        return connection
+
     def _shim_gone(self, connection: socket.socket) -> None:
         pid = self.selector.get_key(connection).data
         try:
@@ -365,19 +404,19 @@ class Server:
                 return  # a shim sends nothing after its request; ignore
         except OSError:
             pass
-        self.selector.unregister(connection)
-        connection.close()
         if pid in self.children:
-            del self.children[pid]
+            self._forget(pid)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+        else:
+            self.selector.unregister(connection)
+        connection.close()
 
     def _reap(self) -> None:
         for pid in list(self.children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                connection = self.children.pop(pid)
-                self.selector.unregister(connection)
+                connection = self._forget(pid)
                 with contextlib.suppress(OSError):  # a shim killed meanwhile
                     _send(connection, {"status": status})
                 connection.close()

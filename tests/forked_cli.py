@@ -81,6 +81,16 @@ def preloaded_python() -> str:
     return shim if server is not None and server.poll() is None else sys.executable
 
 
+def command_process(pid: int) -> int:
+    """The process running the command that process ``pid`` (a shim of :func:`preloaded_python`) stands in for:
+    the child forked from the rank fork server; ``pid`` itself for a command that runs plain (its shim became it)."""
+    if not _RANK_SERVER or _RANK_SERVER[0][0] is None:
+        return pid
+    from tests.docs_forkserver import command_process as forked
+
+    return forked(Path(_RANK_SERVER[0][1]).parents[1] / "server.sock", pid)
+
+
 def _start_rank_server() -> tuple[subprocess.Popen | None, str]:
     import shutil
     import time

@@ -197,6 +197,15 @@ class LocalNodes:
     ``with LocalNodes("tiny-wan", ["--use-hsdp", "--hsdp-shard-size", "2"], log_dir=path) as nodes: ...``
     """
 
+    python: ClassVar[Callable[[], str]] = staticmethod(lambda: sys.executable)
+    """The interpreter that runs each torchrun agent (and, through ``sys.executable``, its ranks): as
+    :attr:`LocalServer.python`. A stand-in that forks the command from a process with the imports done names the
+    process it stands for with :attr:`process_of`."""
+
+    process_of: ClassVar[Callable[[int], int]] = staticmethod(lambda pid: pid)
+    """The process that runs the command that process ``pid`` (an agent or a rank torchrun started) stands for:
+    ``pid`` itself, unless :attr:`python` is a stand-in."""
+
     def __init__(
         self,
         model: str,
@@ -227,7 +236,7 @@ class LocalNodes:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for node in range(self.nnodes):
             cmd = [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
+                *(type(self).python(), "-m", "torch.distributed.run", "--nnodes", str(self.nnodes)),
                 *("--nproc-per-node", str(self.nproc_per_node), "--max-restarts", str(self.max_restarts)),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}"),
                 *("-m", "hsdp.cli", "serve", self.model, "--port", str(self.port), *self.args),
@@ -260,15 +269,19 @@ class LocalNodes:
                 )
             time.sleep(0.2)
 
-    def ranks(self) -> dict[int, tuple[int, int]]:
-        """Global rank -> (node, pid) of the ranks running now."""
-        found = {}
+    def _workers(self) -> list[tuple[int, int, int]]:
+        """(global rank, node, pid) of each process the agents started and still run (a rank, or its stand-in)."""
+        found = []
         for node, agent in enumerate(self.agents):
-            for pid in _children(agent.pid):
+            for pid in _children(self.process_of(agent.pid)):
                 rank = _torchrun_rank(pid)
                 if rank is not None:
-                    found[rank] = (node, pid)
+                    found.append((rank, node, pid))
         return found
+
+    def ranks(self) -> dict[int, tuple[int, int]]:
+        """Global rank -> (node, pid) of the ranks running now."""
+        return {rank: (node, self.process_of(pid)) for rank, node, pid in self._workers()}
 
     def head_node(self) -> int | None:
         """The node whose agent runs global rank 0 (the HTTP server); c10d may move it at a restart."""
@@ -292,7 +305,7 @@ class LocalNodes:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every agent at once (torchrun stops its ranks), SIGKILL what is left after ``timeout_s``."""
-        ranks = [pid for _, pid in self.ranks().values()]
+        workers = [pid for _, _, pid in self._workers()]
         for agent in self.agents:
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)
@@ -304,10 +317,11 @@ class LocalNodes:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(agent.pid, signal.SIGKILL)
                 agent.wait()
-        for pid in ranks:  # ranks run in sessions of their own: an agent killed above leaves them behind
+        for pid in workers:  # ranks run in sessions of their own: an agent killed above leaves them behind
             if _torchrun_rank(pid) is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                for process in dict.fromkeys((self.process_of(pid), pid)):  # the rank, then its stand-in
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(process, signal.SIGKILL)
 
     def __enter__(self) -> LocalNodes:
         return self.start()
