@@ -52,6 +52,9 @@ class LocalHub:
 def _handler(hub: LocalHub) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in two writes: with Nagle's algorithm on, each answer after the first on a
+        # kept-alive connection waited ~40 ms for the client's delayed ACK between them (as hsdp serve's did).
+        disable_nagle_algorithm = True
 
         def log_message(self, *args: object) -> None:  # quiet
             pass
