@@ -127,11 +127,17 @@ def _tier(item: pytest.Item) -> str:
     return "multirank" if any(f and _starts_processes(f, seen) for f in functions) else "unit"
 
 
-def _worker_group(item: pytest.Item) -> str:
-    """The pytest-xdist group (``--dist loadgroup``, scripts/test.sh) a test runs in: its file, so module fixtures
-    are built once, except for the docs tier, whose docs each run in a fresh folder and share nothing: they spread
-    over the workers."""
-    return item.nodeid if item.get_closest_marker("docs") else item.nodeid.split("::")[0]
+SPREAD_FILES = frozenset({"tests/test_docs_run.py"})
+"""Files whose tests each make a group of their own: the docs tier's docs each run in a fresh folder and share
+nothing, so they spread over the workers."""
+
+
+def _worker_group(nodeid: str) -> str:
+    """The group of workers' work a test belongs to (scripts/test.sh's ``--dist loadgroup``, scheduled by
+    :func:`pytest_xdist_make_scheduler`): its file, so that a module's fixtures (servers, engines, the combination
+    tier's hosts) are built once and a file's tests never run on two workers at once; :data:`SPREAD_FILES` aside."""
+    file = nodeid.split("::")[0]
+    return nodeid if file in SPREAD_FILES else file
 
 
 DURATIONS = Path(__file__).with_name("durations.json")
@@ -162,7 +168,7 @@ def _longest_groups_first(items: list[pytest.Item]) -> None:
     no longer starts last, with one worker idle while the other runs it alone."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        groups.setdefault(_worker_group(item), []).append(item)
+        groups.setdefault(_worker_group(item.nodeid), []).append(item)
     seconds = _group_seconds(groups)
     items[:] = [item for name in sorted(groups, key=lambda g: -seconds[g]) for item in groups[name]]
 
@@ -173,12 +179,29 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` by :func:`_worker_group`, in collection order (:func:`_longest_groups_first`).
+    pytest-xdist's own loadgroup reads a test's group from a suffix it writes into the test's node id, which pytest
+    9.2 no longer reads back (``Node.nodeid`` comes from ``_id``; xdist 3.8 writes ``_nodeid``): every test was a
+    group of its own, a file's module fixtures were built on both workers, and test_slurm.py's two tests started
+    two SLURM clusters at once whose first jobs took the same rendezvous port (EADDRINUSE). The controller sees
+    node ids only, so the group comes from the id."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _worker_group(nodeid)
+
+    return ByGroup(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(_tier(item))
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
     _longest_groups_first(items)
 
 

@@ -59,7 +59,7 @@ REAL = {name: ROOT / ".venv" / "bin" / name for name in ("hsdp", "python", "torc
 RUNTIME_ENV = frozenset(
     {
         *("PWD", "OLDPWD", "SHLVL", "_", "HSDP_API_KEY", "HSDP_LOG_LEVEL", "HSDP_CACHE", "HSDP_COLLECTIVE_TIMEOUT"),
-        *("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTEST_CURRENT_TEST"),
+        *("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"),
     }
 )
 """Variables a command may set differently from the server's environment and still fork: bash's own, and hsdp's
@@ -68,7 +68,10 @@ that are read when a command runs, not when a module is imported (``HSDP_API_KEY
 ``HSDP_CACHE`` by :func:`hsdp.models.tiny.default_cache_dir`; ``HSDP_COLLECTIVE_TIMEOUT`` as a process group is
 made, :func:`hsdp.distributed.collective_timeout_s`); torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` by
 torchrun's rendezvous as it starts (:class:`hsdp.serve.local.LocalNodes` sets it); pytest's ``PYTEST_CURRENT_TEST``,
-which names the running test (a fork server started by one test serves the next: tests/forked_cli.py)."""
+which names the running test (a fork server started by one test serves the next: tests/forked_cli.py); inductor's
+``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``, which a process that compiled carries from then on and inductor writes
+anew before it loads each compiled kernel (torch/_inductor/codecache.py; its commands came plain after any compile
+test of their pytest worker)."""
 
 TORCHRUN_ENV = frozenset(
     {

@@ -257,8 +257,8 @@ def _free_ports(count: int) -> list[int]:
 
 _COLLECTED_ENV = dict(os.environ)
 """The worker's environment when the tier was collected, before any test ran: what the docs' commands get. The live
-one carries what other tests of the worker left in it (inductor sets ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``
-after a compile), which a fork server started earlier lacks, so a command would run plain for it."""
+one carries what other tests of the worker left in it, which a fork server started earlier lacks, so a command
+would run plain for it."""
 
 
 def _environment(shims: Path | None = None) -> dict[str, str]:

@@ -89,7 +89,7 @@ def test_generate_with_a_single_file_transformer_at_hsdp2_equals_from_single_fil
     from tests.engine_refs import reference_pipeline
 
     base = resolve_model("tiny-wan")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "HSDP_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "HSDP_CACHE": str(tmp_path / "cache")}
     argv = ["generate", "--model", str(base), "--transformer", str(comfy_file), "--prompt", PROMPT, "--seed", str(SEED),
             "--num-inference-steps", str(STEPS), "--use-hsdp", "--hsdp-shard-size", "2", "--output", str(tmp_path / "o.gif")]  # fmt: skip
     done = run_hsdp(argv, env=env, timeout=600)

@@ -156,7 +156,7 @@ def test_generate_gguf_and_fp8_scaled_experts_at_hsdp2_equal_diffusers(wan22, qu
     from hsdp.engine.outputs import save_frames
 
     gguf_file, fp8_file, fp8_dequantized = quant_files
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "HSDP_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "HSDP_CACHE": str(tmp_path / "cache")}
     argv = ["generate", "--model", str(wan22), "--transformer", str(gguf_file), "--transformer-2", str(fp8_file),
             "--prompt", PROMPT, "--seed", str(SEED), "--num-inference-steps", str(STEPS), "--use-hsdp",
             "--hsdp-shard-size", "2", "--output", str(tmp_path / "o.gif"), "--log-level", "info"]  # fmt: skip
