@@ -407,13 +407,10 @@ class Server:
                 return  # a shim sends nothing after its request; ignore
         except OSError:
             pass
-        if pid in self.children:
-            self._forget(pid)
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        else:
-            self.selector.unregister(connection)
+        self._forget(pid)  # a registered connection's child is running: _reap forgets both together
         connection.close()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
     def _reap(self) -> None:
         for pid in list(self.children):
